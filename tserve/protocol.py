@@ -237,7 +237,7 @@ def encode(message: Message) -> bytearray:
     return frame
 
 
-def decode(frame: bytes | memoryview) -> Message:
+def decode(frame: bytes | bytearray | memoryview) -> Message:
     """Parse one frame. Raises ProtocolError on anything malformed."""
     if len(frame) < 2:
         raise ProtocolError(f"frame of {len(frame)} bytes is too short")

@@ -1,0 +1,100 @@
+"""One record per request inside the engine, and the unit of work in a step.
+
+Plain Python: no torch, zmq or trio. The scheduler owns every ``Sequence``;
+the model runner and sampler only read them.
+
+A sequence's states and the only legal transitions::
+
+    WAITING --schedule--> RUNNING --finish--> FINISHED
+       ^                     |
+       +------preempt--------+          (WAITING or RUNNING) --abort/finish--> FINISHED
+
+FINISHED is terminal. An illegal transition raises ``IllegalTransition``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from tserve.protocol import FinishReason, SamplingParams
+
+__all__ = ["IllegalTransition", "ScheduledChunk", "Sequence", "SequenceStatus"]
+
+
+class IllegalTransition(RuntimeError):
+    """A sequence was asked to move between states the lifecycle forbids."""
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ALLOWED: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    SequenceStatus.WAITING: frozenset({SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
+    SequenceStatus.RUNNING: frozenset({SequenceStatus.WAITING, SequenceStatus.FINISHED}),
+    SequenceStatus.FINISHED: frozenset(),
+}
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """The engine's state for one request.
+
+    Invariants:
+    * ``num_computed_tokens <= len(all_token_ids)``: tokens whose K/V are in the
+      cache. It drops to 0 when the sequence is preempted (recompute).
+    * ``block_table`` covers at least ``num_computed_tokens`` positions while
+      RUNNING, and is empty while WAITING or FINISHED.
+    * ``output_token_ids`` only grows; ``num_sent`` of them have been reported.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    peer: bytes = b""
+    deadline: float | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_sent: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def transition(self, new: SequenceStatus) -> None:
+        if new not in _ALLOWED[self.status]:
+            raise IllegalTransition(
+                f"request {self.request_id!r}: {self.status.value} -> {new.value}"
+            )
+        self.status = new
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Part of one sequence's tokens to run through the model in this step.
+
+    ``token_ids`` are at positions ``start .. start + len(token_ids) - 1`` and
+    their K/V go to the slots given by the sequence's ``block_table``. When
+    ``sample`` is true the chunk ends at the sequence's last known token and the
+    step samples that sequence's next token from the chunk's last position.
+    """
+
+    seq: Sequence
+    start: int
+    token_ids: list[int]
+    sample: bool

@@ -31,6 +31,7 @@ import msgspec
 
 __all__ = [
     "AddRequest",
+    "EngineConfig",
     "EngineDead",
     "EngineInput",
     "EngineReady",
@@ -48,6 +49,7 @@ __all__ = [
     "TokenLogprob",
     "decode",
     "encode",
+    "merge_outputs",
 ]
 
 
@@ -123,6 +125,30 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True):
     deadline: float | None = None
 
 
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to start an engine process; handed to it as JSON on its command line.
+
+    ``model`` is a local model directory, or "default" for the bundled
+    SmolLM2-135M-Instruct. ``kv_cache_tokens`` is the KV budget in tokens
+    shared by all running requests; ``max_model_len`` None = the model's own
+    context length (capped by the KV budget). ``threads`` is torch's CPU thread
+    count. ``device``/``dtype`` "auto" = CUDA with bf16 when present, else CPU
+    with fp32.
+    """
+
+    model: str = "default"
+    max_num_seqs: int = 64
+    kv_cache_tokens: int = 16384
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    block_size: int = 16
+    threads: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    heartbeat_interval: float = 0.5
+    cache_dir: str | None = None
+
+
 class Hello(msgspec.Struct, array_like=True, frozen=True):
     """First message of an API process; the engine answers with EngineReady."""
 
@@ -166,6 +192,26 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One output equal to ``first`` followed by ``then`` (same request).
+
+    Used wherever deltas wait for a slow reader, so waiting coalesces instead
+    of queueing: token ids and logprobs are concatenated, and the finish
+    reason and error of whichever carries one are kept.
+    """
+    if first.logprobs is None and then.logprobs is None:
+        logprobs = None
+    else:
+        logprobs = (first.logprobs or []) + (then.logprobs or [])
+    return RequestOutput(
+        first.request_id,
+        first.token_ids + then.token_ids,
+        then.finish_reason if then.finish_reason is not None else first.finish_reason,
+        logprobs,
+        then.error if then.error is not None else first.error,
+    )
 
 
 class EngineStats(msgspec.Struct, array_like=True, frozen=True):

@@ -73,6 +73,24 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens whose K/V are not cached yet: 1 for a decode, more for a prefill."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without building the whole list (O(stop - start))."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

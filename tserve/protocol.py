@@ -98,6 +98,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     whatever else is in the batch. ``logprobs`` is the number of top
     alternatives to report per token (0 = only the chosen token's logprob,
     None = no logprobs). EOS ends the request unless ``ignore_eos``.
+    ``stop`` strings are matched on text by the API process, which strips
+    them before sending; the engine never sees text.
     """
 
     max_tokens: int = 16
@@ -110,6 +112,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
 
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True):

@@ -37,7 +37,7 @@ MESSAGES: list[p.Message] = [
     ),
     p.Shutdown(),
     p.Shutdown(reason="SIGTERM"),
-    p.EngineReady("tiny", 2048, 512, [0, 2], 64, 65536, "cpu", 42),
+    p.EngineReady("tiny", "/models/tiny", 2048, 512, [0, 2], 64, 65536, "cpu", 42),
     p.StepOutputs([], p.EngineStats()),
     p.StepOutputs(
         [

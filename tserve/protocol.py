@@ -236,9 +236,14 @@ class StepOutputs(msgspec.Struct, array_like=True, frozen=True):
 
 
 class EngineReady(msgspec.Struct, array_like=True, frozen=True):
-    """The model is loaded and the engine takes requests."""
+    """The model is loaded and the engine takes requests.
+
+    ``model_path`` is the local directory the engine loaded, so the API
+    process loads the same tokenizer.
+    """
 
     model: str
+    model_path: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]

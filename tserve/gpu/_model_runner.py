@@ -1,0 +1,133 @@
+"""Runs one step of the model over every scheduled chunk: ONE forward pass.
+
+The runner owns the KV pool (allocated once) and the model it was given: it
+switches the model's attention to tserve's paged attention
+(:mod:`tserve.gpu._attention`), so that model must not be used for anything
+else afterwards. It does not decide who runs; the scheduler does, and hands it
+:class:`~tserve.gpu._sequence.ScheduledChunk` s whose block tables it has
+already allocated.
+
+Threads: the runner never calls ``torch.set_num_threads``; on CPU the engine
+sets it (``--threads``, default 1) before building the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tserve.gpu._attention import (
+    ATTENTION_NAME,
+    KVPool,
+    build_step,
+    register_paged_attention,
+)
+from tserve.gpu._models import ModelLoadError
+from tserve.gpu._sequence import ScheduledChunk
+
+__all__ = ["ModelRunner", "default_device", "kv_bytes_per_token"]
+
+
+def default_device() -> tuple[torch.device, torch.dtype]:
+    """CUDA with bf16 when a GPU is visible, else CPU with fp32."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def _kv_shape(config: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a transformers (text) config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of K plus V that one token occupies across all layers."""
+    layers, kv_heads, head_dim = _kv_shape(config)
+    return 2 * layers * kv_heads * head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    """Executes scheduled chunks with a paged KV cache of ``num_blocks * block_size`` slots.
+
+    ``device`` and ``dtype`` default to the model's; the pool uses the same.
+    Raises :class:`ModelLoadError` if the model's attention is not pluggable
+    through transformers' ``AttentionInterface``. Layers with sliding-window
+    attention get full attention here (exact only within the window).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        self.device = torch.device(device) if device is not None else model.device
+        self.dtype = dtype if dtype is not None else model.dtype
+        self.model = _take_over(model, self.device, self.dtype)
+        self.vocab_size: int = self.model.config.get_text_config().vocab_size
+        layers, kv_heads, head_dim = _kv_shape(self.model.config)
+        shape = (layers, num_blocks * block_size, kv_heads, head_dim)
+        with torch.inference_mode():
+            self.pool = KVPool(
+                k=torch.zeros(shape, device=self.device, dtype=self.dtype),
+                v=torch.zeros(shape, device=self.device, dtype=self.dtype),
+                block_size=block_size,
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_slots // self.pool.block_size
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Run ``chunks`` (any mix of prefill chunks and decodes) in one forward pass.
+
+        Writes each chunk's K/V into its sequence's slots and returns fp32
+        logits ``[n, vocab]`` for the chunks with ``sample=True``, in chunk
+        order. Blocks until the device finishes. Token ids must be < vocab size
+        (checked at admission, not here): a bad one fails the whole step.
+        """
+        sampled = [i for i, c in enumerate(chunks) if c.sample]
+        if not chunks:
+            return torch.empty(0, self.vocab_size)
+        with torch.inference_mode():
+            input_ids, position_ids, step = build_step(chunks, self.pool, self.device)
+            ends = torch.cumsum(torch.tensor([len(c.token_ids) for c in chunks]), 0)
+            keep = (ends[sampled] - 1).to(self.device)
+            out: Any = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                logits_to_keep=keep,
+                use_cache=False,
+                tserve_step=step,
+            )
+            logits: torch.Tensor = out.logits[0].float()
+            return logits
+
+
+def _take_over(model: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    register_paged_attention()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise ModelLoadError(
+            f"{type(model).__name__} does not support pluggable attention "
+            "(transformers AttentionInterface); tserve cannot batch it"
+        )
+    return model

@@ -1,0 +1,444 @@
+"""The multiplexer: one task owns the API process's only socket to the engine.
+
+Every request in the API process reaches the engine through here:
+
+* The request task opens a :class:`Mailbox` (``open_mailbox``), hands the mux
+  an ``AddRequest`` (``submit``), reads its mailbox, and on any way out calls
+  ``abort`` / ``Mailbox.close``. All of these are synchronous and never block.
+* The mux's sender sends every add and abort pending in its inbox as ONE
+  ``EngineInput`` frame; its receiver routes each ``RequestOutput`` of every
+  ``StepOutputs`` frame to the mailbox of its request id.
+* Engine death (an ``EngineDead`` message, silence longer than the heartbeat
+  timeout, a malformed frame, or ``engine_died`` from whoever watches the
+  process) fails every open mailbox at once with ``EngineDeadError`` and ends
+  the mux; later submits raise it.
+
+The socket is a DEALER connected to the engine's ROUTER (which uses
+``ROUTER_MANDATORY``). Its SNDHWM and RCVHWM are finite (``hwm`` frames): at
+the send bound the sender waits (submits keep accumulating in the inbox and go
+out in the next frame); at the receive bound the engine coalesces. Nothing is
+dropped anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+import zmq
+from anyio.abc import TaskStatus
+
+from tserve.mux._errors import EngineDeadError, MuxClosedError, MuxError
+from tserve.mux._mailbox import Mailbox
+from tserve.mux._zmqio import ZmqChannel
+from tserve.protocol import (
+    AddRequest,
+    EngineDead,
+    EngineInput,
+    EngineReady,
+    EngineStats,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    RequestOutput,
+    Shutdown,
+    StepOutputs,
+    decode,
+    encode,
+)
+
+__all__ = ["Mux", "MuxStats", "open_mux"]
+
+
+@dataclass(slots=True)
+class MuxStats:
+    """Counters since the mux started; the mux updates them in place."""
+
+    frames_sent: int = 0
+    frames_received: int = 0
+    adds_sent: int = 0
+    aborts_sent: int = 0
+    deltas_routed: int = 0
+    unknown_deltas: int = 0  # for ids already finished, aborted or closed
+
+
+class Mux:
+    """The one owner of the API process's socket to the engine.
+
+    Run it with ``await task_group.start(mux.run)`` (or ``open_mux``); it is
+    ready once the engine answered ``Hello`` with ``EngineReady``. All methods
+    other than :meth:`run` are synchronous and never block, so a request's
+    ``finally`` can call them without an await.
+    """
+
+    def __init__(
+        self,
+        *,
+        heartbeat_timeout: float = 10.0,
+        ready_timeout: float = 600.0,
+        hwm: int = 1000,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        if heartbeat_timeout <= 0 or ready_timeout <= 0 or hwm < 1:
+            raise ValueError("heartbeat_timeout, ready_timeout and hwm must be positive")
+        self.address = ""  # set by run
+        self._heartbeat_timeout = heartbeat_timeout
+        self._ready_timeout = ready_timeout
+        self._hwm = hwm
+        self._context = context
+        self.stats = MuxStats()
+        self.engine_stats = EngineStats()  # the latest, from a step or heartbeat
+        self._ready: EngineReady | None = None
+        self._ready_changed: anyio.Event | None = None  # ready, dead or closed
+        self._dead_reason: str | None = None
+        self._closed = False
+        self._started = False
+        self._scope: anyio.CancelScope | None = None
+        self._last_received = 0.0  # anyio.current_time() of the last frame
+        # Open mailboxes by request id: removed when the final output is
+        # routed, when closed, and all at once when the engine dies.
+        # Bound: the live requests, which admission control caps.
+        self._mailboxes: dict[str, Mailbox] = {}
+        # The inbox: what the next EngineInput frame will carry.
+        # Bound: each open mailbox puts at most one add (submit checks) and
+        # at most one abort (Mailbox._abort_queued), so together at most
+        # 2 x open mailboxes. Never waits, never rejects for lack of room.
+        self._adds: list[AddRequest] = []
+        self._aborts: list[str] = []
+        self._shutdown: Shutdown | None = None  # sent after the last input
+        self._sender_wakeup: anyio.Event | None = None  # set iff the sender waits
+
+    # -- state ----------------------------------------------------------------
+
+    @property
+    def ready(self) -> EngineReady:
+        """The engine's ``EngineReady``. Raises MuxError before the handshake."""
+        if self._ready is None:
+            raise MuxError("the engine has not answered Hello yet")
+        return self._ready
+
+    @property
+    def dead(self) -> bool:
+        """True once the engine is known to be dead; it never becomes False."""
+        return self._dead_reason is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def open_mailboxes(self) -> int:
+        return len(self._mailboxes)
+
+    # -- the request side: synchronous, never blocks --------------------------
+
+    def open_mailbox(self, request_id: str, max_tokens: int) -> Mailbox:
+        """Register a mailbox for ``request_id``; outputs for it go there.
+
+        Raises EngineDeadError / MuxClosedError when the mux cannot deliver,
+        MuxError when the id is already open.
+        """
+        self._check_usable()
+        if request_id in self._mailboxes:
+            raise MuxError(f"request id {request_id!r} is already open")
+        mailbox = Mailbox(request_id, max_tokens, self._close_mailbox)
+        self._mailboxes[request_id] = mailbox
+        return mailbox
+
+    def submit(self, request: AddRequest) -> None:
+        """Queue ``request`` for the engine; it goes out with the next frame.
+
+        Its mailbox must be open and not yet submitted. Never blocks.
+        Raises EngineDeadError / MuxClosedError when the mux cannot deliver.
+        """
+        self._check_usable()
+        mailbox = self._mailboxes.get(request.request_id)
+        if mailbox is None:
+            raise MuxError(f"no open mailbox for request id {request.request_id!r}")
+        if mailbox._submitted or mailbox._abort_queued:
+            raise MuxError(f"request id {request.request_id!r} was already submitted or aborted")
+        if request.params.max_tokens > mailbox.max_tokens:
+            raise MuxError("the request's max_tokens exceeds its mailbox's")
+        mailbox._submitted = True
+        self._adds.append(request)
+        self._wake_sender()
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to stop ``request_id``; it ends with FinishReason.ABORT.
+
+        Synchronous, never blocks, never raises: safe in a ``finally``.
+        Idempotent; harmless for an id that is unknown, finished, closed, or
+        when the engine is dead. A request not yet submitted ends at once.
+        """
+        mailbox = self._mailboxes.get(request_id)
+        if mailbox is None or mailbox._abort_queued:
+            return
+        mailbox._abort_queued = True
+        if not mailbox._submitted:  # the engine never heard of it
+            del self._mailboxes[request_id]
+            mailbox._put(RequestOutput(request_id, [], FinishReason.ABORT))
+            return
+        self._aborts.append(request_id)
+        self._wake_sender()
+
+    def shutdown_engine(self, reason: str = "") -> None:
+        """Ask the engine to exit, after the inputs already queued. Never blocks."""
+        self._shutdown = Shutdown(reason)
+        self._wake_sender()
+
+    def engine_died(self, reason: str) -> None:
+        """Declare the engine dead (e.g. its process exited); see :class:`Mux`.
+
+        Synchronous; fails every open mailbox with EngineDeadError(reason) and
+        stops :meth:`run`. Only the first reason is kept.
+        """
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        mailboxes, self._mailboxes = self._mailboxes, {}
+        for mailbox in mailboxes.values():
+            mailbox._fail(EngineDeadError(reason))
+        self._adds.clear()
+        self._aborts.clear()
+        self._notify_ready_changed()
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _check_usable(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self._closed:
+            raise MuxClosedError("the mux has stopped")
+
+    def _close_mailbox(self, mailbox: Mailbox) -> None:
+        if self._mailboxes.get(mailbox.request_id) is not mailbox:
+            return  # finished, failed or closed already
+        if mailbox._submitted:
+            self.abort(mailbox.request_id)
+        self._mailboxes.pop(mailbox.request_id, None)
+
+    def _wake_sender(self) -> None:
+        wakeup = self._sender_wakeup
+        if wakeup is not None:
+            self._sender_wakeup = None
+            wakeup.set()
+
+    # -- the task --------------------------------------------------------------
+
+    async def run(
+        self, address: str, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Own the socket to ``address``: say Hello, then send inputs and route outputs.
+
+        Reports readiness through ``task_status`` once ``EngineReady`` arrived
+        (see :attr:`ready`); raises EngineDeadError if it did not arrive within
+        ``ready_timeout``, or the engine died first. Then runs until the
+        engine dies (returns normally; :attr:`dead` is True) or until
+        cancelled (open mailboxes fail with MuxClosedError; queued inputs and
+        a requested shutdown are flushed without waiting). Call it once.
+        """
+        if self._started:
+            raise MuxError("Mux.run may be called only once")
+        self._started = True
+        self.address = address
+        context = self._context or zmq.Context.instance()
+        socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
+        try:
+            socket.setsockopt(zmq.SNDHWM, self._hwm)
+            socket.setsockopt(zmq.RCVHWM, self._hwm)
+            socket.setsockopt(zmq.LINGER, 1000)  # ms to flush the last frames on close
+            socket.connect(address)
+            channel = ZmqChannel(socket)
+            async with anyio.create_task_group() as tg:
+                self._scope = tg.cancel_scope
+                tg.start_soon(channel.watch)
+                if await self._handshake(channel):
+                    self._last_received = anyio.current_time()
+                    tg.start_soon(self._watch_heartbeats)
+                    tg.start_soon(self._send_inputs, channel)
+                    task_status.started()
+                    await self._route_outputs(channel)
+                tg.cancel_scope.cancel()
+        finally:
+            self._close(socket)
+        if self._ready is None:  # the engine died during the handshake
+            raise EngineDeadError(self._dead_reason or "the engine died before it was ready")
+
+    async def wait_ready(self) -> EngineReady:
+        """Wait until the engine is ready and return its ``EngineReady``.
+
+        A checkpoint. Raises EngineDeadError if the engine died first,
+        MuxClosedError if the mux stopped first.
+        """
+        while self._ready is None:
+            self._check_usable()
+            if self._ready_changed is None:
+                self._ready_changed = anyio.Event()
+            await self._ready_changed.wait()
+        await anyio.lowlevel.checkpoint()
+        return self._ready
+
+    async def _handshake(self, channel: ZmqChannel) -> bool:
+        """Send Hello, wait for EngineReady. False when the engine died instead."""
+        await channel.send(encode(Hello(os.getpid())))
+        self.stats.frames_sent += 1
+        with anyio.move_on_after(self._ready_timeout):
+            while self._dead_reason is None:
+                message = self._decode(await channel.receive())
+                if isinstance(message, EngineReady):
+                    self._ready = message
+                    self._notify_ready_changed()
+                    return True
+                if isinstance(message, EngineDead):
+                    self.engine_died(message.reason)
+            return False
+        self.engine_died(f"no EngineReady from {self.address} within {self._ready_timeout:g} s")
+        return False
+
+    def _notify_ready_changed(self) -> None:
+        if self._ready_changed is not None:
+            self._ready_changed.set()
+            self._ready_changed = None
+
+    async def _send_inputs(self, channel: ZmqChannel) -> None:
+        """The sender: one EngineInput frame per wakeup, holding the whole inbox."""
+        stats = self.stats
+        while True:
+            if not self._adds and not self._aborts and self._shutdown is None:
+                wakeup = self._sender_wakeup = anyio.Event()
+                await wakeup.wait()
+                continue
+            if self._adds or self._aborts:
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+                await channel.send(encode(EngineInput(adds, aborts)))
+                stats.frames_sent += 1
+                stats.adds_sent += len(adds)
+                stats.aborts_sent += len(aborts)
+            elif self._shutdown is not None:
+                await channel.send(encode(self._shutdown))
+                stats.frames_sent += 1
+                self._shutdown = None
+
+    async def _route_outputs(self, channel: ZmqChannel) -> None:
+        """The receiver: route every delta to its mailbox until the engine dies."""
+        stats = self.stats
+        while self._dead_reason is None:
+            frames = await channel.receive_batch()
+            self._last_received = anyio.current_time()
+            stats.frames_received += len(frames)
+            for frame in frames:
+                message = self._decode(frame)
+                if type(message) is StepOutputs:
+                    self._route(message)
+                elif type(message) is Heartbeat:
+                    self.engine_stats = message.stats
+                elif type(message) is EngineDead:
+                    self.engine_died(message.reason)
+                    return
+                elif message is None:
+                    return  # malformed: engine_died was called
+
+    def _route(self, step: StepOutputs) -> None:
+        # The hot path: keep it to a dict lookup and an append per delta.
+        self.engine_stats = step.stats
+        mailboxes = self._mailboxes
+        get = mailboxes.get
+        unknown = 0
+        for output in step.outputs:
+            mailbox = get(output.request_id)
+            if mailbox is None:
+                unknown += 1
+                continue
+            mailbox._put(output)
+            if output.finish_reason is not None:
+                del mailboxes[output.request_id]
+        self.stats.unknown_deltas += unknown
+        self.stats.deltas_routed += len(step.outputs) - unknown
+
+    def _decode(self, frame: bytes) -> EngineReady | StepOutputs | Heartbeat | EngineDead | None:
+        """Decode an engine frame; a malformed one declares the engine dead."""
+        try:
+            message = decode(frame)
+        except ProtocolError as exc:
+            self.engine_died(f"malformed frame from the engine: {exc}")
+            return None
+        if not isinstance(message, EngineReady | StepOutputs | Heartbeat | EngineDead):
+            self.engine_died(f"unexpected {type(message).__name__} from the engine")
+            return None
+        return message
+
+    async def _watch_heartbeats(self) -> None:
+        timeout = self._heartbeat_timeout
+        while True:
+            silent_for = anyio.current_time() - self._last_received
+            if silent_for >= timeout:
+                self.engine_died(f"no message from the engine for {timeout:g} s")
+                return
+            await anyio.sleep(timeout - silent_for)
+
+    def _close(self, socket: zmq.Socket[bytes]) -> None:
+        """After run: fail what is open, flush what is queued, close the socket."""
+        self._closed = True
+        self._scope = None
+        self._notify_ready_changed()
+        mailboxes, self._mailboxes = self._mailboxes, {}
+        for mailbox in mailboxes.values():
+            mailbox._fail(MuxClosedError("the mux stopped"))
+            if mailbox._submitted and not mailbox._abort_queued:
+                self._aborts.append(mailbox.request_id)
+        if self._dead_reason is None and self._ready is not None:
+            # Best effort, without waiting: LINGER gives zmq time to deliver.
+            frames = []
+            if self._adds or self._aborts:
+                frames.append(encode(EngineInput(self._adds, self._aborts)))
+            if self._shutdown is not None:
+                frames.append(encode(self._shutdown))
+            for frame in frames:
+                try:
+                    socket.send(frame, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+        self._adds, self._aborts, self._shutdown = [], [], None
+        socket.close()
+
+
+@asynccontextmanager
+async def open_mux(
+    address: str,
+    *,
+    heartbeat_timeout: float = 10.0,
+    ready_timeout: float = 600.0,
+    hwm: int = 1000,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+) -> AsyncIterator[Mux]:
+    """Run a :class:`Mux` for the duration of the ``async with`` block.
+
+    Enters once the engine is ready (raises EngineDeadError if it is not);
+    on exit the mux is cancelled and what it had queued is flushed. As with
+    any task group, an exception from the block arrives inside an
+    ExceptionGroup.
+    """
+    mux = Mux(
+        heartbeat_timeout=heartbeat_timeout,
+        ready_timeout=ready_timeout,
+        hwm=hwm,
+        context=context,
+    )
+    failure: EngineDeadError | None = None
+    async with anyio.create_task_group() as tg:
+        try:
+            await tg.start(mux.run, address)
+        except EngineDeadError as exc:
+            failure = exc
+        if failure is None:
+            try:
+                yield mux
+            finally:
+                tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure

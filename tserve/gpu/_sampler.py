@@ -1,0 +1,288 @@
+"""Picks each request's next token from its logits, one request failing alone.
+
+Pipeline for one step (``logits [N, V]``, one row per request):
+
+1. per request, guarded: check its parameters and the row (finite logits);
+   a failure becomes that request's error and the row leaves the batch;
+2. batched over the rest: frequency/presence penalties (over the request's
+   OUTPUT tokens), raw logprobs, greedy argmax, and for sampled rows
+   temperature, top-k and top-p on one sorted copy;
+3. per request, guarded: draw one uniform number from the request's own
+   generator (seeded requests) and invert the row's CDF, then assemble its
+   logprobs.
+
+If the batched part itself raises, every row is redone as a batch of one, so
+the error still stays with the request that caused it. A seeded request draws
+exactly one number per step from a ``torch.Generator`` seeded with
+``params.seed`` and owned by that request alone, so its tokens do not depend on
+its neighbours in the batch. Call :meth:`Sampler.release` when a request ends.
+
+Logprobs are the model's RAW logprobs (log-softmax of the logits before
+penalties, temperature, top-k and top-p), as vLLM reports by default.
+
+Test-only fault injection: when the environment variable
+``TSERVE_TEST_FAULT_SAMPLER`` holds a regular expression when the sampler is
+built, sampling any request whose id it matches (``re.search``) raises; the
+error is reported as that request's. It is unset in production and there is
+no way to set it over HTTP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+from collections.abc import Sequence as SequenceOf
+from typing import Final
+
+import torch
+
+from tserve.gpu._sequence import Sequence
+from tserve.protocol import SamplingParams, TokenLogprob
+
+__all__ = ["FAULT_ENV", "SampleResult", "Sampler", "SamplingFault"]
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV: Final = "TSERVE_TEST_FAULT_SAMPLER"
+MAX_LOGPROBS: Final = 20
+
+
+class SamplingFault(RuntimeError):
+    """Raised on purpose by the test-only fault-injection hook."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampleResult:
+    """One request's outcome: a token (and logprobs if asked), or an error."""
+
+    token_id: int | None
+    logprob: TokenLogprob | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _Batch:
+    """The batched part's results for the rows that passed step 1."""
+
+    rows: list[int]  # indices into the step's logits, in order
+    greedy: dict[int, int]  # row -> argmax of its penalised logits
+    sampled_pos: dict[int, int]  # row -> index into sorted_ids / cdf
+    sorted_ids: torch.Tensor | None  # [S, V] long: token ids by falling probability
+    cdf: torch.Tensor | None  # [S, V] float: cumulative filtered probabilities
+    logprobs: dict[int, torch.Tensor]  # row -> [V] raw logprobs (rows that asked)
+
+
+class Sampler:
+    """Per-request sampling over a batch of logits. Not thread-safe.
+
+    Holds one generator per seeded request, created on first use; memory is
+    bounded by the number of live seeded requests as long as :meth:`release`
+    is called when each request ends.
+    """
+
+    def __init__(self, *, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._generators: dict[str, torch.Generator] = {}
+        # Unseeded requests share this one; their draws are not reproducible.
+        self._shared = torch.Generator(device=self.device)
+        self._shared.seed()
+        pattern = os.environ.get(FAULT_ENV)
+        self._fault = re.compile(pattern) if pattern else None
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator. Idempotent."""
+        self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> list[SampleResult]:
+        """One result per row of ``logits [N, V]`` (fp32), for ``seqs[i]`` at row i.
+
+        Never raises for a problem of one request; that request's result
+        carries the error instead.
+        """
+        assert logits.shape[0] == len(seqs), "one logits row per sequence"
+        results: list[SampleResult | None] = [None] * len(seqs)
+        ok: list[int] = []
+        with torch.inference_mode():
+            finite = _usable_rows(logits)
+            for i, seq in enumerate(seqs):
+                problem = _check(seq.params, logits.shape[1], finite[i])
+                if problem is None:
+                    ok.append(i)
+                else:
+                    results[i] = _failed(seq, problem)
+            try:
+                batches = [self._batch(logits, seqs, ok)]
+            except Exception:
+                log.exception("batched sampling failed; isolating the failing request")
+                batches = self._one_by_one(logits, seqs, ok, results)
+            for batch in batches:
+                for row in batch.rows:
+                    results[row] = self._finish(batch, row, seqs[row])
+        return [r if r is not None else SampleResult(None, error="not sampled") for r in results]
+
+    def _one_by_one(
+        self,
+        logits: torch.Tensor,
+        seqs: SequenceOf[Sequence],
+        rows: list[int],
+        results: list[SampleResult | None],
+    ) -> list[_Batch]:
+        batches = []
+        for row in rows:
+            try:
+                batches.append(self._batch(logits, seqs, [row]))
+            except Exception as exc:
+                results[row] = _failed(seqs[row], _describe(exc), exc)
+        return batches
+
+    def _batch(self, logits: torch.Tensor, seqs: SequenceOf[Sequence], rows: list[int]) -> _Batch:
+        """Step 2 over ``rows``: everything that vectorises."""
+        params = [seqs[i].params for i in rows]
+        raw = logits[rows]
+        processed = _apply_penalties(raw, [seqs[i] for i in rows])
+        want_lp = [j for j, p in enumerate(params) if p.logprobs is not None]
+        logprobs: dict[int, torch.Tensor] = {}
+        if want_lp:
+            lp = torch.log_softmax(raw[want_lp], dim=-1)
+            logprobs = {rows[j]: lp[k] for k, j in enumerate(want_lp)}
+        greedy = dict(zip(rows, processed.argmax(dim=-1).tolist(), strict=True))
+        sampled = [j for j, p in enumerate(params) if not _is_greedy(p)]
+        sorted_ids = cdf = None
+        if sampled:
+            sorted_ids, cdf = _filtered_cdf(processed[sampled], [params[j] for j in sampled])
+        return _Batch(
+            rows=rows,
+            greedy=greedy,
+            sampled_pos={rows[j]: k for k, j in enumerate(sampled)},
+            sorted_ids=sorted_ids,
+            cdf=cdf,
+            logprobs=logprobs,
+        )
+
+    def _finish(self, batch: _Batch, row: int, seq: Sequence) -> SampleResult:
+        """Step 3 for one request, guarded."""
+        try:
+            if self._fault is not None and self._fault.search(seq.request_id):
+                raise SamplingFault(f"injected sampler fault for {seq.request_id!r}")
+            token = self._choose(batch, row, seq)
+            logprob = _token_logprob(batch.logprobs.get(row), token, seq.params.logprobs)
+            return SampleResult(token, logprob)
+        except Exception as exc:
+            return _failed(seq, _describe(exc), exc)
+
+    def _choose(self, batch: _Batch, row: int, seq: Sequence) -> int:
+        j = batch.sampled_pos.get(row)
+        if j is None:
+            return batch.greedy[row]
+        assert batch.cdf is not None and batch.sorted_ids is not None
+        u = torch.rand((), generator=self._generator(seq), device=self.device)
+        cdf = batch.cdf[j]
+        k = int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True))
+        return int(batch.sorted_ids[j, min(k, cdf.shape[0] - 1)])
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        seed = seq.params.seed
+        if seed is None:
+            return self._shared
+        generator = self._generators.get(seq.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+            self._generators[seq.request_id] = generator
+        return generator
+
+
+# ---------------------------------------------------------------------------- pieces
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature == 0 or params.top_k == 1
+
+
+def _usable_rows(logits: torch.Tensor) -> list[bool]:
+    """Rows with no NaN and at least one finite logit."""
+    ok = ~torch.isnan(logits).any(dim=-1) & torch.isfinite(logits).any(dim=-1)
+    return [bool(x) for x in ok.tolist()]
+
+
+def _check(params: SamplingParams, vocab: int, finite: bool) -> str | None:
+    if not finite:
+        return "the model produced non-finite logits for this request"
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        return f"temperature must be >= 0, got {params.temperature}"
+    if not (0 < params.top_p <= 1):
+        return f"top_p must be in (0, 1], got {params.top_p}"
+    if params.logprobs is not None and not 0 <= params.logprobs <= min(MAX_LOGPROBS, vocab):
+        return f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(params, name)):
+            return f"{name} must be finite"
+    return None
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``logits - frequency * count - presence * (count > 0)`` over output tokens.
+
+    Returns ``logits`` itself when no request has a penalty, else a copy.
+    """
+    penalised = [
+        j
+        for j, s in enumerate(seqs)
+        if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_token_ids
+    ]
+    if not penalised:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for j in penalised:
+        params = seqs[j].params
+        ids = torch.tensor(seqs[j].output_token_ids, device=logits.device)
+        counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
+        out[j] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return out
+
+
+def _filtered_cdf(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, then top-k, then top-p, per row; ``(sorted_ids, cdf)`` ``[S, V]``.
+
+    ``cdf`` is the unnormalised cumulative sum of the kept probabilities in
+    falling-probability order (dropped tokens add 0), so a draw is
+    ``searchsorted(cdf, u * cdf[-1])``. The most likely token is always kept.
+    """
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    scaled = logits / temps[:, None]
+    values, ids = scaled.sort(dim=-1, descending=True, stable=True)
+    probs = torch.softmax(values, dim=-1)
+    vocab = logits.shape[1]
+    rank = torch.arange(vocab, device=logits.device)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=probs.dtype)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
+    keep = (rank[None, :] < top_k[:, None]) & ((before < top_p[:, None]) | (rank[None, :] == 0))
+    cdf = torch.cumsum(torch.where(keep, probs, 0.0), dim=-1)
+    return ids, cdf
+
+
+def _token_logprob(lp: torch.Tensor | None, token: int, top_n: int | None) -> TokenLogprob | None:
+    if lp is None or top_n is None:
+        return None
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        values, ids = lp.topk(top_n)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(lp[token]), top)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"sampling failed: {type(exc).__name__}: {exc}"
+
+
+def _failed(seq: Sequence, message: str, exc: BaseException | None = None) -> SampleResult:
+    if exc is not None:
+        log.warning("request %s: %s", seq.request_id, message, exc_info=exc)
+    return SampleResult(None, error=message)

@@ -115,13 +115,12 @@ class FakeEngine:
             elif isinstance(message, p.EngineInput):
                 for add in message.adds:
                     first = add.prompt_token_ids[0] if add.prompt_token_ids else 0
-                    request = _Request(peer, add.request_id, first, add.params.max_tokens)
-                    self.running[add.request_id] = request
+                    max_tokens = add.params.max_tokens
+                    self.running[add.request_id] = _Request(peer, add.request_id, first, max_tokens)
                 for request_id in message.aborts:
                     self.aborts_received += 1
-                    request = self.running.get(request_id)
-                    if request is not None:
-                        request.aborted = True
+                    if request_id in self.running:
+                        self.running[request_id].aborted = True
             elif isinstance(message, p.Shutdown):
                 return True
 
@@ -137,7 +136,8 @@ class FakeEngine:
                 start = request.first_token + request.sent
                 request.sent += count
                 finish = p.FinishReason.LENGTH if request.sent == request.max_tokens else None
-                output = p.RequestOutput(request.request_id, list(range(start, start + count)), finish)
+                tokens = list(range(start, start + count))
+                output = p.RequestOutput(request.request_id, tokens, finish)
             if output.finish_reason is not None:
                 del self.running[request.request_id]
             outputs.setdefault(request.peer, []).append(output)

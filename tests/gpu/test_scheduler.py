@@ -1,0 +1,552 @@
+"""The continuous-batching scheduler, driven by a fake model with a real paged KV pool.
+
+No processes, no torch: ``PagedFakeModel`` stands in for the model runner and
+sampler. It writes every scheduled token into the slot its block table names and,
+to sample, reads back every earlier position of that sequence from the pool, so a
+wrong block table, a skipped position or a block shared by two sequences fails
+loudly. Its next token is a hash of the tokens it read back, so a sequence that is
+preempted and recomputed must produce exactly the tokens of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import array
+import random
+import zlib
+from collections.abc import Callable
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from tserve.gpu._errors import EngineError, RequestRejected
+from tserve.gpu._kv import BlockManager
+from tserve.gpu._scheduler import Scheduler
+from tserve.gpu._sequence import ScheduledChunk, Sequence, SequenceStatus
+from tserve.protocol import FinishReason, SamplingParams
+
+EOS = 0
+
+
+def next_token(tokens: list[int], vocab: int) -> int:
+    """The fake model's greedy choice after ``tokens``."""
+    return zlib.crc32(array.array("q", tokens).tobytes()) % vocab
+
+
+def reference_output(seq: Sequence, vocab: int, eos: frozenset[int]) -> list[int]:
+    """What ``seq`` generates when it runs alone and is never preempted."""
+    tokens, out = list(seq.prompt_token_ids), list[int]()
+    while len(out) < seq.params.max_tokens:
+        token = next_token(tokens, vocab)
+        tokens.append(token)
+        out.append(token)
+        if token in seq.params.stop_token_ids or (token in eos and not seq.params.ignore_eos):
+            break
+    return out
+
+
+class PagedFakeModel:
+    """A deterministic model runner + sampler over a paged KV pool (see module docstring)."""
+
+    def __init__(self, block_size: int, vocab: int = 64) -> None:
+        self.block_size = block_size
+        self.vocab = vocab
+        self.pool: dict[int, tuple[str, int, int]] = {}  # slot -> (request, position, token)
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        bs = self.block_size
+        return seq.block_table[position // bs] * bs + position % bs
+
+    def step(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
+        for c in chunks:
+            for i, token in enumerate(c.token_ids):
+                self.pool[self.slot(c.seq, c.start + i)] = (c.seq.request_id, c.start + i, token)
+        return {c.seq.request_id: self.sample(c) for c in chunks if c.sample}
+
+    def sample(self, chunk: ScheduledChunk) -> int:
+        seq, end = chunk.seq, chunk.start + len(chunk.token_ids)
+        cached = [self.pool[self.slot(seq, p)] for p in range(end)]
+        assert cached == [(seq.request_id, p, t) for p, t in enumerate(seq.token_slice(0, end))]
+        return next_token([t for _, _, t in cached], self.vocab)
+
+
+def make(
+    request_id: str,
+    num_prompt: int,
+    max_tokens: int,
+    *,
+    deadline: float | None = None,
+    ignore_eos: bool = False,
+    stop_token_ids: tuple[int, ...] = (),
+) -> Sequence:
+    base = zlib.crc32(request_id.encode())
+    prompt = [(base + i) % 50 + 1 for i in range(num_prompt)]  # no EOS in prompts
+    sampling = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids
+    )
+    return Sequence(request_id, prompt, sampling, deadline=deadline)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 1024,
+) -> Scheduler:
+    return Scheduler(
+        BlockManager(num_blocks, block_size),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        eos_token_ids=[EOS],
+    )
+
+
+def check_step(sched: Scheduler, chunks: list[ScheduledChunk], preempted: bool) -> None:
+    """The per-step guarantees of the policy, checked right after ``schedule()``."""
+    bm = sched.block_manager
+    by_seq = {c.seq.request_id: c for c in chunks}
+    assert len(by_seq) == len(chunks), "a sequence scheduled twice in one step"
+    assert sum(len(c.token_ids) for c in chunks) <= sched.max_num_batched_tokens
+    assert sched.num_running <= sched.max_num_seqs
+    for c in chunks:
+        assert c.seq.status is SequenceStatus.RUNNING
+        assert c.start == c.seq.num_computed_tokens and c.token_ids
+        assert c.token_ids == c.seq.token_slice(c.start, c.start + len(c.token_ids))
+        assert c.sample == (c.start + len(c.token_ids) == c.seq.num_tokens)
+        assert len(c.seq.block_table) * bm.block_size >= c.start + len(c.token_ids)
+    for seq in sched.running:  # decodes always run
+        assert seq.num_uncomputed_tokens >= 1
+        if seq.num_uncomputed_tokens == 1:
+            assert seq.request_id in by_seq, f"decode of {seq.request_id} skipped"
+    budget_left = sched.max_num_batched_tokens - sum(len(c.token_ids) for c in chunks)
+    for seq in sched.running:  # a prefill always gets budget that decodes leave, if KV allows
+        if seq.request_id not in by_seq:
+            assert budget_left == 0 or bm.num_allocatable_tokens(seq) == 0
+    waiting = sched.waiting
+    if waiting and not preempted and sched.num_running < sched.max_num_seqs and budget_left:
+        assert bm.num_allocatable_tokens(waiting[0]) == 0, "the head could have been admitted"
+
+
+def step(sched: Scheduler, model: PagedFakeModel) -> tuple[list[ScheduledChunk], list[Sequence]]:
+    """One engine step with every invariant checked."""
+    before = sched.num_preemptions
+    chunks = sched.schedule()
+    check_step(sched, chunks, preempted=sched.num_preemptions > before)
+    news = sched.update(chunks, model.step(chunks))
+    sched.block_manager.check(sched.sequences())
+    return chunks, news
+
+
+def run_until_idle(sched: Scheduler, model: PagedFakeModel, max_steps: int = 10_000) -> int:
+    for n in range(max_steps):
+        if not sched.has_work:
+            return n
+        step(sched, model)
+    raise AssertionError(f"still busy after {max_steps} steps")
+
+
+def tokens_of(chunks: list[ScheduledChunk]) -> dict[str, int]:
+    return {c.seq.request_id: len(c.token_ids) for c in chunks}
+
+
+# -- validation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_prompt", "max_tokens", "words"),
+    [
+        (0, 4, "empty"),
+        (4, 0, "max_tokens"),
+        (4, -1, "max_tokens"),
+        (60, 5, "context length"),  # 65 > max_model_len 64
+        (30, 30, "KV cache"),  # peak 59 positions > 48 slots
+    ],
+)
+def test_impossible_requests_are_rejected(num_prompt: int, max_tokens: int, words: str) -> None:
+    sched = make_scheduler(num_blocks=12, block_size=4, max_model_len=64)
+    seq = make("r", num_prompt, max_tokens)
+    with pytest.raises(RequestRejected, match=words) as info:
+        sched.add(seq)
+    assert isinstance(info.value, EngineError)
+    assert (sched.has_work, sched.num_waiting, seq.status) == (False, 0, SequenceStatus.WAITING)
+
+
+def test_the_largest_request_that_fits_runs_to_completion() -> None:
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=8, max_model_len=64)
+    seq = make("r", 40, 9, ignore_eos=True)  # peak 48 positions == 12 blocks exactly
+    sched.add(seq)
+    run_until_idle(sched, PagedFakeModel(4))
+    assert (seq.finish_reason, seq.num_output_tokens) == (FinishReason.LENGTH, 9)
+
+
+def test_a_duplicate_live_id_is_rejected() -> None:
+    sched = make_scheduler()
+    sched.add(make("r", 4, 4))
+    with pytest.raises(RequestRejected, match="already in use"):
+        sched.add(make("r", 4, 4))
+    assert sched.num_waiting == 1
+
+
+@pytest.mark.parametrize(
+    ("seqs", "tokens"), [({"max_num_seqs": 0}, 8), ({"max_num_seqs": 9}, 8), ({}, 0)]
+)
+def test_bad_configuration_raises(seqs: dict[str, int], tokens: int) -> None:
+    with pytest.raises(ValueError):
+        Scheduler(
+            BlockManager(8),
+            max_num_seqs=seqs.get("max_num_seqs", 1),
+            max_num_batched_tokens=tokens,
+            max_model_len=16,
+        )
+
+
+# -- the shape of a step -----------------------------------------------------------
+
+
+def test_chunked_prefill_splits_and_resumes() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16)
+    model = PagedFakeModel(4)
+    seq = make("long", 40, 3, ignore_eos=True)
+    sched.add(seq)
+    shapes: list[tuple[int, int, bool]] = []
+    while sched.has_work:
+        chunks, _ = step(sched, model)
+        shapes.extend((c.start, len(c.token_ids), c.sample) for c in chunks)
+    assert shapes == [(0, 16, False), (16, 16, False), (32, 8, True), (40, 1, True), (41, 1, True)]
+    assert seq.output_token_ids == reference_output(seq, model.vocab, frozenset({EOS}))
+
+
+def test_prefill_shares_steps_with_decodes() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16)
+    model = PagedFakeModel(4)
+    for i in range(3):
+        sched.add(make(f"d{i}", 2, 50, ignore_eos=True))
+    step(sched, model)  # all three prefills in one step
+    sched.add(make("long", 40, 1))
+    chunks, _ = step(sched, model)
+    assert tokens_of(chunks) == {"d0": 1, "d1": 1, "d2": 1, "long": 13}
+    chunks, _ = step(sched, model)
+    assert tokens_of(chunks) == {"d0": 1, "d1": 1, "d2": 1, "long": 13}
+
+
+def test_requests_join_and_leave_at_every_step() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    model = PagedFakeModel(4)
+    a, b, c = make("a", 3, 2, ignore_eos=True), make("b", 3, 5, ignore_eos=True), make("c", 3, 1)
+    for seq in (a, b, c):
+        sched.add(seq)
+    assert tokens_of(step(sched, model)[0]) == {"a": 3, "b": 3}
+    chunks, news = step(sched, model)
+    assert tokens_of(chunks) == {"a": 1, "b": 1}
+    assert a.finish_reason is FinishReason.LENGTH and a in news
+    assert tokens_of(step(sched, model)[0]) == {"b": 1, "c": 3}  # c joins as a leaves
+
+
+def test_waiting_requests_are_admitted_as_memory_frees() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4)
+    model = PagedFakeModel(4)
+    first = make("first", 13, 4, ignore_eos=True)  # peak 16 positions: the whole cache
+    second = make("second", 8, 4, ignore_eos=True)
+    sched.add(first)
+    sched.add(second)
+    admitted_at = None
+    for n in range(20):
+        chunks, _ = step(sched, model)
+        if "second" in tokens_of(chunks) and admitted_at is None:
+            admitted_at = n
+        if n <= 3:
+            assert second.status is SequenceStatus.WAITING  # the KV is full of `first`
+    assert first.finish_reason is FinishReason.LENGTH
+    assert admitted_at == 4  # the step right after `first` finished (steps 0..3)
+    assert sched.block_manager.num_free_blocks == 4
+
+
+def test_fcfs_the_head_is_never_overtaken() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    model = PagedFakeModel(4)
+    sched.add(make("running", 13, 4, ignore_eos=True))  # peak 16 positions: the whole cache
+    step(sched, model)
+    sched.add(make("big", 16, 1))  # needs the whole cache too
+    sched.add(make("small", 2, 1))  # would fit as soon as one block frees, but is behind `big`
+    first_step: dict[str, int] = {}
+    for n in range(20):
+        for c in step(sched, model)[0]:
+            first_step.setdefault(c.seq.request_id, n)
+    assert first_step["running"] < first_step["big"] < first_step["small"]
+
+
+# -- stop conditions -----------------------------------------------------------------
+
+
+def scripted(tokens: list[int]) -> Callable[[list[ScheduledChunk]], dict[str, int]]:
+    """A model that answers every sampling chunk with the next token of a script."""
+    script = iter(tokens)
+    return lambda chunks: {c.seq.request_id: next(script) for c in chunks if c.sample}
+
+
+@pytest.mark.parametrize(
+    ("ignore_eos", "stop", "script", "reason", "num_out"),
+    [
+        (False, (), [5, 6, EOS, 7], FinishReason.STOP, 3),
+        (True, (), [5, EOS, 6, 7], FinishReason.LENGTH, 4),
+        (False, (6,), [5, 6, 7, 8], FinishReason.STOP, 2),
+        (True, (6,), [EOS, 6, 7, 8], FinishReason.STOP, 2),
+        (False, (), [5, 5, 5, 5], FinishReason.LENGTH, 4),
+    ],
+)
+def test_stop_conditions(
+    ignore_eos: bool, stop: tuple[int, ...], script: list[int], reason: FinishReason, num_out: int
+) -> None:
+    sched = make_scheduler()
+    seq = make("r", 3, 4, ignore_eos=ignore_eos, stop_token_ids=stop)
+    sched.add(seq)
+    model = scripted(script)
+    while sched.has_work:
+        chunks = sched.schedule()
+        sched.update(chunks, model(chunks))
+    assert (seq.finish_reason, seq.output_token_ids) == (reason, script[:num_out])
+    assert seq.block_table == [] and sched.block_manager.num_free_blocks == 64
+
+
+def test_update_reports_every_sequence_with_a_new_token() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add(make("a", 2, 3, ignore_eos=True))
+    sched.add(make("b", 20, 3, ignore_eos=True))
+    chunks = sched.schedule()
+    assert [(c.seq.request_id, c.sample) for c in chunks] == [("a", True), ("b", False)]
+    news = sched.update(chunks, {"a": 9})
+    assert [s.request_id for s in news] == ["a"]
+
+
+# -- abort, errors, deadlines --------------------------------------------------------
+
+
+def test_abort_frees_kv_in_the_same_call_and_is_idempotent() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    model = PagedFakeModel(4)
+    a, b = make("a", 10, 8), make("b", 10, 8)
+    sched.add(a)
+    sched.add(b)
+    step(sched, model)
+    free_before = sched.block_manager.num_free_blocks
+    assert sched.abort("a") is a
+    assert sched.block_manager.num_free_blocks == free_before + 3
+    assert (a.status, a.finish_reason, a.block_table) == (
+        SequenceStatus.FINISHED,
+        FinishReason.ABORT,
+        [],
+    )
+    assert sched.abort("a") is None
+    assert sched.abort("nobody") is None
+    assert (sched.num_running, sched.block_manager.num_free_blocks) == (1, free_before + 3)
+    sched.block_manager.check(sched.sequences())
+
+
+def test_abort_of_a_waiting_request_removes_it_from_the_queue() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    model = PagedFakeModel(4)
+    for rid in "abc":
+        sched.add(make(rid, 4, 4))
+    step(sched, model)
+    assert sched.abort("b") is not None
+    assert [s.request_id for s in sched.waiting] == ["c"]
+    assert sched.get("b") is None and sched.get("c") is not None
+
+
+def test_finish_with_error_ends_one_request_and_update_skips_it() -> None:
+    sched = make_scheduler()
+    a, b = make("a", 4, 4, ignore_eos=True), make("b", 4, 4, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    chunks = sched.schedule()
+    assert sched.finish_with_error("a", "sampler blew up") is a
+    news = sched.update(chunks, {"b": 3})
+    assert news == [b]
+    assert (a.finish_reason, a.error, a.block_table) == (FinishReason.ERROR, "sampler blew up", [])
+    assert a.num_computed_tokens == 0 and a.output_token_ids == []
+    assert sched.finish_with_error("a", "again") is None
+    sched.block_manager.check(sched.sequences())
+
+
+def test_deadlines_abort_waiting_and_running_requests() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    model = PagedFakeModel(4)
+    running, waiting = make("run", 4, 50, deadline=10.0), make("wait", 4, 50, deadline=20.0)
+    forever = make("forever", 4, 5)
+    for seq in (running, waiting, forever):
+        sched.add(seq)
+    step(sched, model)
+    assert sched.expire(9.9) == []
+    assert sched.expire(10.0) == [running]
+    assert sched.block_manager.num_free_blocks == 64
+    assert sched.expire(25.0) == [waiting]
+    assert [s.finish_reason for s in (running, waiting)] == [FinishReason.ABORT] * 2
+    run_until_idle(sched, model)
+    assert forever.finish_reason is FinishReason.LENGTH
+
+
+# -- preemption and starvation ---------------------------------------------------------
+
+
+def test_preemption_takes_the_newest_and_recompute_keeps_outputs() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    model = PagedFakeModel(4)
+    old, new = make("old", 6, 12, ignore_eos=True), make("new", 6, 12, ignore_eos=True)
+    sched.add(old)
+    sched.add(new)
+    outputs_at_preemption: list[int] | None = None
+    while sched.has_work:
+        before = sched.num_preemptions
+        step(sched, model)
+        if sched.num_preemptions > before and outputs_at_preemption is None:
+            assert (new.status, new.num_computed_tokens, new.block_table) == (
+                SequenceStatus.WAITING,
+                0,
+                [],
+            )
+            assert old.status is SequenceStatus.RUNNING
+            assert sched.waiting[0] is new
+            outputs_at_preemption = list(new.output_token_ids)
+    assert outputs_at_preemption  # it had generated tokens when it was preempted
+    assert new.output_token_ids[: len(outputs_at_preemption)] == outputs_at_preemption
+    eos = frozenset({EOS})
+    for seq in (old, new):
+        assert seq.output_token_ids == reference_output(seq, model.vocab, eos)
+
+
+def test_preempted_requests_go_back_in_front_of_the_queue() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=64)
+    model = PagedFakeModel(2)
+    a, b, c = (make(rid, 2, 6, ignore_eos=True) for rid in "abc")
+    sched.add(a)
+    sched.add(b)
+    step(sched, model)  # a and b hold 2 of the 4 blocks... then grow
+    sched.add(c)
+    while b.status is SequenceStatus.RUNNING:
+        step(sched, model)
+    assert sched.waiting[0] is b
+
+
+def test_an_old_long_request_is_not_starved_by_a_stream_of_short_ones() -> None:
+    sched = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    model = PagedFakeModel(4)
+    n = 0
+    for _ in range(4):
+        sched.add(make(f"short{n}", 4, 6, ignore_eos=True))
+        n += 1
+    step(sched, model)
+    old = make("old", 100, 20, ignore_eos=True)
+    sched.add(old)
+    steps = 0
+    while not old.is_finished and steps < 200:
+        steps += 1
+        for _ in range(2):  # arrivals outpace the service rate: the queue keeps growing
+            sched.add(make(f"short{n}", 4, 6, ignore_eos=True))
+            n += 1
+        step(sched, model)
+    assert old.finish_reason is FinishReason.LENGTH
+    # 6 steps for the running shorts to drain + 100/12 prefill steps + 20 decodes, with slack.
+    assert steps < 45
+    assert sched.num_waiting > 40
+
+
+# -- the randomized simulation -----------------------------------------------------------
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> dict[str, int]:
+    max_num_seqs = draw(st.integers(1, 8))
+    return {
+        "num_blocks": draw(st.integers(2, 48)),
+        "block_size": draw(st.sampled_from([1, 2, 4, 16])),
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_seqs + draw(st.integers(0, 48)),
+        "max_model_len": draw(st.integers(4, 160)),
+    }
+
+
+MIDSIZE = {"block_size": 4, "max_num_seqs": 6, "max_num_batched_tokens": 24, "max_model_len": 120}
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs(), seed=st.integers(0, 2**32 - 1))
+@example(config={"num_blocks": 20, **MIDSIZE}, seed=3)  # tight KV: many preemptions
+@example(config={"num_blocks": 40, **MIDSIZE}, seed=5)
+def test_random_simulation_keeps_every_invariant(config: dict[str, int], seed: int) -> None:
+    """Random arrivals, lengths, aborts, EOS and deadlines against a small KV cache.
+
+    After every step: the allocator's invariants, the budget, decodes-always-run and
+    FCFS admission. At the end: nothing left running or held, every request finished
+    with the reason its tokens call for, and every output equals the output of the
+    same request run alone (so preemption and chunking never change a token).
+    """
+    rng = random.Random(seed)
+    sched = make_scheduler(**config)
+    model = PagedFakeModel(config["block_size"], vocab=rng.choice([3, 16, 64]))
+    eos = frozenset({EOS})
+    added: list[Sequence] = []
+    aborted: set[str] = set()
+    first_scheduled: list[int] = []  # indexes into `added`, in order of first chunk
+    seen: set[str] = set()
+    now = 0.0
+    attempts = 0
+    for _ in range(20_000):
+        now += 1.0
+        if attempts < 50 and rng.random() < 0.5:
+            attempts += 1
+            seq = random_request(rng, f"r{attempts}", now, sched.max_model_len)
+            try:
+                sched.add(seq)
+            except RequestRejected:
+                assert cannot_run(seq, sched)
+                continue
+            assert not cannot_run(seq, sched)
+            added.append(seq)
+        live = sched.sequences()
+        if live and rng.random() < 0.05:
+            victim = rng.choice(live)
+            assert sched.abort(victim.request_id) is victim
+            aborted.add(victim.request_id)
+        aborted.update(s.request_id for s in sched.expire(now))
+        chunks, _ = step(sched, model)
+        for c in chunks:
+            if c.seq.request_id not in seen:
+                seen.add(c.seq.request_id)
+                first_scheduled.append(added.index(c.seq))
+        if attempts == 50 and not sched.has_work:
+            break
+    assert not sched.has_work, "the simulation did not drain"
+    assert sched.block_manager.num_free_blocks == config["num_blocks"]
+    assert first_scheduled == sorted(first_scheduled), "a request overtook an older one"
+    for seq in added:
+        expected = reference_output(seq, model.vocab, eos)
+        assert seq.is_finished and seq.block_table == []
+        if seq.request_id in aborted:
+            assert seq.finish_reason is FinishReason.ABORT
+            assert seq.output_token_ids == expected[: seq.num_output_tokens]
+        else:
+            assert seq.output_token_ids == expected
+            last, params = seq.output_token_ids[-1], seq.params
+            stopped = last in params.stop_token_ids or (last in eos and not params.ignore_eos)
+            assert seq.finish_reason is (FinishReason.STOP if stopped else FinishReason.LENGTH)
+
+
+def random_request(rng: random.Random, request_id: str, now: float, max_len: int) -> Sequence:
+    """Sized around ``max_len`` so that most, not all, requests are accepted."""
+    deadline = now + rng.randint(1, 60) if rng.random() < 0.1 else None
+    return make(
+        request_id,
+        rng.randint(0, max_len * 2 // 3),
+        rng.randint(0, max_len // 2),
+        deadline=deadline,
+        ignore_eos=rng.random() < 0.5,
+    )
+
+
+def cannot_run(seq: Sequence, sched: Scheduler) -> bool:
+    """The rule ``add`` must enforce, restated independently."""
+    n, m = len(seq.prompt_token_ids), seq.params.max_tokens
+    kv_slots = sched.block_manager.num_blocks * sched.block_manager.block_size
+    return n == 0 or m < 1 or n + m > sched.max_model_len or n + m - 1 > kv_slots

@@ -32,6 +32,10 @@ unfinished prefill and then to the oldest waiting request; a preemption victim
 is always the most recently admitted sequence, so the oldest running sequence is
 never preempted by another; and ``add`` admits only requests whose peak KV
 footprint fits the whole cache. Hence the oldest request always progresses.
+
+The price, under KV pressure: a request admitted with a partial chunk is the
+first victim when a decode next needs a block, so it may be admitted and
+preempted repeatedly; each time wastes at most the tokens it had computed.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ _FINISHED = SequenceStatus.FINISHED
 class Scheduler:
     """Owns every live ``Sequence`` and the KV blocks they hold.
 
-    Invariants (checked by the tests after every step):
+    Invariants (``check`` asserts them; the tests call it after every step):
 
     * a live sequence is in exactly one of ``_waiting`` / ``_running``, and in
       ``_live``; a FINISHED one is in none and holds no blocks;
@@ -133,6 +137,15 @@ class Scheduler:
     def get(self, request_id: str) -> Sequence | None:
         """The live sequence with this id, or None."""
         return self._live.get(request_id)
+
+    def check(self) -> None:
+        """Assert the invariants of the class docstring and the allocator's, O(live + blocks)."""
+        assert len(self._running) <= self.max_num_seqs
+        assert all(s.status is _WAITING and s.num_computed_tokens == 0 for s in self._waiting)
+        assert all(s.status is _RUNNING and s.num_uncomputed_tokens >= 1 for s in self.running)
+        assert len(self._waiting) + len(self._running) == len(self._live)
+        assert {s.request_id for s in self._waiting} | self._running.keys() == self._live.keys()
+        self.block_manager.check(list(self._live.values()))
 
     # -- requests in -----------------------------------------------------------
 

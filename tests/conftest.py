@@ -1,0 +1,35 @@
+"""Session fixtures shared by every test package.
+
+torch and transformers are imported inside the fixtures, so test packages that
+never ask for a model (mux, protocol) do not pay for importing them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama + byte-level BPE tokenizer, built once per session (~1 s)."""
+    from tserve.gpu._models import TINY_MODEL_VERSION, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-model-v{TINY_MODEL_VERSION}"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of the tiny model, fp32 on CPU, shared by the session.
+
+    Use it as the reference (``generate``, plain forward). Do NOT hand it to a
+    ModelRunner, which takes over the model's attention: load a fresh copy
+    with ``load_model(tiny_model_dir, ...)`` for that (tens of milliseconds).
+    """
+    import torch
+
+    from tserve.gpu._models import load_model
+
+    return load_model(tiny_model_dir, device="cpu", dtype=torch.float32)

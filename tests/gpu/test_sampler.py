@@ -1,0 +1,186 @@
+"""The sampler on synthetic logits: no model needed."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from tserve.gpu._sampler import FAULT_ENV, Sampler, SampleResult
+from tserve.gpu._sequence import Sequence
+from tserve.protocol import SamplingParams
+
+VOCAB = 50
+
+
+def _seq(request_id: str, **params: object) -> Sequence:
+    return Sequence(request_id, [1, 2, 3], SamplingParams(**params))  # type: ignore[arg-type]
+
+
+def _logits(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _tokens(results: list[SampleResult]) -> list[int | None]:
+    assert all(r.error is None for r in results), [r.error for r in results]
+    return [r.token_id for r in results]
+
+
+def test_greedy_is_argmax() -> None:
+    logits = _logits(8)
+    seqs = [_seq(f"g{i}", temperature=0) for i in range(8)]
+    assert _tokens(Sampler().sample(logits, seqs)) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}, {"temperature": 1e-6}])
+def test_degenerate_filters_are_greedy(params: dict[str, object]) -> None:
+    logits = _logits(8, seed=1)
+    seqs = [_seq(f"s{i}", seed=i, **params) for i in range(8)]
+    assert _tokens(Sampler().sample(logits, seqs)) == logits.argmax(-1).tolist()
+
+
+def _run_alone_and_batched(params: dict[str, object], steps: int = 30) -> None:
+    """The same seeded request, alone vs among changing neighbours, each step."""
+    logits = _logits(steps, seed=2)
+    alone, batched = Sampler(), Sampler()
+    got_alone, got_batched = [], []
+    for step in range(steps):
+        target = _seq("target", seed=1234, **params)
+        got_alone += _tokens(alone.sample(logits[step : step + 1], [target]))
+        neighbours = [_seq(f"n{step}-{j}", seed=step * 10 + j, **params) for j in range(step % 5)]
+        neighbours += [_seq(f"u{step}", temperature=0.7)]  # unseeded, draws from the shared rng
+        batch = [*neighbours[: step % 3], target, *neighbours[step % 3 :]]
+        rows = torch.cat([_logits(len(batch), seed=100 + step)])
+        rows[batch.index(target)] = logits[step]
+        got_batched.append(batched.sample(rows, batch)[batch.index(target)].token_id)
+    assert got_alone == got_batched
+    assert len(set(got_alone)) > 3, "the draws should not all be the same token"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"temperature": 0.8}, {"top_k": 10}, {"top_p": 0.9, "temperature": 1.3}],
+)
+def test_seeded_sampling_is_independent_of_the_batch(params: dict[str, object]) -> None:
+    _run_alone_and_batched(params)
+
+
+def test_different_seeds_differ_and_release_restarts_the_stream() -> None:
+    logits = _logits(1, seed=3).expand(20, VOCAB)
+    sampler = Sampler()
+
+    def stream(request_id: str, seed: int) -> list[int | None]:
+        return [
+            sampler.sample(logits[:1], [_seq(request_id, seed=seed)])[0].token_id for _ in range(20)
+        ]
+
+    first = stream("a", 7)
+    assert stream("b", 8) != first
+    sampler.release("a")
+    assert stream("a", 7) == first
+
+
+def test_sampling_follows_the_filtered_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    sampler = Sampler()
+
+    def counts(**params: object) -> collections.Counter[int | None]:
+        seq = _seq("d", seed=5, **params)
+        draws = [sampler.sample(logits, [seq])[0].token_id for _ in range(4000)]
+        sampler.release("d")
+        return collections.Counter(draws)
+
+    plain = counts()
+    for token, p in enumerate([0.5, 0.3, 0.15, 0.05]):
+        assert abs(plain[token] / 4000 - p) < 0.03
+    top_k = counts(top_k=2)
+    assert set(top_k) == {0, 1} and abs(top_k[0] / 4000 - 0.5 / 0.8) < 0.03
+    # top_p keeps the smallest prefix whose mass reaches p: 0.5 + 0.3 >= 0.7.
+    assert set(counts(top_p=0.7)) == {0, 1}
+    assert set(counts(top_p=0.81)) == {0, 1, 2}
+
+
+def test_penalties_lower_the_logits_of_output_tokens() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3] = 1.0
+    logits[0, 4] = 0.5
+    seq = _seq("p", temperature=0, frequency_penalty=0.3)
+    seq.output_token_ids = [3, 3, 9]  # token 3: 1.0 - 2 * 0.3 = 0.4 < 0.5
+    assert _tokens(Sampler().sample(logits, [seq])) == [4]
+    seq = _seq("q", temperature=0, presence_penalty=0.6)
+    seq.output_token_ids = [3]  # 1.0 - 0.6 = 0.4 < 0.5
+    assert _tokens(Sampler().sample(logits, [seq])) == [4]
+    seq = _seq("r", temperature=0, presence_penalty=-2.0)
+    seq.output_token_ids = [7]  # a negative penalty favours repeats: 0 + 2 > 1
+    assert _tokens(Sampler().sample(logits, [seq])) == [7]
+    seq = _seq("s", temperature=0, frequency_penalty=1.0)  # prompt tokens do not count
+    seq.prompt_token_ids = [3, 3, 3]
+    assert _tokens(Sampler().sample(logits, [seq])) == [3]
+
+
+def test_logprobs_are_raw_and_ranked() -> None:
+    logits = _logits(3, seed=4)
+    seqs = [
+        _seq("none", seed=1),
+        _seq("zero", seed=2, logprobs=0),
+        _seq("five", seed=3, logprobs=5, temperature=0.5, frequency_penalty=1.0),
+    ]
+    seqs[2].output_token_ids = [int(logits[2].argmax())]
+    results = Sampler().sample(logits, seqs)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert results[0].logprob is None
+    for row, result in ((1, results[1]), (2, results[2])):
+        lp = result.logprob
+        assert lp is not None and lp.token_id == result.token_id
+        assert math.isclose(lp.logprob, float(raw[row, lp.token_id]), abs_tol=1e-6)
+    assert results[1].logprob is not None and results[1].logprob.top == []
+    top = results[2].logprob.top if results[2].logprob else []
+    assert [t for t, _ in top] == raw[2].topk(5).indices.tolist()
+    assert [v for _, v in top] == pytest.approx(raw[2].topk(5).values.tolist(), abs=1e-6)
+
+
+def test_fault_injection_fails_only_matching_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = _logits(6, seed=5)
+    ids = ["bad-1", "ok-1", "bad-2", "ok-2", "ok-3", "xbad-3"]
+
+    def batch() -> list[Sequence]:
+        return [_seq(i, seed=n, temperature=0.9, logprobs=2) for n, i in enumerate(ids)]
+
+    clean = Sampler().sample(logits, batch())
+    monkeypatch.setenv(FAULT_ENV, "^bad-")
+    faulty = Sampler().sample(logits, batch())
+    for request_id, want, got in zip(ids, clean, faulty, strict=True):
+        if request_id.startswith("bad-"):
+            assert got.token_id is None and got.error and "injected" in got.error
+        else:
+            assert got == want
+
+
+def test_fault_injection_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    assert all(r.error is None for r in Sampler().sample(_logits(2), [_seq("bad-1"), _seq("x")]))
+
+
+def test_a_request_that_breaks_the_batch_fails_alone() -> None:
+    """A corrupt output history raises inside the batched part; only its owner fails."""
+    logits = _logits(4, seed=6)
+    seqs = [_seq(f"r{i}", seed=i, frequency_penalty=0.5) for i in range(4)]
+    for seq in seqs:
+        seq.output_token_ids = [1, 2]
+    seqs[2].output_token_ids = [-5]  # bincount rejects negative ids
+    reference = Sampler().sample(logits[[0, 1, 3]], [seqs[0], seqs[1], seqs[3]])
+    results = Sampler().sample(logits, seqs)
+    assert results[2].token_id is None and results[2].error
+    assert [results[0], results[1], results[3]] == reference
+
+
+def test_bad_rows_and_params_fail_alone() -> None:
+    logits = _logits(4, seed=7)
+    logits[1, 5] = float("nan")
+    seqs = [_seq("a", seed=1), _seq("nan", seed=2), _seq("neg", temperature=-1.0), _seq("b")]
+    results = Sampler().sample(logits, seqs)
+    assert results[1].error and "non-finite" in results[1].error
+    assert results[2].error and "temperature" in results[2].error
+    assert results[0].error is None and results[3].error is None

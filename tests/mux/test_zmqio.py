@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,17 +32,17 @@ async def test_a_million_deltas_each_way_arrive_in_order(
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     argv = [sys.executable, "-m", "tests.mux.stress_peer", ipc_address]
     argv += [str(STRESS_DELTAS), str(round_ + 100), str(hwm)]
-    peer = subprocess.Popen(argv, cwd=REPO_ROOT, env=env)
     try:
-        await exchange(socket, STRESS_DELTAS, seed=round_)
-        with anyio.fail_after(60):
-            while peer.poll() is None:
-                await anyio.sleep(0.01)
-        assert peer.returncode == 0, "the peer saw a lost, repeated or reordered delta"
+        async with await anyio.open_process(argv, cwd=REPO_ROOT, env=env, stdout=None) as peer:
+            try:
+                await exchange(socket, STRESS_DELTAS, seed=round_)
+                with anyio.fail_after(60):
+                    code = await peer.wait()
+            finally:
+                if peer.returncode is None:
+                    peer.kill()
+        assert code == 0, "the peer saw a lost, repeated or reordered delta"
     finally:
-        if peer.poll() is None:
-            peer.kill()
-        peer.wait()
         socket.close(linger=0)
         context.term()
 

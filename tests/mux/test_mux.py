@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
@@ -164,8 +165,10 @@ async def test_silence_past_the_heartbeat_timeout_fails_every_open_request(
     ipc_address: str, fault: str
 ) -> None:
     """A hung engine and one that exits without a word both fall silent."""
-    options = {fault: 3, "heartbeat_interval": 0.05}
-    async with _engine_and_mux(ipc_address, heartbeat_timeout=0.5, **options) as mux:
+    options: dict[str, Any] = {fault: 3}
+    async with _engine_and_mux(
+        ipc_address, heartbeat_timeout=0.5, heartbeat_interval=0.05, **options
+    ) as mux:
         mailboxes = [_open(mux, f"r{i}", 0, 10_000) for i in range(100)]
         reasons = await _expect_death(mailboxes)
         assert reasons == ["no message from the engine for 0.5 s"] * 100

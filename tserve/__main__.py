@@ -1,0 +1,210 @@
+"""``python -m tserve``: the OpenAI-compatible server.
+
+``python -m tserve`` alone serves the default model on 127.0.0.1:8000;
+``python -m tserve serve [MODEL] [options]`` says more. Every option can also
+come from an environment variable, ``TSERVE_`` + its name in capitals
+(``--max-pending`` is ``TSERVE_MAX_PENDING``); a command-line flag wins.
+The ``bench`` subcommand name is reserved for the benchmark client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tserve.protocol import EngineConfig
+
+__all__ = ["main"]
+
+_COMMANDS = ("serve", "bench")
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+def _env_name(dest: str) -> str:
+    return "TSERVE_" + dest.upper()
+
+
+def _option(
+    group: argparse._ArgumentGroup,
+    flag: str,
+    kind: Callable[[str], Any],
+    default: Any,
+    help: str,
+    **kwargs: Any,
+) -> None:
+    """An option whose default comes from its environment variable, if set."""
+    dest = flag.lstrip("-").replace("-", "_")
+    env = _env_name(dest)
+    raw = os.environ.get(env)
+    value = default if raw is None else kind(raw)
+    shown = "" if default is None else f"; default {default}"
+    group.add_argument(
+        flag, type=kind, default=value, dest=dest, help=f"{help} (env {env}{shown})", **kwargs
+    )
+
+
+def _flag(group: argparse._ArgumentGroup, flag: str, help: str) -> None:
+    dest = flag.lstrip("-").replace("-", "_")
+    env = _env_name(dest)
+    on = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
+    group.add_argument(flag, action="store_true", default=on, help=f"{help} (env {env}=1)")
+
+
+def _optional_float(text: str) -> float | None:
+    return None if text.lower() in ("", "none", "0") else float(text)
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API (the default command)",
+        description="Serve a model over the OpenAI-compatible HTTP API.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=os.environ.get("TSERVE_MODEL", "default"),
+        help="local model directory, or 'default' for the bundled SmolLM2-135M-Instruct "
+        "(env TSERVE_MODEL)",
+    )
+    http = p.add_argument_group("HTTP server")
+    _option(http, "--host", str, "127.0.0.1", "address to bind")
+    _option(http, "--port", int, 8000, "port to bind (0: any free port)")
+    _option(http, "--api-key", str, None, "require 'Authorization: Bearer KEY' on /v1/*")
+    _option(
+        http,
+        "--served-model-name",
+        str,
+        None,
+        "model name(s) clients use, comma-separated (default: the model's directory name)",
+    )
+    _option(http, "--max-body-bytes", int, 4 * 1024 * 1024, "largest request body (413 above)")
+    _option(http, "--log-level", str, "info", "debug, info, warning or error")
+    _flag(http, "--no-request-log", "do not log one line per request")
+
+    front = p.add_argument_group("requests")
+    _option(front, "--max-pending", int, 1024, "live requests at most; more get 503 at once")
+    _option(
+        front,
+        "--request-timeout",
+        _optional_float,
+        None,
+        "seconds a request may take before it is aborted with 504 (0: no limit)",
+    )
+    _option(
+        front,
+        "--shutdown-timeout",
+        float,
+        30.0,
+        "seconds in-flight requests get to finish after SIGTERM/SIGINT",
+    )
+
+    eng = p.add_argument_group("engine")
+    d = _ENGINE_DEFAULTS
+    _option(eng, "--max-num-seqs", int, d.max_num_seqs, "requests in one batch at most")
+    _option(eng, "--kv-cache-tokens", int, d.kv_cache_tokens, "KV cache budget in tokens")
+    _option(
+        eng,
+        "--max-num-batched-tokens",
+        int,
+        d.max_num_batched_tokens,
+        "tokens in one engine step at most",
+    )
+    _option(eng, "--max-model-len", int, None, "context length (default: the model's)")
+    _option(eng, "--threads", int, d.threads, "torch CPU threads")
+    _option(eng, "--device", str, d.device, "auto, cpu or cuda[:N]")
+    _option(eng, "--dtype", str, d.dtype, "auto, float32, bfloat16 or float16")
+    _option(eng, "--cache-dir", str, None, "where converted models are cached")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tserve",
+        description="tserve: an OpenAI-compatible LLM server. "
+        "Without a command, 'serve' runs with its defaults.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{serve}")
+    _serve_parser(sub)
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv``; a missing command means ``serve``."""
+    args = list(argv)
+    if not args or (args[0] not in _COMMANDS and args[0] not in ("-h", "--help")):
+        args.insert(0, "serve")
+    if args[0] == "bench":
+        raise SystemExit("python -m tserve bench: not implemented yet")
+    return _parser().parse_args(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from tserve.nursery import open_llm
+    from tserve.web import AppConfig, ServerConfig, serve
+
+    names = tuple(n.strip() for n in (args.served_model_name or "").split(",") if n.strip())
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        app=AppConfig(
+            served_model_names=names,
+            api_key=args.api_key or None,
+            max_body_bytes=args.max_body_bytes,
+            request_log=not args.no_request_log,
+        ),
+    )
+    engine: dict[str, Any] = {
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_tokens": args.kv_cache_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "threads": args.threads,
+        "device": args.device,
+        "dtype": args.dtype,
+        "cache_dir": args.cache_dir,
+    }
+
+    async def run() -> int:
+        async with open_llm(
+            args.model,
+            max_pending=args.max_pending,
+            request_timeout=args.request_timeout,
+            log_level=args.log_level.upper(),
+            **engine,
+        ) as llm:
+            codes: list[int] = []
+
+            async def run_server(task_status: trio.TaskStatus[str]) -> None:
+                codes.append(await serve(llm, server, task_status=task_status))
+
+            async with trio.open_nursery() as nursery:
+                url = await nursery.start(run_server)
+                name = names[0] if names else llm.model
+                print(f"tserve: serving '{name}' at {url}/v1", flush=True)
+        return codes[0]
+
+    return trio.run(run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

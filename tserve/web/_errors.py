@@ -1,0 +1,147 @@
+"""The one place where exceptions become OpenAI error JSON and an HTTP status.
+
+Body: ``{"error": {"message", "type", "param", "code"}}``. The table:
+
+======================================  ======  ==========================
+exception                               status  type / code
+======================================  ======  ==========================
+InvalidRequest, malformed JSON          400     invalid_request_error
+Unauthorized (bad or missing API key)   401     invalid_request_error / invalid_api_key
+NotFound (unknown model or route)       404     invalid_request_error / model_not_found, not_found
+method not allowed                      405     invalid_request_error / method_not_allowed
+body larger than the configured limit   413     invalid_request_error / payload_too_large
+RequestFailed (the engine failed ONE    422     invalid_request_error / request_failed
+request, e.g. a per-request fault)
+Overloaded                              503     server_error / overloaded, ``Retry-After``
+ShuttingDown (draining)                 503     server_error / shutting_down, ``Retry-After``
+RequestAborted (engine aborted it)      503     server_error / request_aborted, ``Retry-After``
+EngineDeadError                         503     server_error / engine_dead, ``Retry-After``
+RequestTimeout                          504     server_error / timeout
+anything else: a bug                    500     server_error / internal_error (logged with
+                                                its traceback and the request id)
+======================================  ======  ==========================
+
+Why 422 for RequestFailed: input the API process can check (prompt too long,
+token ids out of the vocabulary, bad parameters) is already a 400 before the
+engine sees it; what the engine still refuses per request is about this
+request alone and would fail again if retried, so it must not be a 5xx (the
+SDK retries those), yet it is not a malformed request either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+from werkzeug.exceptions import HTTPException
+
+from tserve.nursery import (
+    EngineDeadError,
+    InvalidRequest,
+    Overloaded,
+    RequestFailed,
+    RequestTimeout,
+    ShuttingDown,
+)
+
+__all__ = [
+    "ErrorReply",
+    "ModelNotFound",
+    "NotFound",
+    "RequestAborted",
+    "Unauthorized",
+    "WebError",
+    "error_reply",
+]
+
+log = logging.getLogger("tserve.web")
+
+
+class WebError(Exception):
+    """An error of the HTTP layer itself, carrying its status and OpenAI code."""
+
+    status = 400
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Unauthorized(WebError):
+    status = 401
+    code = "invalid_api_key"
+
+
+class NotFound(WebError):
+    status = 404
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class RequestAborted(WebError):
+    """The engine aborted the request on its own (its deadline, or it is stopping)."""
+
+    status = 503
+    code = "request_aborted"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ErrorReply:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+def _body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def error_reply(exc: BaseException, request_id: str) -> ErrorReply:
+    """Status, OpenAI error body and headers for ``exc``. Never raises.
+
+    Anything unexpected is a 500 that names ``request_id``; it is logged here
+    with its traceback.
+    """
+    client = "invalid_request_error"
+    server = "server_error"
+    match exc:
+        case InvalidRequest():
+            return ErrorReply(400, _body(str(exc), client, exc.param, None), {})
+        case WebError():
+            headers = _retry_after(1) if exc.status == 503 else {}
+            type_ = server if exc.status >= 500 else client
+            return ErrorReply(exc.status, _body(str(exc), type_, exc.param, exc.code), headers)
+        case HTTPException():
+            status = exc.code or 500
+            code = _HTTP_CODES.get(status)
+            message = exc.description or exc.name
+            return ErrorReply(status, _body(message, client, None, code), {})
+        case RequestFailed():
+            return ErrorReply(422, _body(str(exc), client, None, "request_failed"), {})
+        case Overloaded():
+            body = _body(f"The server is overloaded: {exc}", server, None, "overloaded")
+            return ErrorReply(503, body, _retry_after(exc.retry_after))
+        case ShuttingDown():
+            body = _body(f"The server is shutting down: {exc}", server, None, "shutting_down")
+            return ErrorReply(503, body, _retry_after(1))
+        case EngineDeadError():
+            body = _body(f"The engine is not running: {exc}", server, None, "engine_dead")
+            return ErrorReply(503, body, _retry_after(5))
+        case RequestTimeout():
+            return ErrorReply(504, _body(str(exc), server, None, "timeout"), {})
+    log.error("internal error in request %s", request_id, exc_info=exc)
+    message = f"Internal server error (request id {request_id})"
+    return ErrorReply(500, _body(message, server, None, "internal_error"), {})

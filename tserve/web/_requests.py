@@ -1,0 +1,384 @@
+"""OpenAI request bodies in, validated requests out. Sans-IO: no quart, no trio.
+
+Rules:
+
+* A body is decoded by msgspec straight into a typed Struct; a wrong type or
+  a value out of range raises :class:`InvalidRequest` whose ``param`` is the
+  JSON path of the field (``max_tokens``, ``messages[2].content``).
+* Unknown fields are ignored (clients send many). Known fields that tserve
+  cannot honour are refused with a 400 naming the field rather than ignored
+  silently: ``best_of > 1``, ``suffix``, a non-empty ``logit_bias``,
+  ``echo`` with ``logprobs``, ``min_tokens > 0``, ``tools``/``functions``,
+  a ``tool_choice`` other than "none", a ``response_format`` other than
+  text, ``audio``, non-text ``modalities``, ``prediction``, and message
+  content parts other than text.
+* vLLM-style extras are accepted: ``top_k``, ``ignore_eos``,
+  ``stop_token_ids``.
+* Bounds: ``n`` times the number of prompts is at most :data:`MAX_CHOICES`,
+  at most :data:`MAX_STOP` stop strings, ``logprobs``/``top_logprobs`` at
+  most :data:`MAX_LOGPROBS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+from tserve.nursery import InvalidRequest
+from tserve.protocol import SamplingParams
+
+__all__ = [
+    "MAX_CHOICES",
+    "MAX_LOGPROBS",
+    "MAX_STOP",
+    "ChatRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "TokenizeRequest",
+    "parse_chat",
+    "parse_completion",
+    "parse_detokenize",
+    "parse_tokenize",
+]
+
+MAX_CHOICES = 128  # n * len(prompts) per HTTP request
+MAX_STOP = 16
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 256
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_Int64 = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
+_Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+_StopString = Annotated[str, msgspec.Meta(min_length=1)]
+_Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # accepted, not honoured
+
+
+class _SamplingBody(msgspec.Struct, kw_only=True):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT64_MAX)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=_INT64_MAX)] | None = None
+    seed: _Int64 | None = None
+    stop: _StopString | list[_StopString] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # vLLM-style extras
+    ignore_eos: bool | None = None
+    stop_token_ids: list[_TokenId] | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # known, refused unless harmless
+    logit_bias: dict[str, float] | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class CompletionBody(_SamplingBody, kw_only=True):
+    prompt: str | list[str | _TokenId | list[_TokenId]]
+    echo: bool | None = None
+    logprobs: _Logprobs | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class MessageBody(msgspec.Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+
+
+class ChatBody(_SamplingBody, kw_only=True):
+    messages: Annotated[list[MessageBody], msgspec.Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT64_MAX)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: _Logprobs | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: ResponseFormat | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[MessageBody], msgspec.Meta(min_length=1)] | None = None
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[_TokenId]
+
+
+# -- validated requests -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A validated ``/v1/completions`` body.
+
+    ``prompts`` holds one entry per prompt: text, or token ids. Choice
+    ``i * n + j`` is sample ``j`` of prompt ``i``.
+    """
+
+    model: str | None
+    prompts: list[str] | list[list[int]]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: int | None  # top alternatives per token; None = off
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A validated ``/v1/chat/completions`` body.
+
+    ``max_tokens`` None means "what is left of the context": the caller sets
+    it in ``params`` once the prompt length is known.
+    """
+
+    model: str | None
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    max_tokens: int | None
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DetokenizeRequest:
+    model: str | None
+    tokens: list[int]
+
+
+# -- parsing -----------------------------------------------------------------------
+
+_T = TypeVar("_T")
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+
+
+def _decode(body: bytes, kind: type[_T]) -> _T:
+    """Decode JSON ``body`` into ``kind``; raise InvalidRequest naming the field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        at = _AT.search(message)
+        path = at.group("path") if at else ""
+        missing = _MISSING.match(message)
+        if missing:
+            path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+        detail = _AT.sub("", message)
+        if path:
+            raise InvalidRequest(f"Invalid value for '{path}': {detail}", param=path) from None
+        raise InvalidRequest(f"Invalid request body: {detail}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"The body is not valid JSON: {exc}") from None
+
+
+def _refuse(param: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"'{param}' is not supported by this server: {why}", param=param)
+
+
+def _check_common(body: _SamplingBody) -> None:
+    if body.logit_bias:
+        raise _refuse("logit_bias", "logit biases are not implemented")
+    if body.best_of is not None and body.best_of > 1:
+        raise _refuse("best_of", "only best_of=1 is implemented")
+    if body.min_tokens:
+        raise _refuse("min_tokens", "min_tokens is not implemented")
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP:
+        raise InvalidRequest(f"'stop' holds at most {MAX_STOP} strings", param="stop")
+    if body.stop_token_ids is not None and len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"'stop_token_ids' holds at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids"
+        )
+
+
+def _params(body: _SamplingBody, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    stop = body.stop
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
+        seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+    )
+
+
+def _include_usage(body: _SamplingBody) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def _prompts(prompt: str | list[str | int | list[int]]) -> list[str] | list[list[int]]:
+    """One of: a string, strings, token ids, lists of token ids; nothing mixed."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequest("'prompt' must not be an empty list", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [[p for p in prompt if isinstance(p, int)]]
+    if all(isinstance(p, str) for p in prompt):
+        return [p for p in prompt if isinstance(p, str)]
+    if all(isinstance(p, list) for p in prompt):
+        lists = [p for p in prompt if isinstance(p, list)]
+        for i, ids in enumerate(lists):
+            if not ids:
+                raise InvalidRequest(f"'prompt[{i}]' is an empty list", param=f"prompt[{i}]")
+        return lists
+    raise InvalidRequest(
+        "'prompt' must be a string, a list of strings, a list of token ids, or a list of "
+        "lists of token ids (not a mix)",
+        param="prompt",
+    )
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body. Raises InvalidRequest."""
+    req = _decode(body, CompletionBody)
+    _check_common(req)
+    if req.suffix:
+        raise _refuse("suffix", "insertion (suffix) is not implemented")
+    if req.echo and req.logprobs is not None:
+        raise _refuse("echo", "echo with logprobs needs prompt logprobs, not implemented")
+    prompts = _prompts(req.prompt)
+    n = req.n or 1
+    if n * len(prompts) > MAX_CHOICES:
+        raise InvalidRequest(
+            f"n ({n}) times the number of prompts ({len(prompts)}) exceeds {MAX_CHOICES}",
+            param="n",
+        )
+    return CompletionRequest(
+        model=req.model,
+        prompts=prompts,
+        params=_params(req, req.max_tokens or 16, req.logprobs),
+        n=n,
+        stream=bool(req.stream),
+        include_usage=_include_usage(req),
+        echo=bool(req.echo),
+        logprobs=req.logprobs,
+    )
+
+
+def _messages(messages: list[MessageBody]) -> list[dict[str, Any]]:
+    """Plain dicts for the chat template; content parts joined into one string."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.tool_calls is not None:
+            raise _refuse(f"messages[{i}].tool_calls", "tool calls are not implemented")
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    param = f"messages[{i}].content[{j}]"
+                    raise _refuse(f"{param}.type", f"content parts of type {part.type!r}")
+            content = "".join(part.text or "" for part in content)
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def _check_chat_only(req: ChatBody) -> None:
+    if req.tools:
+        raise _refuse("tools", "tool calling is not implemented")
+    if req.functions:
+        raise _refuse("functions", "function calling is not implemented")
+    if req.function_call not in (None, "none"):
+        raise _refuse("function_call", "function calling is not implemented")
+    if req.tool_choice not in (None, "none"):
+        raise _refuse("tool_choice", "tool calling is not implemented")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise _refuse("response_format", "only the 'text' format is implemented")
+    if req.audio is not None:
+        raise _refuse("audio", "audio output is not implemented")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise _refuse("modalities", "only text output is implemented")
+    if req.prediction is not None:
+        raise _refuse("prediction", "predicted outputs are not implemented")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+
+
+def parse_chat(body: bytes) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body. Raises InvalidRequest."""
+    req = _decode(body, ChatBody)
+    _check_common(req)
+    _check_chat_only(req)
+    messages = _messages(req.messages)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return ChatRequest(
+        model=req.model,
+        messages=messages,
+        params=_params(req, max_tokens or 1, logprobs),
+        max_tokens=max_tokens,
+        n=req.n or 1,
+        stream=bool(req.stream),
+        include_usage=_include_usage(req),
+        logprobs=logprobs,
+    )
+
+
+def parse_tokenize(body: bytes) -> TokenizeRequest:
+    """Validate a ``/tokenize`` body: exactly one of ``prompt`` and ``messages``."""
+    req = _decode(body, TokenizeBody)
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
+    messages = None if req.messages is None else _messages(req.messages)
+    return TokenizeRequest(req.model, req.prompt, messages)
+
+
+def parse_detokenize(body: bytes) -> DetokenizeRequest:
+    """Validate a ``/detokenize`` body."""
+    req = _decode(body, DetokenizeBody)
+    return DetokenizeRequest(req.model, list(req.tokens))

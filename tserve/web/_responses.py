@@ -1,0 +1,254 @@
+"""OpenAI response bodies and stream chunks from :class:`tserve.Delta`. Sans-IO.
+
+A *choice* accumulates the deltas of one generated sequence. ``push(delta)``
+returns that delta as the choice object of a stream chunk; ``final()``
+returns the choice object of the whole (non-streaming) response. The chunk
+and response builders wrap choice objects with the id, model and usage.
+
+Shapes follow OpenAI's API reference:
+
+* completions logprobs: ``{"tokens", "token_logprobs", "top_logprobs",
+  "text_offset"}``, one entry per token; ``top_logprobs`` maps token text to
+  logprob.
+* chat logprobs: ``{"content": [{"token", "logprob", "bytes",
+  "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": None}``.
+
+A token's text is the tokenizer's decoding of that one token; a token that
+is only part of a UTF-8 character decodes to U+FFFD. Logprobs of -inf (and
+NaN) are reported as -9999.0, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tserve.nursery import Delta, Usage
+from tserve.protocol import TokenLogprob
+
+__all__ = [
+    "ChatChoice",
+    "CompletionChoice",
+    "TokenText",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "total_usage",
+    "usage_chunk",
+    "usage_dict",
+]
+
+TokenText = Callable[[int], str]
+"""The text of one token id (see the module docstring)."""
+
+JSON = dict[str, Any]
+
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+def usage_dict(usage: Usage) -> JSON:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+class CompletionChoice:
+    """One choice of ``/v1/completions``. ``prefix`` is the echoed prompt, if any."""
+
+    def __init__(
+        self, index: int, token_text: TokenText, *, logprobs: bool, prefix: str = ""
+    ) -> None:
+        self.index = index
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None  # set by the last delta
+        self._token_text = token_text
+        self._logprobs = logprobs
+        self._parts: list[str] = [prefix] if prefix else []
+        self._pending_prefix = prefix  # sent with the first chunk
+        # Invariant: _offset == total length of the text emitted so far.
+        self._offset = len(prefix)
+        self._lp: JSON = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def push(self, delta: Delta) -> JSON:
+        """Take one delta; return it as a stream chunk's choice object."""
+        text = self._pending_prefix + delta.text
+        self._pending_prefix = ""
+        lp = self._take_logprobs(delta) if self._logprobs else None
+        self._parts.append(delta.text)
+        self._offset += len(delta.text)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.usage = delta.usage
+        return {
+            "index": self.index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": delta.finish_reason,
+        }
+
+    def final(self) -> JSON:
+        """The choice object of the whole response."""
+        return {
+            "index": self.index,
+            "text": "".join(self._parts),
+            "logprobs": self._lp if self._logprobs else None,
+            "finish_reason": self.finish_reason,
+        }
+
+    def _take_logprobs(self, delta: Delta) -> JSON:
+        out: JSON = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self._offset
+        for entry in delta.logprobs or ():
+            token = self._token_text(entry.token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(_lp(entry.logprob))
+            out["top_logprobs"].append({self._token_text(t): _lp(v) for t, v in entry.top})
+            out["text_offset"].append(offset)
+            offset += len(token)
+        for key, values in out.items():
+            self._lp[key].extend(values)
+        return out
+
+
+class ChatChoice:
+    """One choice of ``/v1/chat/completions``."""
+
+    def __init__(self, index: int, token_text: TokenText, *, logprobs: bool) -> None:
+        self.index = index
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self._token_text = token_text
+        self._logprobs = logprobs
+        self._parts: list[str] = []
+        self._content: list[JSON] = []
+        self._first = True
+
+    def push(self, delta: Delta) -> JSON:
+        """Take one delta; return it as a stream chunk's choice object."""
+        message: JSON = {"content": delta.text}
+        if self._first:
+            message = {"role": "assistant", "content": delta.text}
+            self._first = False
+        lp = None
+        if self._logprobs:
+            entries = [self._entry(e) for e in delta.logprobs or ()]
+            self._content.extend(entries)
+            lp = {"content": entries, "refusal": None}
+        self._parts.append(delta.text)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.usage = delta.usage
+        return {
+            "index": self.index,
+            "delta": message,
+            "logprobs": lp,
+            "finish_reason": delta.finish_reason,
+        }
+
+    def final(self) -> JSON:
+        """The choice object of the whole response."""
+        return {
+            "index": self.index,
+            "message": {"role": "assistant", "content": "".join(self._parts), "refusal": None},
+            "logprobs": {"content": self._content, "refusal": None} if self._logprobs else None,
+            "finish_reason": self.finish_reason,
+        }
+
+    def _entry(self, entry: TokenLogprob) -> JSON:
+        token = self._token_text(entry.token_id)
+        return {
+            "token": token,
+            "logprob": _lp(entry.logprob),
+            "bytes": list(token.encode()),
+            "top_logprobs": [self._top(t, v) for t, v in entry.top],
+        }
+
+    def _top(self, token_id: int, logprob: float) -> JSON:
+        token = self._token_text(token_id)
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode())}
+
+
+def total_usage(choices: Sequence[CompletionChoice | ChatChoice], n: int) -> Usage:
+    """Usage of a whole HTTP request: each prompt counted once (choice ``i * n``)."""
+    done = [c.usage for c in choices if c.usage is not None]
+    prompt = sum(c.usage.prompt_tokens for c in choices if c.usage and c.index % n == 0)
+    return Usage(prompt, sum(u.completion_tokens for u in done))
+
+
+def completion_response(
+    rid: str, created: int, model: str, choices: Sequence[CompletionChoice], usage: Usage
+) -> JSON:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [c.final() for c in choices],
+        "usage": usage_dict(usage),
+    }
+
+
+def chat_response(
+    rid: str, created: int, model: str, choices: Sequence[ChatChoice], usage: Usage
+) -> JSON:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [c.final() for c in choices],
+        "usage": usage_dict(usage),
+    }
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, choice: JSON, *, include_usage: bool
+) -> JSON:
+    chunk: JSON = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [choice],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(rid: str, created: int, model: str, choice: JSON, *, include_usage: bool) -> JSON:
+    chunk: JSON = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [choice],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, usage: Usage) -> JSON:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [],
+        "usage": usage_dict(usage),
+    }

@@ -1,0 +1,173 @@
+"""Serving the app with hypercorn's trio worker inside our own nursery.
+
+``await nursery.start(serve, llm, config)`` returns the base URL once the
+socket listens. ``serve`` itself returns an exit code:
+
+* 0 after a graceful shutdown (SIGTERM/SIGINT, or ``shutdown_trigger``):
+  1. ``llm.draining = True``: new requests get 503, ``/ready`` says 503;
+     hypercorn stops accepting connections;
+  2. in-flight requests get up to ``shutdown_timeout`` seconds to finish;
+  3. then the rest are ended: streams with a final SSE error event,
+     non-streaming requests with a 503 error JSON (never a silent cut);
+  4. hypercorn closes the connections, and ``serve`` returns.
+  A second signal skips step 2.
+* 1 when the engine died: live requests have already failed with it (the mux
+  fails every mailbox at once), ``/health`` is 503; after
+  ``engine_death_grace`` seconds the server shuts down as above.
+
+Stopping the engine is the caller's part: leaving ``open_llm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import resource
+import signal
+from collections.abc import Awaitable, Callable
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from tserve.nursery import LLM, ShuttingDown
+from tserve.web._app import AppConfig, Frontend, create_app
+
+__all__ = ["ServerConfig", "raise_fd_limit", "serve"]
+
+log = logging.getLogger("tserve.web")
+
+EXIT_OK = 0
+EXIT_ENGINE_DEAD = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    shutdown_timeout: float = 30.0
+    engine_death_grace: float = 1.0
+    backlog: int = 4096
+    keep_alive_timeout: float = 75.0
+    handle_signals: bool = True  # False when not in the main thread (tests)
+    app: AppConfig = dataclasses.field(default_factory=AppConfig)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's RLIMIT_NOFILE soft limit to the hard limit; return it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the fd limit from %d to %d: %s", soft, target, exc)
+            return soft
+    return target
+
+
+def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
+    hc = HypercornConfig()
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    hc.bind = [f"{host}:{config.port}"]
+    hc.backlog = config.backlog
+    hc.keep_alive_timeout = config.keep_alive_timeout
+    # After the trigger, hypercorn cancels what is left past this; our own
+    # drain ends every request well before it.
+    hc.graceful_timeout = config.shutdown_timeout + 5.0
+    hc.accesslog = None  # the app logs one line per request itself
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    return hc
+
+
+class _Lifecycle:
+    """Runs the shutdown steps once, whichever of signal, trigger or death comes first."""
+
+    def __init__(self, llm: LLM, frontend: Frontend, config: ServerConfig) -> None:
+        self.llm = llm
+        self.frontend = frontend
+        self.config = config
+        self.exit_code = EXIT_OK
+        self.stop_listening = trio.Event()  # hypercorn's shutdown trigger
+        self._draining = False
+        self._hurry = trio.Event()
+
+    async def drain(self, grace: float) -> None:
+        """Steps 1-3 of the module docstring. A checkpoint; idempotent."""
+        if self._draining:
+            self._hurry.set()
+            return
+        self._draining = True
+        self.llm.draining = True
+        self.stop_listening.set()
+        with trio.move_on_after(grace):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_after, self._hurry.wait, nursery.cancel_scope)
+                await self.frontend.wait_idle()
+                nursery.cancel_scope.cancel()
+        self.frontend.abort_all(ShuttingDown("the server shut down before this request finished"))
+
+    async def watch_signals(self, nursery: trio.Nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("%s: shutting down", signal.Signals(signum).name)
+                nursery.start_soon(self.drain, self.config.shutdown_timeout)
+
+    async def watch_trigger(self, trigger: Callable[[], Awaitable[None]]) -> None:
+        await trigger()
+        await self.drain(self.config.shutdown_timeout)
+
+    async def watch_engine(self) -> None:
+        # Liveness is a property of memory (the mux's state); 10 Hz is plenty.
+        while self.llm.engine_alive:  # noqa: ASYNC110 (LLM offers no event for this)
+            await trio.sleep(0.1)
+        log.error("the engine died: failing live requests and exiting")
+        self.exit_code = EXIT_ENGINE_DEAD
+        await trio.sleep(self.config.engine_death_grace)
+        await self.drain(0.0)
+
+
+async def _cancel_after(event: Callable[[], Awaitable[object]], scope: trio.CancelScope) -> None:
+    await event()
+    scope.cancel()
+
+
+async def serve(
+    llm: LLM,
+    config: ServerConfig | None = None,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> int:
+    """Serve ``llm`` over HTTP until shutdown; return the process exit code.
+
+    Blocks for the life of the server. ``task_status.started`` gets the base
+    URL (``http://host:port``, with the real port when ``port`` is 0).
+    Cancelling it stops at once (no drain).
+    """
+    config = config or ServerConfig()
+    raise_fd_limit()
+    app = create_app(llm, config.app)
+    frontend: Frontend = app.extensions["tserve"]
+    life = _Lifecycle(llm, frontend, config)
+    async with trio.open_nursery() as nursery:
+        if config.handle_signals:
+            nursery.start_soon(life.watch_signals, nursery)
+        if shutdown_trigger is not None:
+            nursery.start_soon(life.watch_trigger, shutdown_trigger)
+        nursery.start_soon(life.watch_engine)
+
+        async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(
+                app,
+                _hypercorn_config(config),
+                shutdown_trigger=life.stop_listening.wait,
+                task_status=task_status,
+            )
+            nursery.cancel_scope.cancel()  # the watchers are done too
+
+        binds: list[str] = await nursery.start(run_http)
+        frontend.started = True
+        task_status.started(binds[0])
+    return life.exit_code

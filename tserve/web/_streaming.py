@@ -1,0 +1,234 @@
+"""Running the request streams of one HTTP request and merging their choices.
+
+One HTTP request owns ``k >= 1`` :class:`RequestStream` s (``n`` samples of
+each prompt); choice ``i`` is fed by stream ``i``. Two ways to run them:
+
+* :func:`collect` (non-streaming): a nursery inside the handler drains every
+  stream into its choice. The first error cancels the others and is raised.
+* :class:`SSEBody` (streaming): the response body. Quart enters it with
+  ``async with body`` after sending the headers and iterates it in the same
+  task; its nursery lives exactly that long, so a client disconnect (quart-
+  trio cancels the request task) cancels every stream, which aborts it in
+  the engine. Before that, :func:`first_deltas` pulls each stream's first
+  delta inside the handler, so a request that fails at once (prompt too long,
+  overload, dead engine) still gets a proper status code instead of a 200
+  followed by an error event.
+
+Every stream is closed on every path out (``async with stream`` in the
+pumps, and ``SSEBody.__aexit__`` for streams never pumped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import trio
+from quart.wrappers.response import ResponseBody
+
+from tserve.nursery import Delta, RequestStream, ShuttingDown, Usage
+from tserve.web import _sse
+from tserve.web._errors import RequestAborted, error_reply
+from tserve.web._metrics import RequestRecord
+from tserve.web._responses import ChatChoice, CompletionChoice, total_usage
+
+__all__ = ["Choice", "SSEBody", "collect", "first_deltas"]
+
+Choice = CompletionChoice | ChatChoice
+JSON = dict[str, Any]
+
+
+def _checked(delta: Delta) -> Delta:
+    if delta.finish_reason == "abort":
+        raise RequestAborted("the engine aborted this request")
+    return delta
+
+
+async def _next(stream: RequestStream) -> Delta:
+    """The stream's next delta; a stream that ends without a finish is a bug."""
+    try:
+        return _checked(await stream.__anext__())
+    except StopAsyncIteration:
+        raise RuntimeError(f"request {stream.request_id} ended without a finish") from None
+
+
+async def first_deltas(streams: Sequence[RequestStream]) -> list[Delta]:
+    """The first delta of every stream, pulled concurrently.
+
+    A checkpoint. On any error (or cancellation) every stream is closed and
+    the first error is raised as itself, not as a group.
+    """
+    firsts: list[Delta | None] = [None] * len(streams)
+    errors: list[Exception] = []
+
+    async def first(i: int, scope: trio.CancelScope) -> None:
+        try:
+            firsts[i] = await _next(streams[i])
+        except Exception as exc:
+            errors.append(exc)
+            scope.cancel()
+
+    try:
+        if len(streams) == 1:
+            return [await _next(streams[0])]
+        async with trio.open_nursery() as nursery:
+            for i in range(len(streams)):
+                nursery.start_soon(first, i, nursery.cancel_scope)
+        if errors:
+            raise errors[0]
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return [d for d in firsts if d is not None]
+
+
+async def collect(
+    streams: Sequence[RequestStream], choices: Sequence[Choice], record: RequestRecord
+) -> None:
+    """Run every stream to its end into its choice. A checkpoint.
+
+    The first error cancels the other streams and is raised as itself.
+    """
+    errors: list[Exception] = []
+
+    async def drain(i: int) -> None:
+        try:
+            async with streams[i] as stream:
+                async for delta in stream:
+                    record.delta(i, _checked(delta))
+                    choices[i].push(delta)
+        except Exception as exc:
+            errors.append(exc)
+            nursery.cancel_scope.cancel()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(streams)):
+                nursery.start_soon(drain, i)
+    finally:
+        for stream in streams:
+            stream.close()
+    if errors:
+        raise errors[0]
+
+
+class SSEBody(ResponseBody):
+    """The body of a streaming completion: ``data:`` chunks, then ``[DONE]``.
+
+    ``chunk`` wraps a choice object into a stream chunk; ``usage_chunk`` (when
+    the client asked for usage) makes the last chunk. A failure after the
+    headers ends the stream with one error event, then ``[DONE]``;
+    :meth:`abort` (server shutdown past its timeout) does the same with a
+    ShuttingDown error. ``on_close`` runs once, when quart leaves the body.
+    """
+
+    def __init__(
+        self,
+        streams: Sequence[RequestStream],
+        choices: Sequence[Choice],
+        firsts: Sequence[Delta],
+        *,
+        chunk: Callable[[JSON], JSON],
+        usage_chunk: Callable[[Usage], JSON] | None,
+        n: int,
+        record: RequestRecord,
+        on_close: Callable[[SSEBody], None],
+    ) -> None:
+        self._streams = streams
+        self._choices = choices
+        self._firsts = firsts
+        self._chunk = chunk
+        self._usage_chunk = usage_chunk
+        self._n = n
+        self._record = record
+        self._on_close = on_close
+        self._status = 200  # what the log line says: 200, or the error event's status
+        self._abort_reason: Exception | None = None
+        self._pumps = trio.CancelScope()
+        self._nursery_manager = trio.open_nursery()
+        # Bound: one item per stream. A pump at the bound waits; meanwhile its
+        # mailbox coalesces the engine's deltas, so the engine never waits.
+        self._send, self._receive = trio.open_memory_channel[tuple[int, Delta | Exception]](
+            len(streams)
+        )
+
+    async def __aenter__(self) -> SSEBody:
+        nursery = await self._nursery_manager.__aenter__()
+        nursery.start_soon(self._run_pumps)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._pumps.cancel()  # the events may have ended early (an error)
+        try:
+            await self._nursery_manager.__aexit__(exc_type, exc, tb)
+        finally:
+            for stream in self._streams:
+                stream.close()
+            self._record.done(self._status if exc is None else 499)
+            self._on_close(self)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._events()
+
+    def abort(self, reason: Exception) -> None:
+        """End the stream now with ``reason`` as its final error event. Synchronous."""
+        if self._abort_reason is None:
+            self._abort_reason = reason
+        self._pumps.cancel()
+
+    async def _run_pumps(self) -> None:
+        async with self._send:
+            with self._pumps:
+                async with trio.open_nursery() as pumps:
+                    for i, stream in enumerate(self._streams):
+                        if self._firsts[i].finish_reason is None:
+                            pumps.start_soon(self._pump, i, stream, self._send.clone())
+
+    async def _pump(
+        self,
+        i: int,
+        stream: RequestStream,
+        send: trio.MemorySendChannel[tuple[int, Delta | Exception]],
+    ) -> None:
+        async with send:
+            try:
+                async with stream:
+                    async for delta in stream:
+                        await send.send((i, _checked(delta)))
+            except Exception as exc:
+                await send.send((i, exc))
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        unfinished = len(self._streams)
+        error: Exception | None = None
+        for i, delta in enumerate(self._firsts):
+            yield self._event(i, delta)
+            unfinished -= delta.finish_reason is not None
+        async for i, item in self._receive:
+            if isinstance(item, Exception):
+                error = item
+                break
+            yield self._event(i, item)
+            unfinished -= item.finish_reason is not None
+            if not unfinished:
+                break
+        if error is None and unfinished:
+            error = self._abort_reason or ShuttingDown("the stream was cut short")
+        if error is not None:
+            reply = error_reply(error, self._record.request_id)
+            self._status = reply.status
+            yield _sse.event(reply.body)
+        elif self._usage_chunk is not None:
+            yield _sse.event(self._usage_chunk(total_usage(self._choices, self._n)))
+        yield _sse.DONE
+
+    def _event(self, i: int, delta: Delta) -> bytes:
+        self._record.delta(i, delta)
+        return _sse.event(self._chunk(self._choices[i].push(delta)))

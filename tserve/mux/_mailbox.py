@@ -2,12 +2,14 @@
 
 Rules:
 
-* ``_put`` (the mux's side) never blocks, never drops and is O(1): it appends
-  the delta and wakes the reader only if the reader is waiting.
-* When the reader is slower than the engine, the deltas waiting for it are
-  handed out MERGED as one :class:`RequestOutput` (token ids concatenated,
-  logprobs concatenated, the last finish reason and error kept), so one slow
-  client costs the mux nothing and loses nothing.
+* ``_put`` (the mux's side) never blocks, never drops and is O(1) per token:
+  it keeps the delta and wakes the reader only if the reader is waiting.
+* When the reader is slower than the engine, deltas are MERGED as they
+  arrive (token ids concatenated, logprobs concatenated, the last finish
+  reason and error kept) and handed out as one :class:`RequestOutput`, so one
+  slow client costs the mux nothing and loses nothing. Merging on arrival
+  (not on read) also keeps the number of live objects, and so the garbage
+  collector's work, independent of how far readers lag.
 * The output with a finish reason is the last one; after it the reader gets
   ``anyio.EndOfStream``.
 * A failed mailbox (engine dead, mux closed) first hands out what it already
@@ -41,9 +43,12 @@ class Mailbox:
         "_abort_queued",
         "_error",
         "_finished",
+        "_last",
+        "_logprobs",
         "_on_close",
         "_pending",
         "_submitted",
+        "_token_ids",
         "_tokens",
         "_waiter",
         "max_tokens",
@@ -55,12 +60,17 @@ class Mailbox:
     ) -> None:
         self.request_id = request_id
         self.max_tokens = max_tokens
-        # Deltas received and not yet read, oldest first.
-        # Bound: at most max_tokens token ids in total plus the one final
-        # output, because the engine sends each token once and nothing after
-        # the finish; a delta past max_tokens fails the mailbox (_put) instead
-        # of growing it. At the bound nothing waits: put never blocks.
-        self._pending: list[RequestOutput] = []
+        # What arrived and was not read yet: the first delta as it came, and
+        # once a second one arrives, the merge of all of them in _token_ids /
+        # _logprobs, with the latest delta (for its finish reason and error)
+        # in _last. Bound: at most max_tokens token ids (and their logprobs),
+        # because the engine sends each token once and nothing after the
+        # finish; a delta past max_tokens fails the mailbox (_put) instead of
+        # growing it. At the bound nothing waits: put never blocks.
+        self._pending: RequestOutput | None = None
+        self._token_ids: list[int] | None = None  # not None iff merging
+        self._logprobs: list[TokenLogprob] | None = None
+        self._last: RequestOutput | None = None
         self._tokens = 0  # token ids put so far, <= max_tokens
         self._waiter: anyio.Event | None = None  # set iff the reader waits
         self._error: BaseException | None = None
@@ -71,17 +81,31 @@ class Mailbox:
         self._on_close = on_close
 
     def __repr__(self) -> str:
-        return f"<Mailbox {self.request_id!r} pending={len(self._pending)}>"
+        return f"<Mailbox {self.request_id!r} pending={self._pending is not None}>"
 
     # The mux's side: synchronous, never blocks.
 
     def _put(self, output: RequestOutput) -> None:
-        """Store one delta and wake the reader if it waits. O(1), never blocks."""
+        """Store or merge one delta; wake the reader if it waits. Never blocks."""
         self._tokens = tokens = self._tokens + len(output.token_ids)
         if tokens > self.max_tokens:  # an engine bug: fail, don't grow
             self._fail(MuxError(f"engine sent more than {self.max_tokens} tokens"))
             return
-        self._pending.append(output)
+        pending = self._pending
+        if pending is None:
+            self._pending = output
+        elif self._token_ids is None:  # a second delta before a read: merge
+            self._token_ids = pending.token_ids + output.token_ids
+            if pending.logprobs is not None or output.logprobs is not None:
+                self._logprobs = (pending.logprobs or []) + (output.logprobs or [])
+            self._last = output
+        else:
+            self._token_ids += output.token_ids
+            if output.logprobs is not None:
+                if self._logprobs is None:
+                    self._logprobs = []
+                self._logprobs += output.logprobs
+            self._last = output
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -108,10 +132,10 @@ class Mailbox:
         failed (once what it held was returned).
         """
         await checkpoint_if_cancelled()
-        if self._pending:
+        if self._pending is not None:
             await cancel_shielded_checkpoint()
         else:
-            while not self._pending:
+            while self._pending is None:
                 if self._error is not None:
                     raise self._error
                 if self._finished:
@@ -121,9 +145,16 @@ class Mailbox:
         return self._take()
 
     def _take(self) -> RequestOutput:
-        pending = self._pending
-        output = pending[0] if len(pending) == 1 else _merge(pending)
-        pending.clear()
+        output = self._pending
+        assert output is not None
+        if self._token_ids is not None:
+            last = self._last
+            assert last is not None
+            output = RequestOutput(
+                self.request_id, self._token_ids, last.finish_reason, self._logprobs, last.error
+            )
+            self._token_ids = self._logprobs = self._last = None
+        self._pending = None
         if output.finish_reason is not None:
             self._finished = True
         return output
@@ -161,13 +192,3 @@ class Mailbox:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _merge(outputs: list[RequestOutput]) -> RequestOutput:
-    """Concatenate consecutive deltas of one request; the last one's ending wins."""
-    last = outputs[-1]
-    token_ids = [token for output in outputs for token in output.token_ids]
-    logprobs: list[TokenLogprob] | None = None
-    if any(output.logprobs is not None for output in outputs):
-        logprobs = [lp for output in outputs for lp in output.logprobs or ()]
-    return RequestOutput(last.request_id, token_ids, last.finish_reason, logprobs, last.error)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tserve.gpu._sampler import FAULT_ENV, Sampler, SampleResult
+from tserve.gpu._sampler import FAULT_ENV, Sampler, SampleResult, _candidates
 from tserve.gpu._sequence import Sequence
 from tserve.protocol import SamplingParams
 
@@ -184,3 +184,20 @@ def test_bad_rows_and_params_fail_alone() -> None:
     assert results[1].error and "non-finite" in results[1].error
     assert results[2].error and "temperature" in results[2].error
     assert results[0].error is None and results[3].error is None
+
+
+@pytest.mark.parametrize(
+    ("top_p", "top_k"), [(0.5, 0), (0.95, 0), (0.999, 0), (0.95, 700), (1.0, 3000), (0.3, 5)]
+)
+def test_candidates_match_a_full_sort(top_p: float, top_k: int) -> None:
+    """Narrow top-w selections give exactly the kept set a full sort gives."""
+    flat = torch.randn(4, 20000, generator=torch.Generator().manual_seed(8)) * 0.5
+    params = [SamplingParams(top_p=top_p, top_k=top_k)] * 4
+    for row, (ids, cdf) in zip(flat, _candidates(flat, params), strict=True):
+        probs = torch.softmax(row, dim=-1)
+        values, order = probs.sort(descending=True)
+        before = torch.cumsum(values, 0) - values
+        n = int(((before < top_p) & (torch.arange(len(values)) < (top_k or len(values)))).sum())
+        kept = torch.nonzero(torch.diff(cdf, prepend=cdf.new_zeros(1)) > 0).squeeze(1)
+        assert ids is not None and len(kept) == n
+        assert set(ids[kept].tolist()) == set(order[:n].tolist())

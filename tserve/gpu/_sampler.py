@@ -35,7 +35,7 @@ import math
 import os
 import re
 from collections.abc import Sequence as SequenceOf
-from typing import Final
+from typing import Final, TypeAlias
 
 import torch
 
@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 
 FAULT_ENV: Final = "TSERVE_TEST_FAULT_SAMPLER"
 MAX_LOGPROBS: Final = 20
+# A top-k/top-p row draws from its top 512 tokens, or 4096, or a full sort.
+_CANDIDATE_WIDTHS: Final = (512, 4096)
+
+# (candidate token ids or None for "all, in id order", cumulative kept probabilities)
+_Candidates: TypeAlias = tuple[torch.Tensor | None, torch.Tensor]
 
 
 class SamplingFault(RuntimeError):
@@ -69,9 +74,7 @@ class _Batch:
 
     rows: list[int]  # indices into the step's logits, in order
     greedy: dict[int, int]  # row -> argmax of its penalised logits
-    sampled_pos: dict[int, int]  # row -> index into sorted_ids / cdf
-    sorted_ids: torch.Tensor | None  # [S, V] long: token ids by falling probability
-    cdf: torch.Tensor | None  # [S, V] float: cumulative filtered probabilities
+    candidates: dict[int, _Candidates]  # row -> what to draw from (sampled rows)
     logprobs: dict[int, torch.Tensor]  # row -> [V] raw logprobs (rows that asked)
 
 
@@ -150,15 +153,14 @@ class Sampler:
             logprobs = {rows[j]: lp[k] for k, j in enumerate(want_lp)}
         greedy = dict(zip(rows, processed.argmax(dim=-1).tolist(), strict=True))
         sampled = [j for j, p in enumerate(params) if not _is_greedy(p)]
-        sorted_ids = cdf = None
+        candidates: dict[int, _Candidates] = {}
         if sampled:
-            sorted_ids, cdf = _filtered_cdf(processed[sampled], [params[j] for j in sampled])
+            drawn = _candidates(processed[sampled], [params[j] for j in sampled])
+            candidates = {rows[j]: c for j, c in zip(sampled, drawn, strict=True)}
         return _Batch(
             rows=rows,
             greedy=greedy,
-            sampled_pos={rows[j]: k for k, j in enumerate(sampled)},
-            sorted_ids=sorted_ids,
-            cdf=cdf,
+            candidates=candidates,
             logprobs=logprobs,
         )
 
@@ -174,14 +176,13 @@ class Sampler:
             return _failed(seq, _describe(exc), exc)
 
     def _choose(self, batch: _Batch, row: int, seq: Sequence) -> int:
-        j = batch.sampled_pos.get(row)
-        if j is None:
+        candidates = batch.candidates.get(row)
+        if candidates is None:
             return batch.greedy[row]
-        assert batch.cdf is not None and batch.sorted_ids is not None
+        ids, cdf = candidates
         u = torch.rand((), generator=self._generator(seq), device=self.device)
-        cdf = batch.cdf[j]
-        k = int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True))
-        return int(batch.sorted_ids[j, min(k, cdf.shape[0] - 1)])
+        k = min(int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True)), len(cdf) - 1)
+        return k if ids is None else int(ids[k])
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         seed = seq.params.seed
@@ -203,9 +204,8 @@ def _is_greedy(params: SamplingParams) -> bool:
 
 
 def _usable_rows(logits: torch.Tensor) -> list[bool]:
-    """Rows with no NaN and at least one finite logit."""
-    ok = ~torch.isnan(logits).any(dim=-1) & torch.isfinite(logits).any(dim=-1)
-    return [bool(x) for x in ok.tolist()]
+    """Rows with no NaN or +inf and at least one finite logit (max propagates NaN)."""
+    return [bool(x) for x in torch.isfinite(logits.amax(dim=-1)).tolist()]
 
 
 def _check(params: SamplingParams, vocab: int, finite: bool) -> str | None:
@@ -245,27 +245,67 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return out
 
 
-def _filtered_cdf(
-    logits: torch.Tensor, params: list[SamplingParams]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature, then top-k, then top-p, per row; ``(sorted_ids, cdf)`` ``[S, V]``.
+def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> list[_Candidates]:
+    """Temperature, then top-k, then top-p, for each row of ``logits [S, V]``.
 
-    ``cdf`` is the unnormalised cumulative sum of the kept probabilities in
-    falling-probability order (dropped tokens add 0), so a draw is
-    ``searchsorted(cdf, u * cdf[-1])``. The most likely token is always kept.
+    A row's ``(ids, cdf)``: ``cdf`` is the unnormalised cumulative sum of the
+    kept probabilities over the candidate tokens ``ids`` (None = all tokens in
+    id order, when nothing is filtered); a draw is the first index where
+    ``cdf > u * cdf[-1]``. Filtered rows take their candidates from a top-512
+    selection, widening only when top-p needs more mass than it holds; the
+    most likely token is always kept.
+    What a row gets depends on that row alone, never on its neighbours.
     """
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    scaled = logits / temps[:, None]
-    values, ids = scaled.sort(dim=-1, descending=True, stable=True)
-    probs = torch.softmax(values, dim=-1)
-    vocab = logits.shape[1]
-    rank = torch.arange(vocab, device=logits.device)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=probs.dtype)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
-    keep = (rank[None, :] < top_k[:, None]) & ((before < top_p[:, None]) | (rank[None, :] == 0))
-    cdf = torch.cumsum(torch.where(keep, probs, 0.0), dim=-1)
-    return ids, cdf
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    out: list[_Candidates | None] = [None] * len(params)
+    plain = [j for j, p in enumerate(params) if p.top_k <= 0 and p.top_p >= 1]
+    if plain:
+        for j, cdf in zip(plain, torch.cumsum(probs[plain], dim=-1), strict=True):
+            out[j] = (None, cdf)
+    filtered = [j for j, p in enumerate(params) if j not in set(plain)]
+    if filtered:
+        found = _top_candidates(probs[filtered], [params[j] for j in filtered])
+        for j, c in zip(filtered, found, strict=True):
+            out[j] = c
+    return [c for c in out if c is not None]
+
+
+def _top_candidates(probs: torch.Tensor, params: list[SamplingParams]) -> list[_Candidates]:
+    """Candidates of filtered rows from the narrowest top-w selection that holds them.
+
+    Widths are tried in ``_CANDIDATE_WIDTHS`` order, then the whole vocabulary;
+    a row moves on only if top-p needs more mass than its top-w holds. Which
+    width a row ends at depends on that row alone.
+    """
+    vocab = probs.shape[1]
+    result: list[_Candidates | None] = [None] * len(params)
+    pending = list(range(len(params)))
+    for width in (*_CANDIDATE_WIDTHS, vocab):
+        width = min(width, vocab)
+        values, ids = probs[pending].topk(width, dim=-1)
+        mass = values.sum(dim=-1).tolist()
+        still = []
+        for k, j in enumerate(pending):
+            p = params[j]
+            if width < vocab and (p.top_k <= 0 or p.top_k > width) and mass[k] < p.top_p:
+                still.append(j)
+            else:
+                result[j] = (ids[k], _kept_cdf(values[k], p))
+        if not still:
+            break
+        pending = still
+    return [c for c in result if c is not None]
+
+
+def _kept_cdf(values: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Cumulative probabilities of ``values`` (falling) with top-k/top-p drops as 0."""
+    rank = torch.arange(len(values), device=values.device)
+    before = torch.cumsum(values, dim=0) - values  # mass strictly above each token
+    keep = (before < params.top_p) | (rank == 0)
+    if params.top_k > 0:
+        keep &= rank < params.top_k
+    return torch.cumsum(torch.where(keep, values, 0.0), dim=0)
 
 
 def _token_logprob(lp: torch.Tensor | None, token: int, top_n: int | None) -> TokenLogprob | None:

@@ -13,6 +13,7 @@ sets it (``--threads``, default 1) before building the runner.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,8 @@ from tserve.gpu._models import ModelLoadError
 from tserve.gpu._sequence import ScheduledChunk
 
 __all__ = ["ModelRunner", "default_device", "kv_bytes_per_token"]
+
+log = logging.getLogger(__name__)
 
 
 def default_device() -> tuple[torch.device, torch.dtype]:
@@ -122,6 +125,10 @@ class ModelRunner:
 
 
 def _take_over(model: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    if window and getattr(text, "use_sliding_window", True):
+        log.warning("sliding-window attention (%s) runs as full attention here", window)
     register_paged_attention()
     model = model.to(device=device, dtype=dtype).eval()
     model.set_attn_implementation(ATTENTION_NAME)

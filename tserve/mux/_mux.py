@@ -69,10 +69,13 @@ class MuxStats:
 class Mux:
     """The one owner of the API process's socket to the engine.
 
-    Run it with ``await task_group.start(mux.run)`` (or ``open_mux``); it is
-    ready once the engine answered ``Hello`` with ``EngineReady``. All methods
-    other than :meth:`run` are synchronous and never block, so a request's
-    ``finally`` can call them without an await.
+    Run it with ``await task_group.start(mux.run, address)`` (or ``open_mux``);
+    it is ready once the engine answered ``Hello`` with ``EngineReady``. All
+    methods other than :meth:`run` and :meth:`wait_ready` are synchronous and
+    never block, so a request's ``finally`` can call them without an await.
+    ``hwm`` is the socket's SNDHWM and RCVHWM in frames; ``heartbeat_timeout``
+    is how long silence from a ready engine may last before it is declared
+    dead; ``ready_timeout`` bounds the wait for ``EngineReady``.
     """
 
     def __init__(

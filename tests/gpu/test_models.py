@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,4 @@ def test_default_model_converts_once_and_answers(tmp_path: Path) -> None:
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+    shutil.rmtree(path)  # 540 MB; pytest keeps the last few temp dirs

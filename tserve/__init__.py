@@ -1,7 +1,74 @@
-"""tserve: an OpenAI-compatible LLM inference server on structured concurrency."""
+"""tserve: an OpenAI-compatible LLM inference server on structured concurrency.
 
-from tserve.protocol import FinishReason, SamplingParams
+The embedding API is imported lazily, so that the engine process, which
+imports ``tserve.protocol`` and ``tserve.gpu``, never loads anyio, trio or
+the mux.
+"""
 
-__all__ = ["FinishReason", "SamplingParams", "__version__"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tserve.protocol import EngineConfig, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from tserve.nursery import (
+        LLM,
+        Completion,
+        Delta,
+        EngineDeadError,
+        InvalidRequest,
+        LLMError,
+        LLMStats,
+        Overloaded,
+        RequestFailed,
+        RequestTimeout,
+        ShuttingDown,
+        Usage,
+        open_llm,
+    )
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "LLM",
+    "Completion",
+    "Delta",
+    "EngineDeadError",
+    "InvalidRequest",
+    "LLMError",
+    "LLMStats",
+    "Overloaded",
+    "RequestFailed",
+    "RequestTimeout",
+    "ShuttingDown",
+    "Usage",
+    "open_llm",
+}
+
+__all__ = [
+    "LLM",
+    "Completion",
+    "Delta",
+    "EngineConfig",
+    "EngineDeadError",
+    "FinishReason",
+    "InvalidRequest",
+    "LLMError",
+    "LLMStats",
+    "Overloaded",
+    "RequestFailed",
+    "RequestTimeout",
+    "SamplingParams",
+    "ShuttingDown",
+    "Usage",
+    "__version__",
+    "open_llm",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module("tserve.nursery"), name)
+    raise AttributeError(f"module 'tserve' has no attribute {name!r}")

@@ -1,0 +1,33 @@
+"""Request lifecycle and the embeddable anyio API (see DESIGN.md, "The request lifecycle")."""
+
+from tserve.mux import EngineDeadError
+from tserve.nursery._errors import (
+    InvalidRequest,
+    LLMError,
+    Overloaded,
+    RequestFailed,
+    RequestTimeout,
+    ShuttingDown,
+)
+from tserve.nursery._llm import LLM, LLMStats, open_llm
+from tserve.nursery._request import RequestStream
+from tserve.nursery._results import Completion, Delta, Usage
+from tserve.nursery._state import RequestState
+
+__all__ = [
+    "LLM",
+    "Completion",
+    "Delta",
+    "EngineDeadError",
+    "InvalidRequest",
+    "LLMError",
+    "LLMStats",
+    "Overloaded",
+    "RequestFailed",
+    "RequestState",
+    "RequestStream",
+    "RequestTimeout",
+    "ShuttingDown",
+    "Usage",
+    "open_llm",
+]

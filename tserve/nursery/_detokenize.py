@@ -14,16 +14,11 @@ Two small state machines, both fed in order and both O(window) per push:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher", "TokenDecoder"]
+__all__ = ["IncrementalDetokenizer", "StopMatcher"]
 
 _REPLACEMENT = "\ufffd"
-
-
-class TokenDecoder(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -34,9 +29,9 @@ class IncrementalDetokenizer:
     decode the same as in the full text) and returns what the new tokens add.
     """
 
-    def __init__(self, tokenizer: TokenDecoder, *, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        """``decode`` turns token ids into text (special tokens skipped or not)."""
+        self._decode_ids = decode
         self._ids: list[int] = []
         # Invariant: prefix <= read <= len(ids); ids[:read] have been emitted
         # as text; ids[prefix:read] is the context decoded again each push.
@@ -68,7 +63,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+        return self._decode_ids(ids) if ids else ""
 
 
 class StopMatcher:

@@ -1,0 +1,39 @@
+"""Entry point of the engine process: ``python -m tserve.gpu ADDRESS CONFIG_JSON``.
+
+Started by an API process (see ``tserve.nursery``), which passes its own pid
+with ``--parent-pid`` so the engine can exit when it is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import msgspec
+
+from tserve.protocol import EngineConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tserve.gpu", description=__doc__)
+    parser.add_argument("address", help="ZMQ address to bind the engine's ROUTER to")
+    parser.add_argument("config", help="EngineConfig as JSON")
+    parser.add_argument("--parent-pid", type=int, default=os.getppid())
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s engine %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    # Import late: loading torch takes a while and argument errors should not wait.
+    from tserve.gpu._process import run_engine
+
+    return run_engine(config, args.address, args.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The engine's step loop, in process and without sockets.
+
+:class:`EngineCore` joins the scheduler (plain Python), the model runner and
+the sampler. One :meth:`EngineCore.step` is one forward pass over every
+scheduled request. Everything about ONE request — invalid parameters, token
+ids out of the vocabulary, a prompt that can never fit, an error while
+sampling it — ends that request alone with ``FinishReason.ERROR`` and frees
+its KV; only an exception out of the batch itself (the forward pass, the
+device) escapes ``step()``, and the process treats that as fatal.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from tserve.gpu._errors import RequestRejected
+from tserve.gpu._kv import BlockManager
+from tserve.gpu._model_runner import ModelRunner
+from tserve.gpu._models import default_model_dir, load_model
+from tserve.gpu._sampler import Sampler
+from tserve.gpu._scheduler import Scheduler
+from tserve.gpu._sequence import Sequence
+from tserve.protocol import (
+    AddRequest,
+    EngineConfig,
+    EngineReady,
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+
+__all__ = ["EngineCore", "resolve_device"]
+
+Progress = Callable[[str], None]
+
+
+def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """ "auto" = CUDA with bf16 when present, else CPU with fp32."""
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, config.dtype)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {config.dtype!r}")
+    return device, dtype
+
+
+class EngineCore:
+    """Continuous batching over one model. Not thread-safe; one owner calls it."""
+
+    def __init__(self, config: EngineConfig, progress: Progress = print) -> None:
+        torch.set_num_threads(max(1, config.threads))
+        device, dtype = resolve_device(config)
+        if config.model == "default":
+            path = default_model_dir(config.cache_dir, progress=progress)
+        else:
+            path = Path(config.model).expanduser()
+        progress(f"loading {path} on {device} ({dtype})")
+        model, tokenizer = load_model(path, device=device, dtype=dtype)
+        self.model_path = path.resolve()
+        self.model_name = path.name if config.model != "default" else "SmolLM2-135M-Instruct"
+        self.vocab_size = int(model.config.vocab_size)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.device = str(device)
+        model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        num_blocks = config.kv_cache_tokens // config.block_size
+        self.config = config
+        self.runner = ModelRunner(
+            model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype
+        )
+        self.sampler = Sampler(device=device)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+        )
+        # Outputs decided outside a forward pass (rejections, aborts, expiry),
+        # sent with the next step. Bounded by the requests added or aborted
+        # since the previous step.
+        self._pending: list[tuple[bytes, RequestOutput]] = []
+        # Logprobs of tokens sampled but not yet reported; one entry per token.
+        self._logprobs: dict[str, list[TokenLogprob]] = {}
+        self._steps = 0
+        self._aborts_received = 0
+        progress(f"engine ready: {self.model_name}, {num_blocks * config.block_size} KV tokens")
+
+    # -- requests in ---------------------------------------------------------
+
+    def add(self, request: AddRequest, peer: bytes) -> None:
+        """Queue a request; a request that can never run is answered with an error."""
+        problem = self._check(request)
+        seq = Sequence(
+            request.request_id,
+            list(request.prompt_token_ids),
+            request.params,
+            peer=peer,
+            deadline=request.deadline,
+        )
+        if problem is None:
+            try:
+                self.scheduler.add(seq)
+            except RequestRejected as exc:
+                problem = str(exc)
+        if problem is not None:
+            self._pending.append(
+                (peer, RequestOutput(request.request_id, [], FinishReason.ERROR, error=problem))
+            )
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Idempotent: unknown or finished ids are ignored. Frees KV at once."""
+        for request_id in request_ids:
+            self._aborts_received += 1
+            seq = self.scheduler.abort(request_id)
+            if seq is not None:
+                self._finished(seq)
+
+    def abort_peer(self, peer: bytes) -> None:
+        """Abort every request of an API process that is gone."""
+        self.abort([s.request_id for s in self.scheduler.sequences() if s.peer == peer])
+
+    # -- the step --------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._pending)
+
+    def step(self) -> list[tuple[bytes, RequestOutput]]:
+        """One step of continuous batching; returns (peer, output) pairs."""
+        for seq in self.scheduler.expire(time.time()):  # 1 deadlines
+            self._finished(seq)
+        chunks = self.scheduler.schedule()  # 2 schedule
+        changed: list[Sequence] = []
+        if chunks:
+            logits = self.runner.execute(chunks)  # 3 forward (fatal if it raises)
+            to_sample = [c.seq for c in chunks if c.sample]
+            results = self.sampler.sample(logits, to_sample)  # 4 sample, per request
+            sampled: dict[str, int] = {}
+            for seq, result in zip(to_sample, results, strict=True):
+                if result.error is not None or result.token_id is None:
+                    self.scheduler.finish_with_error(seq.request_id, result.error or "no token")
+                    changed.append(seq)
+                    continue
+                sampled[seq.request_id] = result.token_id
+                if result.logprob is not None:
+                    self._logprobs.setdefault(seq.request_id, []).append(result.logprob)
+            changed.extend(self.scheduler.update(chunks, sampled))  # 5 update
+            self._steps += 1
+        outputs, self._pending = self._pending, []
+        seen: set[str] = set()
+        for seq in changed:  # 6 outputs
+            if seq.request_id not in seen:
+                seen.add(seq.request_id)
+                outputs.append((seq.peer, self._output(seq)))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_tokens_used=self.blocks.tokens_used,
+            kv_tokens_total=self.blocks.tokens_total,
+            steps=self._steps,
+            aborts_received=self._aborts_received,
+        )
+
+    def ready_info(self) -> EngineReady:
+        return EngineReady(
+            model=self.model_name,
+            model_path=str(self.model_path),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            max_num_seqs=self.config.max_num_seqs,
+            kv_tokens_total=self.blocks.tokens_total,
+            device=self.device,
+            pid=os.getpid(),
+        )
+
+    # -- internals -------------------------------------------------------------
+
+    def _check(self, request: AddRequest) -> str | None:
+        """The per-request validation the API process may have skipped."""
+        ids = request.prompt_token_ids
+        if not ids:
+            return "prompt is empty"
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+        return check_params(request.params, self.vocab_size)
+
+    def _finished(self, seq: Sequence) -> None:
+        """Report a sequence that ended outside update() (abort, expiry, error)."""
+        self._pending.append((seq.peer, self._output(seq)))
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new = seq.output_token_ids[seq.num_sent :]
+        seq.num_sent = len(seq.output_token_ids)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            held = self._logprobs.pop(seq.request_id, [])
+            logprobs = held[-len(new) :] if new else []
+        if seq.is_finished:
+            self._logprobs.pop(seq.request_id, None)
+            self.sampler.release(seq.request_id)
+        return RequestOutput(seq.request_id, new, seq.finish_reason, logprobs, seq.error)
+
+
+def check_params(params: SamplingParams, vocab_size: int) -> str | None:
+    """Why ``params`` is invalid, or None. Names the offending field."""
+    checks: list[tuple[bool, str]] = [
+        (params.max_tokens >= 1, "max_tokens must be at least 1"),
+        (
+            math.isfinite(params.temperature) and params.temperature >= 0,
+            "temperature must be >= 0",
+        ),
+        (math.isfinite(params.top_p) and 0 < params.top_p <= 1, "top_p must be in (0, 1]"),
+        (params.top_k >= -1, "top_k must be -1, 0 or positive"),
+        (
+            params.logprobs is None or 0 <= params.logprobs <= 20,
+            "logprobs must be between 0 and 20",
+        ),
+        (
+            math.isfinite(params.presence_penalty) and -2 <= params.presence_penalty <= 2,
+            "presence_penalty must be in [-2, 2]",
+        ),
+        (
+            math.isfinite(params.frequency_penalty) and -2 <= params.frequency_penalty <= 2,
+            "frequency_penalty must be in [-2, 2]",
+        ),
+        (
+            all(0 <= t < vocab_size for t in params.stop_token_ids),
+            "stop_token_ids must be inside the vocabulary",
+        ),
+    ]
+    return next((message for ok, message in checks if not ok), None)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: object) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    return tuple(sorted(ids))

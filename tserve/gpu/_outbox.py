@@ -1,0 +1,101 @@
+"""The engine's side of the socket: per-peer output that never blocks a step.
+
+The engine binds one ROUTER with ``ROUTER_MANDATORY``: a send to a peer that
+is gone raises instead of vanishing, and a send to a peer at its high-water
+mark raises ``zmq.Again`` (we always send with NOBLOCK). The step loop must
+never wait on a slow API process, so a frame that cannot be sent is kept and
+later step outputs for the same request are *merged* into it
+(:func:`tserve.protocol.merge_outputs`).
+
+Bound: the backlog of one peer holds at most one ``RequestOutput`` per live
+request of that peer, and each of those at most ``max_tokens`` tokens, so it is
+bounded by the scheduler's own bounds. Nothing in it is ever dropped while the
+peer exists; a peer that is gone (EHOSTUNREACH) is reported to the caller so
+that its requests can be aborted.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from tserve.protocol import (
+    EngineStats,
+    Heartbeat,
+    Message,
+    RequestOutput,
+    StepOutputs,
+    encode,
+    merge_outputs,
+)
+
+__all__ = ["Outbox"]
+
+
+class Outbox:
+    """Coalescing, non-blocking sender of engine frames to every API peer."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self._sock = sock
+        self.peers: set[bytes] = set()
+        # peer -> request id -> the merged output it has not yet received.
+        # Invariant: an entry exists only for a peer in self.peers.
+        self._backlog: dict[bytes, dict[str, RequestOutput]] = {}
+
+    @property
+    def pending(self) -> bool:
+        return any(self._backlog.values())
+
+    def add_peer(self, peer: bytes) -> None:
+        self.peers.add(peer)
+        self._backlog.setdefault(peer, {})
+
+    def queue(self, peer: bytes, output: RequestOutput) -> None:
+        """Hold ``output`` for ``peer``, merged with what it has not received."""
+        backlog = self._backlog.get(peer)
+        if backlog is None:
+            return  # the peer is gone; its requests were aborted
+        held = backlog.get(output.request_id)
+        backlog[output.request_id] = output if held is None else merge_outputs(held, output)
+
+    def flush(self, stats: EngineStats) -> list[bytes]:
+        """Send each peer ONE StepOutputs frame with everything held for it.
+
+        Never blocks. A peer at its high-water mark keeps its backlog for the
+        next flush. Returns the peers found gone, already forgotten.
+        """
+        gone: list[bytes] = []
+        for peer, backlog in self._backlog.items():
+            if not backlog:
+                continue
+            sent = self.send(peer, StepOutputs(list(backlog.values()), stats))
+            if sent is None:
+                gone.append(peer)
+            elif sent:
+                backlog.clear()
+        for peer in gone:
+            self.forget(peer)
+        return gone
+
+    def heartbeat(self, stats: EngineStats) -> list[bytes]:
+        """Tell every peer the engine is alive. A peer at its HWM is skipped:
+        its queue already holds newer frames, which prove liveness as well."""
+        gone = [peer for peer in self.peers if self.send(peer, Heartbeat(stats)) is None]
+        for peer in gone:
+            self.forget(peer)
+        return gone
+
+    def send(self, peer: bytes, message: Message) -> bool | None:
+        """True if sent, False at the HWM (try later), None if the peer is gone."""
+        try:
+            self._sock.send_multipart((peer, encode(message)), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return None
+            raise
+        return True
+
+    def forget(self, peer: bytes) -> None:
+        self.peers.discard(peer)
+        self._backlog.pop(peer, None)

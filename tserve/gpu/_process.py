@@ -1,0 +1,167 @@
+"""The engine process: a ROUTER socket around an :class:`EngineCore`.
+
+Plain blocking pyzmq; no trio, anyio or quart. The main loop, in steps:
+
+1. drain the inbox (hellos, adds, aborts, shutdown): wait at most one
+   heartbeat interval when idle, not at all when work is running;
+2.-5. ``core.step()``: schedule, run the model, sample, update;
+6. send ONE StepOutputs frame per API peer holding every request's new tokens
+   (or a heartbeat when idle), never blocking on a slow peer.
+
+The process exits 0 on Shutdown, and also when its parent (the API process
+that started it) is gone: it checks ``os.getppid()`` on every iteration, so it
+notices within one heartbeat interval or one step. Any exception out of the
+batch (the model, the device) is fatal: every peer gets EngineDead with the
+reason and the process exits 1. Errors that concern one request never get
+here; the core ends that request alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+import traceback
+
+import zmq
+
+from tserve.gpu._engine import EngineCore
+from tserve.gpu._outbox import Outbox
+from tserve.protocol import (
+    EngineConfig,
+    EngineDead,
+    EngineInput,
+    Hello,
+    ProtocolError,
+    Shutdown,
+    decode,
+)
+
+__all__ = ["run_engine"]
+
+log = logging.getLogger("tserve.engine")
+
+# Bounds of the engine's socket, in frames. At SNDHWM a send raises zmq.Again
+# and the Outbox coalesces (see _outbox.py); at RCVHWM ZMQ stops reading from
+# the peer and the peer's own send waits: nothing is dropped either way.
+SNDHWM = 1000
+RCVHWM = 1000
+
+
+class _Stop(Exception):
+    """Leave the main loop cleanly (Shutdown received or parent gone)."""
+
+
+def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
+    """Serve ``address`` until told to stop; returns the process exit code."""
+    # Ctrl-C in a terminal reaches the whole process group; the API process
+    # decides what happens and tells us with Shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, SNDHWM)
+    sock.setsockopt(zmq.RCVHWM, RCVHWM)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.bind(address)
+    outbox = Outbox(sock)
+    try:
+        try:
+            core = EngineCore(config, progress=log.info)
+        except Exception as exc:
+            _report_death(sock, outbox, f"engine failed to start: {exc}", wait_for_peers=True)
+            return 1
+        return _serve(core, sock, outbox, config.heartbeat_interval, parent_pid)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _serve(
+    core: EngineCore, sock: zmq.Socket[bytes], outbox: Outbox, interval: float, parent_pid: int
+) -> int:
+    last_sent = time.monotonic()
+    try:
+        while True:
+            idle = not core.has_work and not outbox.pending
+            _drain_inbox(core, sock, outbox, timeout=interval if idle else 0.0)  # 1
+            if os.getppid() != parent_pid:
+                log.warning("API process %d is gone; engine exits", parent_pid)
+                return 0
+            if core.has_work:
+                for peer, output in core.step():  # 2-5
+                    outbox.queue(peer, output)
+            if outbox.pending:  # 6
+                _forget_peers(core, outbox.flush(core.stats()))
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent >= interval:
+                _forget_peers(core, outbox.heartbeat(core.stats()))
+                last_sent = time.monotonic()
+    except _Stop:
+        return 0
+    except Exception:
+        reason = traceback.format_exc(limit=8)
+        log.error("engine failed:\n%s", reason)
+        _report_death(sock, outbox, reason.strip().splitlines()[-1], wait_for_peers=False)
+        return 1
+
+
+def _drain_inbox(core: EngineCore, sock: zmq.Socket[bytes], outbox: Outbox, timeout: float) -> None:
+    """Apply every frame waiting on the socket; wait up to ``timeout`` for the first."""
+    if timeout > 0 and not sock.poll(int(timeout * 1000), zmq.POLLIN):
+        return
+    while True:
+        try:
+            peer, frame = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return
+        _apply(core, outbox, peer, frame)
+
+
+def _apply(core: EngineCore, outbox: Outbox, peer: bytes, frame: bytes) -> None:
+    try:
+        message = decode(frame)
+    except ProtocolError as exc:
+        log.error("dropping malformed frame from peer %r: %s", peer, exc)
+        return
+    match message:
+        case EngineInput(adds=adds, aborts=aborts):
+            for request in adds:
+                core.add(request, peer)
+            core.abort(aborts)
+        case Hello():
+            outbox.add_peer(peer)
+            outbox.send(peer, core.ready_info())
+        case Shutdown(reason=reason):
+            log.info("shutdown requested%s", f": {reason}" if reason else "")
+            raise _Stop
+        case _:
+            log.error("unexpected %s from peer %r", type(message).__name__, peer)
+
+
+def _forget_peers(core: EngineCore, gone: list[bytes]) -> None:
+    for peer in gone:
+        log.warning("API peer %r is gone; aborting its requests", peer)
+        core.abort_peer(peer)
+
+
+def _report_death(
+    sock: zmq.Socket[bytes], outbox: Outbox, reason: str, *, wait_for_peers: bool
+) -> None:
+    """Send EngineDead to every peer, including any whose Hello is still queued."""
+    deadline = time.monotonic() + (2.0 if wait_for_peers else 0.0)
+    while True:
+        remaining = deadline - time.monotonic()
+        if not sock.poll(max(0, int(remaining * 1000)), zmq.POLLIN):
+            break
+        try:
+            peer, frame = sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        with contextlib.suppress(ProtocolError):
+            if isinstance(decode(frame), Hello):
+                outbox.add_peer(peer)
+    for peer in list(outbox.peers):
+        outbox.send(peer, EngineDead(reason))

@@ -1,0 +1,117 @@
+"""Start, watch and stop the engine process.
+
+The engine listens on an ``ipc://`` socket inside a fresh directory that only
+this user can enter (``mkdtemp`` makes it 0700); the directory is removed on
+exit. The engine is told our pid and exits by itself within about a second if
+we die without stopping it, so it can never be left holding the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import anyio.abc
+import msgspec
+
+from tserve.protocol import EngineConfig
+
+__all__ = ["EngineProcess", "start_engine"]
+
+
+class EngineProcess:
+    """A running engine process. ``exited`` is set once it is gone."""
+
+    def __init__(self, process: anyio.abc.Process, address: str) -> None:
+        self.process = process
+        self.address = address
+        self.exited = anyio.Event()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the engine (tests use this to simulate a crash)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGKILL)
+
+    async def _watch(self, on_exit: Callable[[int], None]) -> None:
+        code = await self.process.wait()
+        self.exited.set()
+        on_exit(code)
+
+    async def stop(self, grace: float) -> None:
+        """Wait up to ``grace`` s for a requested exit, then SIGTERM, then SIGKILL.
+
+        Shielded: it runs to completion even inside a cancelled scope, so
+        leaving any block that started an engine never leaves it running.
+        """
+        with anyio.CancelScope(shield=True):
+            for sig, wait in ((None, grace), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+                if sig is not None and self.process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        self.process.send_signal(sig)
+                with anyio.move_on_after(wait):
+                    await self.process.wait()
+                if self.process.returncode is not None:
+                    return
+
+
+@contextlib.asynccontextmanager
+async def start_engine(
+    config: EngineConfig,
+    on_exit: Callable[[int], None],
+    *,
+    log_level: str = "INFO",
+    stop_grace: float = 5.0,
+) -> AsyncIterator[EngineProcess]:
+    """Run an engine process for the duration of the block.
+
+    ``on_exit(returncode)`` is called from a watcher task as soon as the
+    process is gone, for whatever reason. On leaving the block the engine is
+    given ``stop_grace`` seconds to finish a Shutdown the caller sent, then
+    terminated; the socket directory is removed.
+    """
+    directory = tempfile.mkdtemp(prefix="tserve-")
+    address = f"ipc://{directory}/engine.sock"
+    command = [
+        sys.executable,
+        "-m",
+        "tserve.gpu",
+        address,
+        msgspec.json.encode(config).decode(),
+        "--parent-pid",
+        str(os.getpid()),
+        "--log-level",
+        log_level,
+    ]
+    try:
+        process = await anyio.open_process(
+            command, stdin=subprocess.DEVNULL, stdout=None, stderr=None
+        )
+        engine = EngineProcess(process, address)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine._watch, on_exit)
+                try:
+                    yield engine
+                finally:
+                    await engine.stop(stop_grace)
+                    tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await process.aclose()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

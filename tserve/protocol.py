@@ -18,6 +18,9 @@ Framing rules:
   :class:`Heartbeat` while idle, and :class:`EngineDead` before a fatal exit.
 * Within one :class:`EngineInput`, adds are applied before aborts, so an abort
   for a request added in the same frame still takes effect.
+* The structs that stream at high rates (outputs, stats, logprobs) are not
+  tracked by the cyclic GC (``gc=False``): they hold only ints, floats,
+  strings and lists of those, so they can never be part of a cycle.
 * A request's outputs end with exactly one :class:`RequestOutput` whose
   ``finish_reason`` is set; nothing for that id follows it.
 """
@@ -174,7 +177,7 @@ class Shutdown(msgspec.Struct, array_like=True, frozen=True):
     reason: str = ""
 
 
-class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """The chosen token's logprob and, when asked, the top alternatives."""
 
     token_id: int
@@ -182,7 +185,7 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
     top: list[tuple[int, float]] = []
 
 
-class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
+class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """New tokens of one request since its previous output.
 
     ``logprobs`` is None unless the request asked for them; then it has one
@@ -217,7 +220,7 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     )
 
 
-class EngineStats(msgspec.Struct, array_like=True, frozen=True):
+class EngineStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A snapshot of the engine's load, sent with every step and heartbeat."""
 
     running: int = 0
@@ -228,7 +231,7 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     aborts_received: int = 0
 
 
-class StepOutputs(msgspec.Struct, array_like=True, frozen=True):
+class StepOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One engine step's output for one API process: every request's delta."""
 
     outputs: list[RequestOutput]

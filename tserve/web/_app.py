@@ -96,7 +96,7 @@ class Frontend:
     def __init__(self, llm: LLM, config: AppConfig) -> None:
         self.llm = llm
         self.config = config
-        self.metrics = Metrics(lambda: llm.stats)
+        self.metrics = Metrics(lambda: llm.stats, lambda: self.in_flight)
         self.model_names = config.served_model_names or (llm.model,)
         self.started = False  # set by serve() once it listens
         self.created = int(time.time())
@@ -124,6 +124,10 @@ class Frontend:
 
     def _ended(self) -> None:
         self._idle_changed.set()
+
+    def _body_opened(self, body: SSEBody) -> Exception | None:
+        self._live_bodies.add(body)
+        return self._aborting
 
     def _body_closed(self, body: SSEBody) -> None:
         self._live_bodies.discard(body)
@@ -182,6 +186,8 @@ class Frontend:
             reply = error_reply(exc, rid)
             status = reply.status
             response = _json(reply.body, reply.status, reply.headers)
+            if status == 413:  # the rest of the body is unread: the connection is spent
+                response.headers["Connection"] = "close"
         finally:
             if not record.streaming:
                 record.done(status)
@@ -353,11 +359,9 @@ class Frontend:
             usage_chunk=usage if req.include_usage else None,
             n=req.n,
             record=record,
+            on_open=self._body_opened,
             on_close=self._body_closed,
         )
-        self._live_bodies.add(body)
-        if self._aborting is not None:
-            body.abort(self._aborting)
         record.streaming = True
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return Response(body, content_type="text/event-stream", headers=headers)

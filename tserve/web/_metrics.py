@@ -31,8 +31,9 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], LLMStats]) -> None:
+    def __init__(self, stats: Callable[[], LLMStats], in_flight: Callable[[], int]) -> None:
         self._stats = stats
+        self._in_flight = in_flight
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -40,6 +41,11 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("tserve_engine_alive", "1 while the engine runs", s.engine_alive)
         yield GaugeMetricFamily(
             "tserve_requests_live", "Admitted requests not yet closed", s.live_requests
+        )
+        yield GaugeMetricFamily(
+            "tserve_http_generations_in_flight",
+            "Completion requests being answered",
+            self._in_flight(),
         )
         yield GaugeMetricFamily("tserve_requests_running", "Requests in the batch", e.running)
         yield GaugeMetricFamily(
@@ -61,7 +67,7 @@ class _EngineCollector(Collector):
 class Metrics:
     """The app's metrics. Updating them never blocks."""
 
-    def __init__(self, stats: Callable[[], LLMStats]) -> None:
+    def __init__(self, stats: Callable[[], LLMStats], in_flight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -82,7 +88,7 @@ class Metrics:
         )  # fmt: skip
         self.prompt_tokens = Counter("tserve_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("tserve_generation_tokens", "Output tokens", registry=r)
-        r.register(_EngineCollector(stats))
+        r.register(_EngineCollector(stats, in_flight))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

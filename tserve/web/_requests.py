@@ -209,6 +209,8 @@ def _decode(body: bytes, kind: type[_T]) -> _T:
         if missing:
             path = f"{path}.{missing.group('field')}" if path else missing.group("field")
         detail = _AT.sub("", message)
+        if missing:
+            raise InvalidRequest(f"Missing required field '{path}'", param=path) from None
         if path:
             raise InvalidRequest(f"Invalid value for '{path}': {detail}", param=path) from None
         raise InvalidRequest(f"Invalid request body: {detail}") from None

@@ -9,7 +9,8 @@ socket listens. ``serve`` itself returns an exit code:
   2. in-flight requests get up to ``shutdown_timeout`` seconds to finish;
   3. then the rest are ended: streams with a final SSE error event,
      non-streaming requests with a 503 error JSON (never a silent cut);
-  4. hypercorn closes the connections, and ``serve`` returns.
+  4. once those final events are written, the connections are closed (idle
+     keep-alive ones too) and ``serve`` returns.
   A second signal skips step 2.
 * 1 when the engine died: live requests have already failed with it (the mux
   fails every mailbox at once), ``/health`` is 503; after
@@ -39,6 +40,7 @@ log = logging.getLogger("tserve.web")
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 1
+_FLUSH_GRACE = 5.0  # seconds for aborted responses to be written out
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,6 +92,9 @@ class _Lifecycle:
         self.config = config
         self.exit_code = EXIT_OK
         self.stop_listening = trio.Event()  # hypercorn's shutdown trigger
+        # hypercorn waits for idle keep-alive connections; after our drain has
+        # ended every response there is nothing left to wait for.
+        self.http_scope = trio.CancelScope()
         self._draining = False
         self._hurry = trio.Event()
 
@@ -107,6 +112,9 @@ class _Lifecycle:
                 await self.frontend.wait_idle()
                 nursery.cancel_scope.cancel()
         self.frontend.abort_all(ShuttingDown("the server shut down before this request finished"))
+        with trio.move_on_after(_FLUSH_GRACE):  # aborted streams write their last event
+            await self.frontend.wait_idle()
+        self.http_scope.cancel()
 
     async def watch_signals(self, nursery: trio.Nursery) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -159,12 +167,13 @@ async def serve(
         nursery.start_soon(life.watch_engine)
 
         async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
-            await hypercorn_serve(
-                app,
-                _hypercorn_config(config),
-                shutdown_trigger=life.stop_listening.wait,
-                task_status=task_status,
-            )
+            with life.http_scope:
+                await hypercorn_serve(
+                    app,
+                    _hypercorn_config(config),
+                    shutdown_trigger=life.stop_listening.wait,
+                    task_status=task_status,
+                )
             nursery.cancel_scope.cancel()  # the watchers are done too
 
         binds: list[str] = await nursery.start(run_http)

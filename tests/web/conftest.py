@@ -1,0 +1,126 @@
+"""Live servers for tests/web: ``python -m tserve serve`` in a subprocess on loopback."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "sk-test-key"
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class Server:
+    """A ``python -m tserve serve`` child process; ``url`` is its base URL."""
+
+    def __init__(self, model_dir: Path, *args: str, log: Path) -> None:
+        _raise_fd_limit()
+        command = [sys.executable, "-m", "tserve", "serve", str(model_dir), "--port", "0"]
+        self.log = log
+        self._log_file = log.open("wb")
+        self.process = subprocess.Popen(
+            [*command, *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            env={**os.environ, "TSERVE_LOG_LEVEL": "warning"},
+        )
+        self.url = self._wait_for_url()
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def _wait_for_url(self) -> str:
+        assert self.process.stdout is not None
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.process.stdout is not None
+            for raw in self.process.stdout:
+                line = raw.decode()
+                if line.startswith("tserve: serving"):
+                    found.append(line.rsplit(" at ", 1)[1].strip().removesuffix("/v1"))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=120)  # a hang guard, not a timing assertion
+        if not found:
+            self.process.kill()
+            raise RuntimeError(f"server did not start:\n{self.log.read_text()[-3000:]}")
+        return found[0]
+
+    @property
+    def engine_pid(self) -> int:
+        """The engine process: the server's only python child."""
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        pids = [int(p) for p in children.read_text().split()]
+        assert len(pids) == 1, pids
+        return pids[0]
+
+    def metric(self, name: str) -> float:
+        for line in self.client.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def wait_for_metric(self, name: str, value: float, timeout: float = 20.0) -> None:
+        """Poll /metrics until ``name == value`` (a hang guard, not a timing check)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.metric(name) == value:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{name} stayed {self.metric(name)}, expected {value}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self.client.close()
+        self._log_file.close()
+        return code
+
+
+@pytest.fixture
+def start_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[type[Server] | object]:
+    """``start_server(*args)`` starts a server; every one is stopped at teardown."""
+    servers: list[Server] = []
+
+    def start(*args: str) -> Server:
+        server = Server(tiny_model_dir, *args, log=tmp_path / f"server{len(servers)}.log")
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One shared server with an API key, for tests that leave it as they found it."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = Server(
+        tiny_model_dir,
+        *("--api-key", API_KEY, "--max-pending", "512", "--served-model-name", "tiny"),
+        log=log,
+    )
+    srv.client.headers["Authorization"] = f"Bearer {API_KEY}"
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()[-3000:]

@@ -251,6 +251,34 @@ async def test_misuse_raises_mux_error(ipc_address: str) -> None:
             mux.submit(_add("dup", 0, 2))
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=3, seed=2**64),  # msgpack cannot encode it
+        SamplingParams(max_tokens=3, top_k=1.5),  # type: ignore[arg-type]  # engine cannot decode it
+    ],
+    ids=["int-out-of-msgpack-range", "wrong-type"],
+)
+async def test_an_add_that_cannot_cross_the_wire_fails_alone(
+    ipc_address: str, params: SamplingParams
+) -> None:
+    """Adds share a frame: one that cannot be encoded (or decoded by the
+    engine) must end alone, not stop the mux or lose its neighbours."""
+    async with _engine_and_mux(ipc_address, tokens_per_step=1) as mux:
+        before = mux.open_mailbox("before", 3)
+        mux.submit(_add("before", 10, 3))
+        bad = mux.open_mailbox("bad", 3)
+        mux.submit(AddRequest("bad", [0], params))
+        after = _open(mux, "after", 20, 3)
+        outputs = [output async for output in bad]
+        assert [output.finish_reason for output in outputs] == [FinishReason.ERROR]
+        assert "cannot be sent to the engine" in (outputs[0].error or "")
+        assert await _read_all(before) == [10, 11, 12]
+        assert await _read_all(after) == [20, 21, 22]
+        assert not mux.dead
+        assert mux.stats.adds_sent == 2
+
+
 async def test_no_engine_answer_is_a_clear_error(ipc_address: str) -> None:
     with anyio.fail_after(HANG_GUARD), pytest.raises(EngineDeadError, match="no EngineReady"):
         async with open_mux(ipc_address, ready_timeout=0.2):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -64,8 +64,8 @@ class Server:
     @property
     def engine_pid(self) -> int:
         """The engine process: the server's only python child."""
-        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-        pids = [int(p) for p in children.read_text().split()]
+        tasks = Path(f"/proc/{self.process.pid}/task").glob("*/children")
+        pids = [int(p) for children in tasks for p in children.read_text().split()]
         assert len(pids) == 1, pids
         return pids[0]
 
@@ -98,12 +98,13 @@ class Server:
 
 
 @pytest.fixture
-def start_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[type[Server] | object]:
+def start_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Server]]:
     """``start_server(*args)`` starts a server; every one is stopped at teardown."""
     servers: list[Server] = []
 
     def start(*args: str) -> Server:
-        server = Server(tiny_model_dir, *args, log=tmp_path / f"server{len(servers)}.log")
+        log = tmp_path / f"server{len(servers)}.log"
+        server = Server(tiny_model_dir, "--served-model-name", "tiny", *args, log=log)
         servers.append(server)
         return server
 

@@ -24,6 +24,7 @@ import logging
 import re
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
@@ -102,7 +103,9 @@ class Frontend:
         self.created = int(time.time())
         self._api_key = None if config.api_key is None else config.api_key.encode()
         # Live work that abort_all() must end: SSE bodies and handler scopes.
-        self._live_bodies: set[SSEBody] = set()
+        # Weak: a body that quart drops without entering it (its client left
+        # in between) leaves the set by itself.
+        self._live_bodies: weakref.WeakSet[SSEBody] = weakref.WeakSet()
         self._live_scopes: set[trio.CancelScope] = set()
         self._aborting: Exception | None = None
         self._idle_changed = trio.Event()  # set (and replaced) when a generation ends
@@ -124,10 +127,6 @@ class Frontend:
 
     def _ended(self) -> None:
         self._idle_changed.set()
-
-    def _body_opened(self, body: SSEBody) -> Exception | None:
-        self._live_bodies.add(body)
-        return self._aborting
 
     def _body_closed(self, body: SSEBody) -> None:
         self._live_bodies.discard(body)
@@ -250,6 +249,34 @@ class Frontend:
         req = parse_completion(await self._body())
         model = self._model(req.model)
         self._precheck(len(req.prompts) * req.n)
+        return await self._abortable(partial(self._completions, record, req, model))
+
+    async def chat_completions(self, record: RequestRecord) -> Response:
+        req = parse_chat(await self._body())
+        model = self._model(req.model)
+        self._precheck(req.n)
+        return await self._abortable(partial(self._chat_completions, record, req, model))
+
+    async def _abortable(self, work: Callable[[], Awaitable[Response]]) -> Response:
+        """Run ``work`` so that abort_all() ends it with its reason (a 503).
+
+        A streaming response's body registers itself before ``work`` returns,
+        so a request is in flight without a gap until its body is closed.
+        """
+        with trio.CancelScope() as scope:
+            self._live_scopes.add(scope)
+            try:
+                if self._aborting is not None:
+                    scope.cancel()
+                return await work()
+            finally:
+                self._live_scopes.discard(scope)
+                self._ended()
+        raise self._aborting or ShuttingDown("the server is shutting down")
+
+    async def _completions(
+        self, record: RequestRecord, req: CompletionRequest, model: str
+    ) -> Response:
         streams = await self._start_completion(req)
         prefixes = await self._echo_prefixes(req)
         logprobs = req.logprobs is not None
@@ -262,14 +289,13 @@ class Frontend:
             chunk = partial(completion_chunk, rid, created, model, include_usage=req.include_usage)
             usage = partial(usage_chunk, rid, created, model, "text_completion")
             return await self._stream(record, streams, choices, chunk, usage, req)
-        await self._collect(record, streams, choices)
+        await collect(streams, choices, record)
         usage_total = total_usage(choices, req.n)
         return _json(completion_response(rid, created, model, choices, usage_total))
 
-    async def chat_completions(self, record: RequestRecord) -> Response:
-        req = parse_chat(await self._body())
-        model = self._model(req.model)
-        self._precheck(req.n)
+    async def _chat_completions(
+        self, record: RequestRecord, req: ChatRequest, model: str
+    ) -> Response:
         streams = await self._start_chat(req)
         logprobs = req.logprobs is not None
         choices = [ChatChoice(i, self._token_text, logprobs=logprobs) for i in range(len(streams))]
@@ -278,7 +304,7 @@ class Frontend:
             chunk = partial(chat_chunk, rid, created, model, include_usage=req.include_usage)
             usage = partial(usage_chunk, rid, created, model, "chat.completion.chunk")
             return await self._stream(record, streams, choices, chunk, usage, req)
-        await self._collect(record, streams, choices)
+        await collect(streams, choices, record)
         return _json(chat_response(rid, created, model, choices, total_usage(choices, req.n)))
 
     async def _start_completion(self, req: CompletionRequest) -> list[RequestStream]:
@@ -325,22 +351,6 @@ class Frontend:
                 out.append(await trio.to_thread.run_sync(self.llm.decode, prompt))
         return out
 
-    async def _collect(
-        self, record: RequestRecord, streams: list[RequestStream], choices: Sequence[Choice]
-    ) -> None:
-        """Run the streams to their end; abort_all() turns into ShuttingDown."""
-        with trio.CancelScope() as scope:
-            self._live_scopes.add(scope)
-            try:
-                if self._aborting is not None:
-                    scope.cancel()
-                await collect(streams, choices, record)
-            finally:
-                self._live_scopes.discard(scope)
-                self._ended()
-        if scope.cancelled_caught:
-            raise self._aborting or ShuttingDown("the server is shutting down")
-
     async def _stream(
         self,
         record: RequestRecord,
@@ -359,9 +369,11 @@ class Frontend:
             usage_chunk=usage if req.include_usage else None,
             n=req.n,
             record=record,
-            on_open=self._body_opened,
             on_close=self._body_closed,
         )
+        self._live_bodies.add(body)
+        if self._aborting is not None:
+            body.abort(self._aborting)
         record.streaming = True
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return Response(body, content_type="text/event-stream", headers=headers)

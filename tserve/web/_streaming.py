@@ -134,7 +134,6 @@ class SSEBody(ResponseBody):
         usage_chunk: Callable[[Usage], JSON] | None,
         n: int,
         record: RequestRecord,
-        on_open: Callable[[SSEBody], Exception | None],
         on_close: Callable[[SSEBody], None],
     ) -> None:
         self._streams = streams
@@ -144,7 +143,6 @@ class SSEBody(ResponseBody):
         self._usage_chunk = usage_chunk
         self._n = n
         self._record = record
-        self._on_open = on_open
         self._on_close = on_close
         self._status = 200  # what the log line says: 200, or the error event's status
         self._abort_reason: Exception | None = None
@@ -157,9 +155,6 @@ class SSEBody(ResponseBody):
         )
 
     async def __aenter__(self) -> SSEBody:
-        abort = self._on_open(self)
-        if abort is not None:
-            self.abort(abort)
         nursery = await self._nursery_manager.__aenter__()
         nursery.start_soon(self._run_pumps)
         return self

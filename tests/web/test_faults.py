@@ -1,0 +1,130 @@
+"""Faults against real servers: overload, engine kill -9, SIGTERM while streaming."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.web.conftest import Server
+
+pytestmark = pytest.mark.slow
+
+StartServer = Callable[..., Server]
+LONG = {"prompt": "x", "max_tokens": 480, "ignore_eos": True}
+
+
+def read_stream(url: str, body: dict[str, object], out: list[list[str]]) -> None:
+    """Read one SSE stream to its end (in a thread) and append its data lines."""
+    with (
+        httpx.Client(base_url=url, timeout=120) as client,
+        client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        out.append([line[6:] for line in r.iter_lines() if line.startswith("data: ")])
+
+
+def finish_of(events: list[str]) -> str | None:
+    """The finish reason of a completed stream, or the error code of a failed one."""
+    assert events[-1] == "[DONE]", events[-3:]
+    last = json.loads(events[-2])
+    if "error" in last:
+        return f"error:{last['error']['code']}"
+    return str(last["choices"][0]["finish_reason"])
+
+
+def start_streams(
+    server: Server, count: int, body: dict[str, object]
+) -> tuple[list[threading.Thread], list[list[str]]]:
+    out: list[list[str]] = []
+    threads = [
+        threading.Thread(target=read_stream, args=(server.url, body, out)) for _ in range(count)
+    ]
+    for t in threads:
+        t.start()
+    server.wait_for_metric("tserve_requests_live", count)
+    return threads, out
+
+
+def test_overload_gets_503_at_once_and_admitted_complete(start_server: StartServer) -> None:
+    server = start_server("--max-pending", "4", "--max-num-seqs", "1")
+    threads, out = start_streams(server, 4, LONG)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        burst = [client.post("/v1/completions", json=LONG) for _ in range(40)]
+        assert client.get("/health").status_code == 200
+        assert client.get("/ready").status_code == 503  # saturated
+    assert {r.status_code for r in burst} == {503}
+    assert all(r.headers["Retry-After"].isdigit() for r in burst)
+    assert {r.json()["error"]["code"] for r in burst} == {"overloaded"}
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as info:
+        sdk.completions.create(model="tiny", prompt="x", max_tokens=480)
+    assert info.value.status_code == 503
+    for t in threads:
+        t.join(120)
+    assert [finish_of(events) for events in out] == ["length"] * 4
+    server.wait_for_metric("tserve_requests_live", 0)
+    assert server.client.get("/ready").status_code == 200
+
+
+def test_engine_kill_fails_every_request_and_exits_nonzero(start_server: StartServer) -> None:
+    server = start_server("--max-num-seqs", "1")
+    threads, out = start_streams(server, 3, LONG)
+    plain: list[httpx.Response] = []
+    blocker = threading.Thread(
+        target=lambda: plain.append(
+            httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=60)
+        )
+    )
+    blocker.start()
+    server.wait_for_metric("tserve_requests_live", 4)
+    engine = server.engine_pid
+    os.kill(engine, signal.SIGKILL)
+    for t in [*threads, blocker]:
+        t.join(60)
+    assert [finish_of(e) for e in out] == ["error:engine_dead"] * 3
+    assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "engine_dead"
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 503
+    assert server.process.wait(60) != 0
+
+
+def test_sigterm_drains_streams_then_exits_zero(start_server: StartServer) -> None:
+    server = start_server("--max-num-seqs", "1", "--shutdown-timeout", "60")
+    threads, out = start_streams(server, 3, LONG)
+    engine = server.engine_pid
+    server.process.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    assert [finish_of(e) for e in out] == ["length"] * 3
+    assert all(sum('"text"' in e for e in events) >= 1 for events in out)
+    assert server.process.wait(60) == 0
+    assert not Path(f"/proc/{engine}").exists() or _is_zombie(engine)
+
+
+def test_sigterm_past_the_timeout_ends_streams_with_an_error_event(
+    start_server: StartServer,
+) -> None:
+    server = start_server("--max-num-seqs", "1", "--shutdown-timeout", "0.2")
+    threads, out = start_streams(server, 4, {**LONG, "prompt": "y"})
+    server.process.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    finishes = [finish_of(e) for e in out]
+    assert "error:shutting_down" in finishes
+    assert set(finishes) <= {"length", "error:shutting_down"}
+    assert server.process.wait(60) == 0
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True

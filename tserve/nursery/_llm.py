@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -140,7 +140,12 @@ class LLM:
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> RequestStream:
-        """Like :meth:`generate` with the model's chat template applied to ``messages``."""
+        """Like :meth:`generate` with the model's chat template applied to ``messages``.
+
+        Raises InvalidRequest at once when ``messages`` is not a list of mappings.
+        """
+        if isinstance(messages, str | bytes) or not all(isinstance(m, Mapping) for m in messages):
+            raise InvalidRequest("messages must be a list of objects", param="messages")
         chat = [dict(m) for m in messages]
         return self._admit(lambda: self.apply_chat_template(chat), params, request_id, timeout)
 

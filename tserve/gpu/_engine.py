@@ -7,15 +7,24 @@ ids out of the vocabulary, a prompt that can never fit, an error while
 sampling it — ends that request alone with ``FinishReason.ERROR`` and frees
 its KV; only an exception out of the batch itself (the forward pass, the
 device) escapes ``step()``, and the process treats that as fatal.
+
+Test-only fault injection: when the environment variable
+``TSERVE_TEST_FAULT_FORWARD`` holds a number N when the core is built, the
+N-th forward pass (counting from 1) raises :class:`ForwardFault` instead of
+running, so tests can show that a fatal error in the model runner reaches
+every API process as ``EngineDead``. It is unset in production and nothing
+that arrives over HTTP or the wire can set it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Final
 
 import torch
 
@@ -25,7 +34,7 @@ from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._models import default_model_dir, load_model
 from tserve.gpu._sampler import Sampler
 from tserve.gpu._scheduler import Scheduler
-from tserve.gpu._sequence import Sequence
+from tserve.gpu._sequence import ScheduledChunk, Sequence
 from tserve.protocol import (
     AddRequest,
     EngineConfig,
@@ -37,9 +46,17 @@ from tserve.protocol import (
     TokenLogprob,
 )
 
-__all__ = ["EngineCore", "resolve_device"]
+__all__ = ["FORWARD_FAULT_ENV", "EngineCore", "ForwardFault", "resolve_device"]
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+
+FORWARD_FAULT_ENV: Final = "TSERVE_TEST_FAULT_FORWARD"
+
+
+class ForwardFault(RuntimeError):
+    """Raised on purpose by the test-only forward-pass fault hook."""
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -74,9 +91,17 @@ class EngineCore:
         self.vocab_size = int(model.config.vocab_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.device = str(device)
-        model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-        self.max_model_len = min(config.max_model_len or model_len, model_len)
         num_blocks = config.kv_cache_tokens // config.block_size
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_tokens ({config.kv_cache_tokens}) must hold at least one "
+                f"block of {config.block_size} tokens"
+            )
+        model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        # The context is capped by the model and by the whole KV budget.
+        self.max_model_len = min(
+            config.max_model_len or model_len, model_len, num_blocks * config.block_size
+        )
         self.config = config
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype
@@ -98,21 +123,32 @@ class EngineCore:
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         self._steps = 0
         self._aborts_received = 0
+        self._fault_step = _fault_step_from_env()
         progress(f"engine ready: {self.model_name}, {num_blocks * config.block_size} KV tokens")
 
     # -- requests in ---------------------------------------------------------
 
     def add(self, request: AddRequest, peer: bytes) -> None:
-        """Queue a request; a request that can never run is answered with an error."""
+        """Queue a request; a request that can never run is answered with an error.
+
+        An id already live for the SAME peer is a protocol violation by that
+        peer: the add is logged and dropped, because an error output would end
+        the live request's stream while it goes on. The same id from another
+        peer is rejected to that peer alone.
+        """
+        live = self.scheduler.get(request.request_id)
+        if live is not None and live.peer == peer:
+            log.error("peer %r re-used the live request id %r; add ignored", peer, live.request_id)
+            return
         problem = self._check(request)
-        seq = Sequence(
-            request.request_id,
-            list(request.prompt_token_ids),
-            request.params,
-            peer=peer,
-            deadline=request.deadline,
-        )
         if problem is None:
+            seq = Sequence(
+                request.request_id,
+                list(request.prompt_token_ids),
+                request.params,
+                peer=peer,
+                deadline=request.deadline,
+            )
             try:
                 self.scheduler.add(seq)
             except RequestRejected as exc:
@@ -122,17 +158,32 @@ class EngineCore:
                 (peer, RequestOutput(request.request_id, [], FinishReason.ERROR, error=problem))
             )
 
-    def abort(self, request_ids: Iterable[str]) -> None:
-        """Idempotent: unknown or finished ids are ignored. Frees KV at once."""
+    def abort(self, request_ids: Iterable[str], peer: bytes | None = None) -> None:
+        """Idempotent: unknown or finished ids are ignored. Frees KV at once.
+
+        With ``peer``, only that peer's requests are touched: another API
+        process may use the same id.
+        """
         for request_id in request_ids:
             self._aborts_received += 1
-            seq = self.scheduler.abort(request_id)
-            if seq is not None:
-                self._finished(seq)
+            seq = self.scheduler.get(request_id)
+            if seq is None or (peer is not None and seq.peer != peer):
+                continue
+            self.scheduler.abort(request_id)
+            self._finished(seq)
 
     def abort_peer(self, peer: bytes) -> None:
         """Abort every request of an API process that is gone."""
-        self.abort([s.request_id for s in self.scheduler.sequences() if s.peer == peer])
+        self._abort_all([s for s in self.scheduler.sequences() if s.peer == peer])
+
+    def abort_all(self) -> None:
+        """Abort every live request (shutdown); their final outputs go out with the next step."""
+        self._abort_all(self.scheduler.sequences())
+
+    def _abort_all(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.scheduler.abort(seq.request_id)
+            self._finished(seq)
 
     # -- the step --------------------------------------------------------------
 
@@ -140,34 +191,52 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
 
-    def step(self) -> list[tuple[bytes, RequestOutput]]:
-        """One step of continuous batching; returns (peer, output) pairs."""
-        for seq in self.scheduler.expire(time.time()):  # 1 deadlines
+    def step(self, now: float | None = None) -> list[tuple[bytes, RequestOutput]]:
+        """One step of continuous batching; returns (peer, output) pairs.
+
+        At most one output per request: its new tokens (and logprobs), and
+        its finish reason when it ended. ``now`` is the wall-clock time that
+        deadlines are checked against (default ``time.time()``). Blocks for
+        one forward pass. Raises only for a failure of the whole batch (the
+        forward pass, the device), which is fatal.
+        """
+        now = time.time() if now is None else now
+        for seq in self.scheduler.expire(now):  # 1 end expired requests
             self._finished(seq)
-        chunks = self.scheduler.schedule()  # 2 schedule
-        changed: list[Sequence] = []
+        chunks = self.scheduler.schedule()  # 2 schedule (allocates KV)
+        news: list[Sequence] = []
         if chunks:
-            logits = self.runner.execute(chunks)  # 3 forward (fatal if it raises)
-            to_sample = [c.seq for c in chunks if c.sample]
-            results = self.sampler.sample(logits, to_sample)  # 4 sample, per request
-            sampled: dict[str, int] = {}
-            for seq, result in zip(to_sample, results, strict=True):
-                if result.error is not None or result.token_id is None:
-                    self.scheduler.finish_with_error(seq.request_id, result.error or "no token")
-                    changed.append(seq)
-                    continue
-                sampled[seq.request_id] = result.token_id
-                if result.logprob is not None:
-                    self._logprobs.setdefault(seq.request_id, []).append(result.logprob)
-            changed.extend(self.scheduler.update(chunks, sampled))  # 5 update
-            self._steps += 1
+            logits = self._forward(chunks)  # 3 ONE forward pass (fatal if it raises)
+            sampled, failed = self._sample(chunks, logits)  # 4 sample, per request
+            news = failed + self.scheduler.update(chunks, sampled)  # 5 update, free finished
         outputs, self._pending = self._pending, []
-        seen: set[str] = set()
-        for seq in changed:  # 6 outputs
-            if seq.request_id not in seen:
-                seen.add(seq.request_id)
-                outputs.append((seq.peer, self._output(seq)))
+        # A sequence is in ``news`` once: failed ones are skipped by update().
+        outputs += [(seq.peer, self._output(seq)) for seq in news]  # 6 outputs
         return outputs
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        self._steps += 1
+        if self._steps == self._fault_step:
+            raise ForwardFault(f"injected forward fault at step {self._steps}")
+        return self.runner.execute(chunks)
+
+    def _sample(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor
+    ) -> tuple[dict[str, int], list[Sequence]]:
+        """Sampled token per request id, and the requests that failed alone (now finished)."""
+        to_sample = [c.seq for c in chunks if c.sample]
+        results = self.sampler.sample(logits, to_sample)
+        sampled: dict[str, int] = {}
+        failed: list[Sequence] = []
+        for seq, result in zip(to_sample, results, strict=True):
+            if result.token_id is None:
+                self.scheduler.finish_with_error(seq.request_id, result.error or "no token")
+                failed.append(seq)
+                continue
+            sampled[seq.request_id] = result.token_id
+            if result.logprob is not None:
+                self._logprobs.setdefault(seq.request_id, []).append(result.logprob)
+        return sampled, failed
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -249,6 +318,17 @@ def check_params(params: SamplingParams, vocab_size: int) -> str | None:
         ),
     ]
     return next((message for ok, message in checks if not ok), None)
+
+
+def _fault_step_from_env() -> int | None:
+    """The step number of the test-only forward fault, or None (production)."""
+    value = os.environ.get(FORWARD_FAULT_ENV)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{FORWARD_FAULT_ENV} must be a step number, got {value!r}") from None
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: object) -> tuple[int, ...]:

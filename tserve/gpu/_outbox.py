@@ -8,13 +8,20 @@ later step outputs for the same request are *merged* into it
 (:func:`tserve.protocol.merge_outputs`).
 
 Bound: the backlog of one peer holds at most one ``RequestOutput`` per live
-request of that peer, and each of those at most ``max_tokens`` tokens, so it is
-bounded by the scheduler's own bounds. Nothing in it is ever dropped while the
-peer exists; a peer that is gone (EHOSTUNREACH) is reported to the caller so
-that its requests can be aborted.
+request of that peer (plus the final output of requests that ended since its
+last frame), and each of those at most ``max_tokens`` tokens, so it is bounded
+by the scheduler's own bounds. Nothing in it is ever dropped while the peer
+exists; a peer that is gone (EHOSTUNREACH) is reported to the caller so that
+its requests can be aborted.
+
+Liveness: every peer hears from the engine at least once per heartbeat
+interval -- a StepOutputs frame when it has news, else a Heartbeat -- even
+while the engine is busy with other peers' requests.
 """
 
 from __future__ import annotations
+
+import time
 
 import zmq
 
@@ -36,18 +43,27 @@ class Outbox:
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self._sock = sock
-        self.peers: set[bytes] = set()
         # peer -> request id -> the merged output it has not yet received.
-        # Invariant: an entry exists only for a peer in self.peers.
+        # Invariant: the keys are exactly the known peers (those that spoke to
+        # us and were not found gone since).
         self._backlog: dict[bytes, dict[str, RequestOutput]] = {}
+        # peer -> time.monotonic() of the last frame it accepted; same keys.
+        self._last_sent: dict[bytes, float] = {}
+
+    @property
+    def peers(self) -> list[bytes]:
+        return list(self._backlog)
 
     @property
     def pending(self) -> bool:
+        """Whether some peer has outputs it has not received yet."""
         return any(self._backlog.values())
 
     def add_peer(self, peer: bytes) -> None:
-        self.peers.add(peer)
-        self._backlog.setdefault(peer, {})
+        """Know ``peer`` (idempotent); outputs for unknown peers are dropped."""
+        if peer not in self._backlog:
+            self._backlog[peer] = {}
+            self._last_sent[peer] = time.monotonic()
 
     def queue(self, peer: bytes, output: RequestOutput) -> None:
         """Hold ``output`` for ``peer``, merged with what it has not received."""
@@ -58,7 +74,7 @@ class Outbox:
         backlog[output.request_id] = output if held is None else merge_outputs(held, output)
 
     def flush(self, stats: EngineStats) -> list[bytes]:
-        """Send each peer ONE StepOutputs frame with everything held for it.
+        """Send each peer with a backlog ONE StepOutputs frame holding all of it.
 
         Never blocks. A peer at its high-water mark keeps its backlog for the
         next flush. Returns the peers found gone, already forgotten.
@@ -76,10 +92,15 @@ class Outbox:
             self.forget(peer)
         return gone
 
-    def heartbeat(self, stats: EngineStats) -> list[bytes]:
-        """Tell every peer the engine is alive. A peer at its HWM is skipped:
-        its queue already holds newer frames, which prove liveness as well."""
-        gone = [peer for peer in self.peers if self.send(peer, Heartbeat(stats)) is None]
+    def heartbeat(self, stats: EngineStats, interval: float) -> list[bytes]:
+        """Send a Heartbeat to every peer that got no frame for ``interval`` seconds.
+
+        A peer at its HWM is skipped: its queue already holds frames, which
+        prove liveness as well. Returns the peers found gone, already forgotten.
+        """
+        stale = time.monotonic() - interval
+        due = [peer for peer, last in self._last_sent.items() if last <= stale]
+        gone = [peer for peer in due if self.send(peer, Heartbeat(stats)) is None]
         for peer in gone:
             self.forget(peer)
         return gone
@@ -94,8 +115,10 @@ class Outbox:
             if exc.errno == zmq.EHOSTUNREACH:
                 return None
             raise
+        if peer in self._last_sent:
+            self._last_sent[peer] = time.monotonic()
         return True
 
     def forget(self, peer: bytes) -> None:
-        self.peers.discard(peer)
         self._backlog.pop(peer, None)
+        self._last_sent.pop(peer, None)

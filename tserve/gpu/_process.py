@@ -5,15 +5,17 @@ Plain blocking pyzmq; no trio, anyio or quart. The main loop, in steps:
 1. drain the inbox (hellos, adds, aborts, shutdown): wait at most one
    heartbeat interval when idle, not at all when work is running;
 2.-5. ``core.step()``: schedule, run the model, sample, update;
-6. send ONE StepOutputs frame per API peer holding every request's new tokens
-   (or a heartbeat when idle), never blocking on a slow peer.
+6. send ONE StepOutputs frame per API peer holding every request's new tokens,
+   and a Heartbeat to each peer that heard nothing for an interval; never
+   blocking on a slow peer (the :class:`Outbox` coalesces).
 
-The process exits 0 on Shutdown, and also when its parent (the API process
-that started it) is gone: it checks ``os.getppid()`` on every iteration, so it
-notices within one heartbeat interval or one step. Any exception out of the
-batch (the model, the device) is fatal: every peer gets EngineDead with the
-reason and the process exits 1. Errors that concern one request never get
-here; the core ends that request alone.
+The process exits 0 on Shutdown (after sending every live request's final
+ABORT output), and also when its parent (the API process that started it) is
+gone: it checks on every iteration, so it notices within one heartbeat
+interval or one step. Any exception out of the batch (the model, the device)
+is fatal: every peer gets EngineDead with the reason and the process exits 1.
+Errors that concern one request never get here; the core ends that request
+alone.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 
 import zmq
 
@@ -48,10 +51,18 @@ log = logging.getLogger("tserve.engine")
 # the peer and the peer's own send waits: nothing is dropped either way.
 SNDHWM = 1000
 RCVHWM = 1000
+# Frames applied per drain while work is running, so that a flood of input
+# cannot hold off the next step; the rest wait in the socket (RCVHWM above).
+MAX_FRAMES_PER_DRAIN = 256
+# How long an idle loop waits when only a slow peer's backlog is left: it
+# retries the flush this often instead of spinning.
+BACKLOG_RETRY = 0.01
+# How long a dying engine keeps trying to hand EngineDead to a peer at its HWM.
+DEAD_SEND_TIMEOUT = 1.0
 
 
 class _Stop(Exception):
-    """Leave the main loop cleanly (Shutdown received or parent gone)."""
+    """Leave the main loop cleanly (Shutdown received)."""
 
 
 def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
@@ -59,6 +70,7 @@ def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the API process
     # decides what happens and tells us with Shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent_alive = _parent_watch(parent_pid)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -71,35 +83,43 @@ def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
         try:
             core = EngineCore(config, progress=log.info)
         except Exception as exc:
+            log.exception("engine failed to start")
             _report_death(sock, outbox, f"engine failed to start: {exc}", wait_for_peers=True)
             return 1
-        return _serve(core, sock, outbox, config.heartbeat_interval, parent_pid)
+        return _serve(core, sock, outbox, config.heartbeat_interval, parent_alive)
     finally:
         sock.close()
         ctx.term()
 
 
 def _serve(
-    core: EngineCore, sock: zmq.Socket[bytes], outbox: Outbox, interval: float, parent_pid: int
+    core: EngineCore,
+    sock: zmq.Socket[bytes],
+    outbox: Outbox,
+    interval: float,
+    parent_alive: Callable[[], bool],
 ) -> int:
-    last_sent = time.monotonic()
     try:
         while True:
-            idle = not core.has_work and not outbox.pending
-            _drain_inbox(core, sock, outbox, timeout=interval if idle else 0.0)  # 1
-            if os.getppid() != parent_pid:
-                log.warning("API process %d is gone; engine exits", parent_pid)
+            if core.has_work:
+                timeout = 0.0
+            else:
+                timeout = min(interval, BACKLOG_RETRY) if outbox.pending else interval
+            _drain_inbox(core, sock, outbox, timeout)  # 1
+            if not parent_alive():
+                log.warning("the API process that started the engine is gone; engine exits")
                 return 0
             if core.has_work:
                 for peer, output in core.step():  # 2-5
                     outbox.queue(peer, output)
             if outbox.pending:  # 6
                 _forget_peers(core, outbox.flush(core.stats()))
-                last_sent = time.monotonic()
-            elif time.monotonic() - last_sent >= interval:
-                _forget_peers(core, outbox.heartbeat(core.stats()))
-                last_sent = time.monotonic()
+            _forget_peers(core, outbox.heartbeat(core.stats(), interval))
     except _Stop:
+        core.abort_all()
+        for peer, output in core.step():
+            outbox.queue(peer, output)
+        outbox.flush(core.stats())
         return 0
     except Exception:
         reason = traceback.format_exc(limit=8)
@@ -109,10 +129,10 @@ def _serve(
 
 
 def _drain_inbox(core: EngineCore, sock: zmq.Socket[bytes], outbox: Outbox, timeout: float) -> None:
-    """Apply every frame waiting on the socket; wait up to ``timeout`` for the first."""
+    """Apply the frames waiting on the socket; wait up to ``timeout`` for the first."""
     if timeout > 0 and not sock.poll(int(timeout * 1000), zmq.POLLIN):
         return
-    while True:
+    for _ in range(MAX_FRAMES_PER_DRAIN):
         try:
             peer, frame = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
         except zmq.Again:
@@ -128,9 +148,10 @@ def _apply(core: EngineCore, outbox: Outbox, peer: bytes, frame: bytes) -> None:
         return
     match message:
         case EngineInput(adds=adds, aborts=aborts):
+            outbox.add_peer(peer)  # a peer that skipped Hello still gets its outputs
             for request in adds:
                 core.add(request, peer)
-            core.abort(aborts)
+            core.abort(aborts, peer)
         case Hello():
             outbox.add_peer(peer)
             outbox.send(peer, core.ready_info())
@@ -147,10 +168,36 @@ def _forget_peers(core: EngineCore, gone: list[bytes]) -> None:
         core.abort_peer(peer)
 
 
+def _parent_watch(parent_pid: int) -> Callable[[], bool]:
+    """A cheap check, called every iteration, that the API process still exists.
+
+    When ``parent_pid`` is our parent, its death reparents us, so comparing
+    ``os.getppid()`` is exact (no pid-reuse race). Otherwise (an intermediate
+    launcher) fall back to probing the pid with signal 0.
+    """
+    if os.getppid() == parent_pid:
+        return lambda: os.getppid() == parent_pid
+    log.warning("parent pid %d is not our parent; watching it by pid", parent_pid)
+
+    def alive() -> bool:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    return alive
+
+
 def _report_death(
     sock: zmq.Socket[bytes], outbox: Outbox, reason: str, *, wait_for_peers: bool
 ) -> None:
-    """Send EngineDead to every peer, including any whose Hello is still queued."""
+    """Send EngineDead to every peer, including any whose Hello is still queued.
+
+    A peer at its HWM is retried for up to ``DEAD_SEND_TIMEOUT`` seconds.
+    """
     deadline = time.monotonic() + (2.0 if wait_for_peers else 0.0)
     while True:
         remaining = deadline - time.monotonic()
@@ -161,7 +208,12 @@ def _report_death(
         except zmq.Again:
             break
         with contextlib.suppress(ProtocolError):
-            if isinstance(decode(frame), Hello):
+            if isinstance(decode(frame), Hello | EngineInput):
                 outbox.add_peer(peer)
-    for peer in list(outbox.peers):
-        outbox.send(peer, EngineDead(reason))
+    waiting = outbox.peers
+    give_up = time.monotonic() + DEAD_SEND_TIMEOUT
+    while waiting:
+        waiting = [peer for peer in waiting if outbox.send(peer, EngineDead(reason)) is False]
+        if not waiting or time.monotonic() >= give_up:
+            break
+        time.sleep(0.01)

@@ -1,9 +1,11 @@
-"""Start, watch and stop the engine process.
+"""Start and stop the engine process.
 
 The engine listens on an ``ipc://`` socket inside a fresh directory that only
 this user can enter (``mkdtemp`` makes it 0700); the directory is removed on
 exit. The engine is told our pid and exits by itself within about a second if
-we die without stopping it, so it can never be left holding the device.
+we die without stopping it (SIGKILL, ``os._exit``), so it can never be left
+holding the device. It ignores SIGINT: a Ctrl-C in a terminal reaches the
+whole process group, and the API process decides what happens.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import anyio
 import anyio.abc
@@ -23,16 +25,15 @@ import msgspec
 
 from tserve.protocol import EngineConfig
 
-__all__ = ["EngineProcess", "start_engine"]
+__all__ = ["EngineProcess", "exit_reason", "start_engine"]
 
 
 class EngineProcess:
-    """A running engine process. ``exited`` is set once it is gone."""
+    """A running engine process, as :func:`start_engine` yields it."""
 
     def __init__(self, process: anyio.abc.Process, address: str) -> None:
         self.process = process
         self.address = address
-        self.exited = anyio.Event()
 
     @property
     def pid(self) -> int:
@@ -43,20 +44,20 @@ class EngineProcess:
         return self.process.returncode
 
     def kill(self) -> None:
-        """SIGKILL the engine (tests use this to simulate a crash)."""
+        """SIGKILL the engine (tests and drills use this to simulate a crash)."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.process.pid, signal.SIGKILL)
 
-    async def _watch(self, on_exit: Callable[[int], None]) -> None:
-        code = await self.process.wait()
-        self.exited.set()
-        on_exit(code)
+    async def wait(self) -> int:
+        """Wait until the process has exited; return its code. Cancellable."""
+        return await self.process.wait()
 
     async def stop(self, grace: float) -> None:
         """Wait up to ``grace`` s for a requested exit, then SIGTERM, then SIGKILL.
 
         Shielded: it runs to completion even inside a cancelled scope, so
         leaving any block that started an engine never leaves it running.
+        Bound: ``grace`` + 3 s + 5 s.
         """
         with anyio.CancelScope(shield=True):
             for sig, wait in ((None, grace), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
@@ -69,20 +70,28 @@ class EngineProcess:
                     return
 
 
+def exit_reason(code: int) -> str:
+    """Words for an engine's exit status, for EngineDeadError."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the engine process was killed by {name}"
+    return f"the engine process exited with code {code}"
+
+
 @contextlib.asynccontextmanager
 async def start_engine(
-    config: EngineConfig,
-    on_exit: Callable[[int], None],
-    *,
-    log_level: str = "INFO",
-    stop_grace: float = 5.0,
+    config: EngineConfig, *, log_level: str = "INFO", stop_grace: float = 5.0
 ) -> AsyncIterator[EngineProcess]:
     """Run an engine process for the duration of the block.
 
-    ``on_exit(returncode)`` is called from a watcher task as soon as the
-    process is gone, for whatever reason. On leaving the block the engine is
-    given ``stop_grace`` seconds to finish a Shutdown the caller sent, then
-    terminated; the socket directory is removed.
+    The engine inherits stdout and stderr (its log, including its loading
+    progress, appears there). On leaving the block the engine is given
+    ``stop_grace`` seconds to finish a Shutdown the caller sent, then
+    terminated (see :meth:`EngineProcess.stop`), whatever way the block is
+    left; the socket directory is removed.
     """
     directory = tempfile.mkdtemp(prefix="tserve-")
     address = f"ipc://{directory}/engine.sock"
@@ -103,14 +112,9 @@ async def start_engine(
         )
         engine = EngineProcess(process, address)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(engine._watch, on_exit)
-                try:
-                    yield engine
-                finally:
-                    await engine.stop(stop_grace)
-                    tg.cancel_scope.cancel()
+            yield engine
         finally:
+            await engine.stop(stop_grace)
             with anyio.CancelScope(shield=True):
                 await process.aclose()
     finally:

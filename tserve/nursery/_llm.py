@@ -1,38 +1,41 @@
 """The embeddable LLM: an engine process, one mux, and admission control.
 
-``open_llm`` runs three things for the duration of its block, in one task
-group: the engine process (and a watcher that notices when it exits), the
+``open_llm`` runs these for the duration of its block, in one task group:
+the engine process and a watcher that turns its exit into engine death, the
 mux task that owns the socket to it, and the caller's body. Leaving the block
 in any way — normal exit, exception, cancellation, KeyboardInterrupt — sends
 Shutdown, gives the engine ``shutdown_grace`` seconds, then terminates it; no
 child process outlives the block.
 
-The engine is not restarted when it dies: every live request fails with
-EngineDeadError, new requests are refused with it, and the caller decides
-(the HTTP server exits non-zero so that its supervisor restarts it whole).
+The engine is not restarted when it dies (see :func:`open_llm` for why):
+every live request fails with EngineDeadError, new requests are refused with
+it, and the caller decides (the HTTP server exits non-zero so that its
+supervisor restarts it whole).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import os
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
+import anyio.abc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tserve.mux import EngineDeadError, Mux
-from tserve.nursery._engine_process import EngineProcess, start_engine
+from tserve.nursery._engine_process import EngineProcess, exit_reason, start_engine
 from tserve.nursery._errors import InvalidRequest, Overloaded, ShuttingDown
 from tserve.nursery._request import Prompt, RequestStream
 from tserve.nursery._results import Completion
-from tserve.protocol import EngineConfig, EngineReady, EngineStats, SamplingParams
+from tserve.protocol import EngineConfig, EngineReady, EngineStats, SamplingParams, TokenLogprob
 
 __all__ = ["LLM", "LLMStats", "open_llm"]
 
@@ -56,7 +59,10 @@ class LLM:
 
     Admission: at most ``max_pending`` requests are live (admitted and not
     yet closed); one more raises :class:`Overloaded` at once. Nothing waits
-    without bound.
+    without bound. Every method is meant to be called from the event loop
+    thread that entered ``open_llm``, except the blocking tokenizer helpers
+    (:meth:`encode`, :meth:`decode`, :meth:`apply_chat_template`), which
+    are for worker threads.
     """
 
     def __init__(
@@ -68,19 +74,29 @@ class LLM:
         *,
         max_pending: int,
         request_timeout: float | None,
+        mux_done: anyio.Event,
     ) -> None:
+        if max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
         self._mux = mux
         self._engine = engine
+        self._mux_done = mux_done  # set when the mux stopped (engine dead or closed)
         self.ready = ready
         self.tokenizer = tokenizer
+        self._decode_ids = _fast_decoder(tokenizer)
         self.max_pending = max_pending
         self.request_timeout = request_timeout
         self.draining = False
-        # Invariant: len(self._live) <= max_pending; a stream is in it from
-        # admission until its close().
-        self._live: set[RequestStream] = set()
+        # Invariant: 0 <= _live <= max_pending; a stream counts from admission
+        # until its close() (which runs once).
+        self._live = 0
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
+        # Tokenizer calls in worker threads. Bound: this many at once; more
+        # wait for a thread (they are admitted requests, so at most
+        # max_pending of them wait).
+        self._tokenizer_limiter = anyio.CapacityLimiter(4)
+        self._call_soon = _loop_caller()
 
     # -- state -------------------------------------------------------------------
 
@@ -90,7 +106,12 @@ class LLM:
 
     @property
     def engine_alive(self) -> bool:
-        return not self._mux.dead
+        """False once the engine is known to be dead, or the LLM closed; never True again."""
+        return not (self._mux.dead or self._mux_done.is_set())
+
+    @property
+    def engine_dead_reason(self) -> str | None:
+        return self._mux.dead_reason
 
     @property
     def engine_pid(self) -> int:
@@ -100,10 +121,18 @@ class LLM:
         """SIGKILL the engine process: for fault-injection tests and drills."""
         self._engine.kill()
 
+    async def wait_engine_dead(self) -> str:
+        """Wait until the engine is dead (or the LLM closed); return the reason.
+
+        A checkpoint; cancellable.
+        """
+        await self._mux_done.wait()
+        return self._mux.dead_reason or "the LLM was closed"
+
     @property
     def stats(self) -> LLMStats:
         return LLMStats(
-            live_requests=len(self._live),
+            live_requests=self._live,
             aborts_sent=self._mux.stats.aborts_sent,
             engine=self._mux.engine_stats,
             engine_alive=self.engine_alive,
@@ -122,15 +151,17 @@ class LLM:
         """Start a request; iterate the result for its deltas.
 
         Synchronous and immediate: raises Overloaded, ShuttingDown or
-        EngineDeadError before anything is queued. ``prompt`` is text or token
+        EngineDeadError before anything is queued. ``prompt`` is text
+        (tokenized in a worker thread on the first ``__anext__``) or token
         ids. ``timeout`` (seconds, default ``request_timeout``) ends the
-        request with RequestTimeout and aborts it in the engine.
+        request with RequestTimeout and aborts it in the engine. Close the
+        stream (``async with``, ``aclose``, or reading it to the end) to free
+        its admission slot; a stream dropped unfinished is closed soon after.
         """
         if isinstance(prompt, str):
             text = prompt
             return self._admit(lambda: self.encode(text), params, request_id, timeout)
-        ids = list(prompt)
-        return self._admit(lambda: ids, params, request_id, timeout)
+        return self._admit(list(prompt), params, request_id, timeout)
 
     def chat(
         self,
@@ -142,7 +173,8 @@ class LLM:
     ) -> RequestStream:
         """Like :meth:`generate` with the model's chat template applied to ``messages``.
 
-        Raises InvalidRequest at once when ``messages`` is not a list of mappings.
+        Raises InvalidRequest at once when ``messages`` is not a list of
+        mappings; the template runs in a worker thread.
         """
         if isinstance(messages, str | bytes) or not all(isinstance(m, Mapping) for m in messages):
             raise InvalidRequest("messages must be a list of objects", param="messages")
@@ -166,7 +198,8 @@ class LLM:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        """Text of ``token_ids``, special tokens skipped. Fast (microseconds) for a few ids."""
+        return self._decode_ids(token_ids)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         """Prompt ids for a chat. Blocking; raises InvalidRequest for bad messages."""
@@ -182,26 +215,28 @@ class LLM:
 
     def _admit(
         self,
-        make_prompt: Callable[[], list[int]],
+        prompt: Callable[[], list[int]] | list[int],
         params: SamplingParams | None,
         request_id: str | None,
         timeout: float | None,
     ) -> RequestStream:
         if self._mux.dead:
             raise EngineDeadError(self._mux.dead_reason or "the engine is dead")
+        if self._mux_done.is_set():
+            raise ShuttingDown("the LLM is closed")
         if self.draining:
             raise ShuttingDown("the server is shutting down")
-        if len(self._live) >= self.max_pending:
+        if self._live >= self.max_pending:
             raise Overloaded(f"{self.max_pending} requests are already in flight")
         timeout = self.request_timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.time() + timeout
         rid = request_id or f"{self._id_prefix}-{next(self._ids)}"
-        stream = RequestStream(self, rid, make_prompt, params or SamplingParams(), deadline)
-        self._live.add(stream)
+        stream = RequestStream(self, rid, prompt, params or SamplingParams(), timeout)
+        self._live += 1
         return stream
 
     def _release(self, stream: RequestStream) -> None:
-        self._live.discard(stream)
+        """Called once per admitted stream, by its close()."""
+        self._live -= 1
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         """Reject what the engine would reject, with the field it concerns."""
@@ -219,10 +254,55 @@ class LLM:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
 
 
+def _fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, minus Python overhead.
+
+    A fast tokenizer's Rust backend decodes a few ids in about a microsecond;
+    the Python wrapper around it costs four times that, twice per
+    streamed token. Same text unless the tokenizer cleans up spaces.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        decode = backend.decode
+
+        def fast(token_ids: list[int]) -> str:
+            return str(decode(token_ids, skip_special_tokens=True))
+
+        return fast
+
+    def slow(token_ids: list[int]) -> str:
+        return str(tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    return slow
+
+
+def _loop_caller() -> Callable[[Callable[[], object]], None]:
+    """A thread-safe, non-blocking "run this soon on the current event loop".
+
+    For finalizers, which may run in any thread and at any point of the loop
+    thread's own code. Once the loop has finished, the call is dropped: what
+    it would have cleaned up is gone with the loop.
+    """
+    try:
+        soon: Callable[[Callable[[], object]], object] = (
+            asyncio.get_running_loop().call_soon_threadsafe
+        )
+    except RuntimeError:  # not asyncio: trio
+        import trio
+
+        soon = trio.lowlevel.current_trio_token().run_sync_soon
+
+    def call_soon(callback: Callable[[], object]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has finished or is closed
+            soon(callback)
+
+    return call_soon
+
+
 async def _collect(stream: RequestStream) -> Completion:
     text: list[str] = []
     ids: list[int] = []
-    logprobs = []
+    logprobs: list[TokenLogprob] = []
     finish, usage = None, None
     async with stream:
         async for delta in stream:
@@ -252,43 +332,176 @@ async def open_llm(
     heartbeat_timeout: float = 30.0,
     shutdown_grace: float = 5.0,
     log_level: str = "INFO",
+    freeze_gc: bool = True,
     **engine_options: Any,
 ) -> AsyncIterator[LLM]:
-    """Start an engine for ``model`` and yield an :class:`LLM` over it.
+    """Start an engine process for ``model`` and yield an :class:`LLM` over it.
 
     ``engine_options`` are fields of :class:`tserve.protocol.EngineConfig`
-    (max_num_seqs, kv_cache_tokens, threads, device, dtype, ...). Waiting for
-    the engine to load (the engine logs its progress) is bounded by
-    ``startup_timeout``; an engine that exits first raises EngineDeadError
-    with its reason.
+    (max_num_seqs, kv_cache_tokens, threads, device, dtype, ...).
+
+    Startup: waits for the engine's ready message, at most
+    ``startup_timeout`` s; meanwhile the engine logs its loading progress to
+    stderr and this process logs how long it has waited every 10 s. An
+    engine that cannot start (a bad model path, a bad option) reports why
+    and exits, and ``open_llm`` raises EngineDeadError naming the reason as
+    soon as it does (seconds, not the timeout).
+
+    Shutdown: leaving the block in any way (normal exit, exception,
+    cancellation, KeyboardInterrupt) sends Shutdown (the engine aborts what
+    is live and exits), waits up to ``shutdown_grace`` s, then terminates
+    and finally kills the process; this wait is shielded from cancellation.
+    No child process outlives the block; if this process is killed outright,
+    the engine notices its parent is gone and exits within about a second.
+    An exception from the block propagates unchanged (not in an
+    ExceptionGroup).
+
+    Engine death: when the engine process exits, is killed, reports a fatal
+    error, or is silent for ``heartbeat_timeout`` s, every live request
+    fails at once with EngineDeadError, new requests are refused with it,
+    ``engine_alive`` turns False and :meth:`LLM.wait_engine_dead` returns
+    (a silent engine is also killed). ``open_llm`` does NOT restart the
+    engine: a restart would have to reload the model (seconds to minutes,
+    during which every request would wait or fail anyway), could only retry
+    requests that had not streamed a token (the others' text is already
+    with the client), and would hide a crash loop from whoever supervises
+    the process. The caller decides: the HTTP server exits non-zero so that
+    its supervisor restarts it whole.
+
+    ``freeze_gc`` moves every object alive after startup (torch-free, but
+    transformers and the tokenizer make hundreds of thousands) out of the
+    cyclic garbage collector's sight with ``gc.freeze()``, so that
+    collections during streaming stay cheap.
     """
     config = EngineConfig(model=os.fspath(model), **engine_options)
-    mux = Mux(heartbeat_timeout=heartbeat_timeout)
+    body_error: BaseException | None = None
+    try:
+        async with (
+            start_engine(config, log_level=log_level, stop_grace=shutdown_grace) as engine,
+            anyio.create_task_group() as tg,
+        ):
+            mux = Mux(heartbeat_timeout=heartbeat_timeout, ready_timeout=startup_timeout)
+            mux_done = anyio.Event()
+            try:
+                tg.start_soon(_watch_engine, engine, mux, mux_done)
+                ready = await _start_mux(tg, mux, engine, mux_done, model=config.model)
+                tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, ready.model_path)
+                llm = LLM(
+                    mux,
+                    engine,
+                    ready,
+                    tokenizer,
+                    max_pending=max_pending,
+                    request_timeout=request_timeout,
+                    mux_done=mux_done,
+                )
+                if freeze_gc:
+                    gc.collect()
+                    gc.freeze()
+                try:
+                    yield llm
+                except BaseException as exc:
+                    body_error = exc
+                    raise
+            finally:
+                mux.shutdown_engine("API process leaving")
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        error = _unwrap(group, body_error)
+        if error is group:
+            raise
+    else:
+        return
+    raise error
 
-    def engine_exited(code: int) -> None:
-        mux.engine_died(f"engine process exited with code {code}")
 
-    async with (
-        start_engine(config, engine_exited, log_level=log_level, stop_grace=shutdown_grace) as proc,
-        anyio.create_task_group() as tg,
-    ):
+def _unwrap(
+    group: BaseExceptionGroup[BaseException], body_error: BaseException | None
+) -> BaseException:
+    """The one exception our own task groups wrapped, else ``group`` itself.
+
+    Descends through single-member groups until it reaches the body's own
+    exception (returned as it was raised, even if it is a group itself) or a
+    plain exception (a startup failure such as EngineDeadError).
+    """
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup) and error is not body_error:
+        if len(error.exceptions) != 1:
+            return group
+        error = error.exceptions[0]
+    return error
+
+
+async def _start_mux(
+    tg: anyio.abc.TaskGroup, mux: Mux, engine: EngineProcess, mux_done: anyio.Event, *, model: str
+) -> EngineReady:
+    """Run the mux in ``tg``; return once the engine is ready, with progress in the log.
+
+    Raises EngineDeadError if the engine died, failed to start or did not
+    become ready within the mux's ``ready_timeout``.
+    """
+    async with anyio.create_task_group() as progress:
+        progress.start_soon(_log_waiting, engine.pid, model)
         try:
-            await tg.start(mux.run, proc.address)
-            with anyio.fail_after(startup_timeout):
-                ready = await mux.wait_ready()
-            tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, ready.model_path)
-            llm = LLM(
-                mux,
-                proc,
-                ready,
-                tokenizer,
-                max_pending=max_pending,
-                request_timeout=request_timeout,
-            )
-            yield llm
+            await tg.start(_run_mux, mux, engine.address, mux_done)
         finally:
-            mux.shutdown_engine("API process leaving")
-            tg.cancel_scope.cancel()
+            progress.cancel_scope.cancel()
+    log.info("engine ready: %s (pid %d, %s)", mux.ready.model, engine.pid, mux.ready.device)
+    return mux.ready
+
+
+async def _run_mux(
+    mux: Mux,
+    address: str,
+    done: anyio.Event,
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        await mux.run(address, task_status=task_status)
+    finally:
+        done.set()
+
+
+async def _log_waiting(pid: int, model: str) -> None:
+    started = anyio.current_time()
+    while True:
+        await anyio.sleep(_PROGRESS_INTERVAL)
+        waited = anyio.current_time() - started
+        log.info("waiting for the engine (pid %d) to load %s: %.0f s", pid, model, waited)
+
+
+async def _watch_engine(engine: EngineProcess, mux: Mux, mux_done: anyio.Event) -> None:
+    """Turn the engine process's exit into engine death, and a dead engine into an exit.
+
+    An engine that exits with an error sends EngineDead (with the reason)
+    first; its exit waits up to ``_DEATH_MESSAGE_GRACE`` s for that message
+    so the reason is not lost in a race. A signal (kill -9) is reported at
+    once. An engine declared dead while its process still runs (silent past
+    the heartbeat timeout) is killed, so that it cannot hold the device.
+    """
+    async with anyio.create_task_group() as tg:
+
+        async def reap_when_dead() -> None:
+            await mux_done.wait()
+            if mux.dead and engine.returncode is None:
+                with anyio.move_on_after(_DEATH_MESSAGE_GRACE):
+                    await engine.wait()
+                if engine.returncode is None:
+                    log.error("killing the engine (pid %d): %s", engine.pid, mux.dead_reason)
+                    engine.kill()
+
+        tg.start_soon(reap_when_dead)
+        code = await engine.wait()
+        if code > 0 and not mux_done.is_set():
+            with anyio.move_on_after(_DEATH_MESSAGE_GRACE):
+                await mux_done.wait()
+        mux.engine_died(exit_reason(code))
+        tg.cancel_scope.cancel()
+
+
+_PROGRESS_INTERVAL = 10.0  # s between "waiting for the engine" log lines
+_DEATH_MESSAGE_GRACE = 1.0  # s; see _watch_engine
 
 
 def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -243,6 +243,10 @@ class LLM:
         limit = self.ready.max_model_len
         if not prompt:
             raise InvalidRequest("prompt is empty", param="prompt")
+        if params.max_tokens < 1:
+            # The engine would reject it too, but a negative bound also breaks
+            # the mailbox's (it would fail the request with a MuxError).
+            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         if len(prompt) + params.max_tokens > limit:
             raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "

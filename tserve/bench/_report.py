@@ -55,15 +55,16 @@ def format_summary(summary: Summary, title: str) -> str:
 
 def sweep_table(label: str, points: Sequence[tuple[str, Summary]]) -> str:
     """One line per run of a sweep: throughput and median/p99 TTFT and ITL."""
+    w = max(len(label), *(len(x) for x, _ in points))
     head = (
-        f"{label:>12} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
+        f"{label:>{w}} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)"
     )
     lines = [head]
     for x, s in points:
         ttft, itl = s.latency["ttft"], s.latency["itl"]
         lines.append(
-            f"{x:>12} {s.completed:>5} {s.failed:>5} {s.request_throughput:>8.2f} "
+            f"{x:>{w}} {s.completed:>5} {s.failed:>5} {s.request_throughput:>8.2f} "
             f"{s.output_throughput:>10.1f} {_ms(ttft.median):>9} {_ms(ttft.p99):>9} "
             f"{_ms(itl.median):>8} {_ms(itl.p99):>8}"
         )
@@ -135,7 +136,9 @@ def plot_sweep(
         ax.legend(fontsize=8)
     for ax in axes[1:]:
         ax.set_ylabel("ms")
-        ax.set_yscale("log")
+        low = min((y for line in ax.get_lines() for y in line.get_ydata()), default=0.0)
+        if low > 0:
+            ax.set_yscale("log")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -4,7 +4,8 @@
 ``python -m tserve serve [MODEL] [options]`` says more. Every option can also
 come from an environment variable, ``TSERVE_`` + its name in capitals
 (``--max-pending`` is ``TSERVE_MAX_PENDING``); a command-line flag wins.
-The ``bench`` subcommand name is reserved for the benchmark client.
+``python -m tserve bench [options]`` runs the serving benchmark
+(:mod:`tserve.bench`); ``python -m tserve bench --help`` says more.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if not args or (args[0] not in _COMMANDS and args[0] not in ("-h", "--help")):
         args.insert(0, "serve")
     if args[0] == "bench":
-        raise SystemExit("python -m tserve bench: not implemented yet")
+        raise SystemExit("python -m tserve bench: call main(), which delegates to tserve.bench")
     return _parser().parse_args(args)
 
 
@@ -194,7 +195,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["bench"]:
+        from tserve.bench import main as bench_main
+
+        return bench_main(words[1:])
+    args = parse_args(words)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

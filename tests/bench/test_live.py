@@ -15,6 +15,7 @@ import anyio
 import httpx
 import pytest
 
+from tserve.__main__ import main as tserve_main
 from tserve.bench import main
 from tserve.bench._client import RunConfig, run_benchmark
 from tserve.bench._datasets import BenchRequest
@@ -164,7 +165,7 @@ def test_live_tserve_zero_errors(
         "--disable-tqdm", "--timeout", "60",
         *(str(tiny_model_dir) if a == "TINY" else a for a in dataset),
     ]  # fmt: skip
-    assert main(argv) == 0
+    assert tserve_main(["bench", *argv]) == 0  # python -m tserve bench ...
     for run in json.loads((tmp_path / "live.json").read_text())["runs"]:
         s = run["summary"]
         assert (s["completed"], s["failed"], s["output_tokens"]) == (16, 0, 16 * 8)

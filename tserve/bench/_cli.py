@@ -275,11 +275,13 @@ def _save(
     else:
         name, points = axis
         by_concurrency = len(args.max_concurrency) > 1
+        several = len(args.max_concurrency) > 1 and len(args.request_rate) > 1
+        short = Path(title).name or title
         series: dict[str, list[tuple[float, Summary]]] = {}
         for (rate, conc), (_, _, s) in zip(points, runs, strict=True):
             key = _label(rate, None) if by_concurrency else _label(math.inf, conc)
             x = float(conc or 0) if by_concurrency else rate
-            series.setdefault(f"{title} {key}", []).append((x, s))
+            series.setdefault(f"{short} {key}" if several else short, []).append((x, s))
         plot_sweep(series, name, title, png_path)
     print(f"wrote {json_path} and {png_path}")
 

@@ -41,6 +41,12 @@ def test_echo_server_run(endpoint: str, backend: str) -> None:
     assert got == (50, 0, 1000, 8)
 
 
+def test_reused_connection_closed_by_the_server_is_retried() -> None:
+    config = RunConfig(max_concurrency=1, extra_body={"echo_close": True})
+    got = anyio.run(_echo_run, config, [BenchRequest("x", 1, 3)] * 10, backend="trio")
+    assert got == (10, 0, 30, 1)
+
+
 def test_duration_cuts_the_run_and_reports_unfinished() -> None:
     config = RunConfig(duration=0.3, extra_body={"echo_itl": 0.05}, max_concurrency=4)
 

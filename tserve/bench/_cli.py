@@ -129,7 +129,13 @@ def _tokenizer(args: argparse.Namespace, model: str) -> Tokenizer:
     source = args.tokenizer or (model if Path(model).is_dir() else None)
     if source is not None:
         return LocalTokenizer(source)
-    return ServerTokenizer(args.base_url.rstrip("/"), model, _headers(args))
+    try:
+        return ServerTokenizer(args.base_url.rstrip("/"), model, _headers(args))
+    except httpx.HTTPError as exc:
+        raise SystemExit(
+            f"the server has no usable /tokenize and /detokenize ({exc}); "
+            "pass --tokenizer with a local tokenizer or model directory"
+        ) from None
 
 
 def _requests(args: argparse.Namespace, tokenizer: Tokenizer, n: int) -> list[BenchRequest]:
@@ -208,7 +214,10 @@ def _run_json(run: RunResult, summary: Summary, detailed: bool) -> dict[str, Any
 def _bench(args: argparse.Namespace) -> int:
     headers = _headers(args)
     base_url = args.base_url.rstrip("/")
-    model = args.model or _server_model(base_url, headers)
+    try:
+        model = args.model or _server_model(base_url, headers)
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"cannot list the models of {base_url}: {exc}") from None
     tokenizer = _tokenizer(args, model)
     requests = _requests(args, tokenizer, args.num_prompts + args.num_warmups)
     warmups, requests = requests[: args.num_warmups], requests[args.num_warmups :]
@@ -264,7 +273,11 @@ def _save(
         "model": model,
         "endpoint": args.endpoint,
         "dataset": args.dataset_name,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k != "api_key"  # a secret does not belong in a result file
+        },
         "runs": [_run_json(run, s, args.save_detailed) for _, run, s in runs],
     }
     json_path = args.result_dir / f"{stem}.json"

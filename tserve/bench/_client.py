@@ -115,7 +115,10 @@ async def _exchange(
     conn: Connection, request: bytes, recorder: StreamRecorder
 ) -> tuple[bool, bool]:
     """Send one request and read its response; ``(keep_alive, got_any_bytes)``."""
-    parser = await conn.post(request)
+    try:
+        parser = await conn.post(request)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        return False, False  # closed while idle
     sse = SSEDecoder()
     error_body = bytearray()
     got = False
@@ -178,6 +181,8 @@ async def _send(
     except OSError as exc:
         kind = "connect_error" if conn is None else "read_error"
         recorder.fail(kind, str(exc) or type(exc).__name__)
+    except Exception as exc:  # one request's surprise must not end the run
+        recorder.fail("client_error", repr(exc))
     finally:
         if conn is not None:
             await conn.aclose()

@@ -3,7 +3,8 @@
 ``python -m tserve.bench.echo_server [--port P] [--itl SECONDS]`` answers
 ``POST /v1/completions`` and ``/v1/chat/completions`` with ``max_tokens``
 one-word chunks (one socket write each, ``--itl`` seconds apart, or
-``echo_itl`` from the request body), a usage
+``echo_itl`` from the request body; ``echo_close`` closes the connection
+afterwards, as servers do to idle keep-alive connections), a usage
 chunk and ``[DONE]``, over keep-alive HTTP/1.1 with chunked encoding, and
 ``GET /v1/models`` and ``/health``. It does no other work, so a client that
 it can outrun is measuring itself: ``python -m tserve bench --self-test``
@@ -62,6 +63,7 @@ class _Body(msgspec.Struct):
     max_tokens: int = 16
     stream: bool = False
     echo_itl: float | None = None  # this request's seconds between chunks
+    echo_close: bool = False  # close the connection after answering, unannounced
 
 
 async def _stream(stream: anyio.abc.ByteStream, chat: bool, n: int, itl: float) -> None:
@@ -93,6 +95,8 @@ async def _answer(
         return
     gap = itl if req.echo_itl is None else req.echo_itl
     await _stream(stream, path.endswith(b"/chat/completions"), max(1, req.max_tokens), gap)
+    if req.echo_close:  # as a server does to an idle keep-alive connection
+        raise anyio.EndOfStream
 
 
 async def _connection(stream: anyio.abc.ByteStream, itl: float) -> None:

@@ -118,6 +118,7 @@ def bench(server: Server, args: argparse.Namespace, out: Path) -> dict[int, dict
             "--num-warmups", "2" if i == 0 else "0", "--seed", str(concurrency),
             "--duration", str(args.level_duration), "--timeout", str(args.level_duration),
             "--result-dir", str(out), "--result-filename", stem, "--label", server.name,
+            "--disable-tqdm",
         ]  # fmt: skip
         print(f"{server.name}: {n} requests, {concurrency} at once", flush=True)
         subprocess.run(command, check=False, stdout=subprocess.DEVNULL)

@@ -274,7 +274,7 @@ def _save(
         "endpoint": args.endpoint,
         "dataset": args.dataset_name,
         "args": {
-            k: (str(v) if isinstance(v, Path) else v)
+            k: _plain(v)
             for k, v in vars(args).items()
             if k != "api_key"  # a secret does not belong in a result file
         },
@@ -297,6 +297,15 @@ def _save(
             series.setdefault(f"{short} {key}" if several else short, []).append((x, s))
         plot_sweep(series, name, title, png_path)
     print(f"wrote {json_path} and {png_path}")
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as strict JSON: paths and infinities as strings."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path) or (isinstance(value, float) and math.isinf(value)):
+        return str(value)
+    return value
 
 
 def _self_test(args: argparse.Namespace) -> int:

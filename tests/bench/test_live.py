@@ -133,7 +133,8 @@ def test_cli_sweep_writes_json_and_png(echo_url: str, tiny_model_dir: Path, tmp_
         "--save-detailed",
     ]  # fmt: skip
     assert main(argv) == 0
-    doc = json.loads((tmp_path / "sweep.json").read_text())
+    text = (tmp_path / "sweep.json").read_text()
+    doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert [r["max_concurrency"] for r in doc["runs"]] == [1, 4]
     assert all(r["summary"]["failed"] == 0 for r in doc["runs"])
     assert len(doc["runs"][0]["requests"]) == 12

@@ -186,6 +186,7 @@ def main() -> int:
     peer_env = {**env, "OMP_NUM_THREADS": str(args.threads)}
     results: dict[str, dict[int, dict[str, Any]]] = {}
     starts: dict[str, float] = {}
+    load: dict[str, list[float]] = {}  # 1-minute load average before and after each server
     t0 = time.monotonic()
     for name, command, extra in (
         ("tserve", tserve_cmd, env),
@@ -194,8 +195,10 @@ def main() -> int:
         port = _free_port()
         server = Server(name, [*command, "--port", str(port)], port, extra, out / f"{name}.log")
         try:
+            before = os.getloadavg()[0]
             results[name] = bench(server, args, out)
             starts[name] = server.start_s
+            load[name] = [before, os.getloadavg()[0]]
         finally:
             server.stop()
     ours, peer = results["tserve"], results[PEER]
@@ -204,6 +207,8 @@ def main() -> int:
           f"sonnet {args.input_len} in / {args.output_len} out, /v1/completions streamed; "
           f"throughput ÷ > 1 and latency ÷ < 1 favour tserve):\n")  # fmt: skip
     print(text)
+    print("\n1-min load average before/after each server (2 cores): " + ", ".join(
+        f"{k} {a:.1f}/{b:.1f}" for k, (a, b) in load.items()))  # fmt: skip
     doc = {
         "date": stamp,
         "model_dir": str(args.model_dir),
@@ -212,6 +217,7 @@ def main() -> int:
         "output_len": args.output_len,
         "levels": LEVELS,
         "startup_s": starts,
+        "load_average": load,
         "wall_s": time.monotonic() - t0,
         "summaries": {k: {str(c): s for c, s in v.items()} for k, v in results.items()},
         "table": text,

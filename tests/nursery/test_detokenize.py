@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -150,3 +151,18 @@ def test_streamed_stop_equals_stop_on_whole_text(text: str, stops: list[str], se
         pieces.append(text[i:j])
         i = j
     assert feed(StopMatcher(stops), pieces) == expected
+
+
+def test_real_byte_level_tokenizer_one_token_at_a_time(tiny_model_dir: Path) -> None:
+    """With the tiny model's byte-level BPE: multi-byte characters split over
+    several tokens are held until complete, so no delta holds U+FFFD."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "héllo wörld — ✓ 日本語 🙂 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.encode()) // 3  # many characters span tokens
+    detok = IncrementalDetokenizer(lambda t: str(tokenizer.decode(t, skip_special_tokens=True)))
+    pieces = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)

@@ -422,18 +422,26 @@ async def open_llm(
 def _unwrap(
     group: BaseExceptionGroup[BaseException], body_error: BaseException | None
 ) -> BaseException:
-    """The one exception our own task groups wrapped, else ``group`` itself.
+    """What to raise instead of ``group``, the group our own task groups raised.
 
-    Descends through single-member groups until it reaches the body's own
-    exception (returned as it was raised, even if it is a group itself) or a
-    plain exception (a startup failure such as EngineDeadError).
+    The body's own exception, as the body raised it (even if it is a group
+    itself, which the task groups may have copied), when that is all the
+    group holds; else a lone exception wrapped in single-member groups (a
+    startup failure such as EngineDeadError); else ``group`` itself.
     """
+    if body_error is not None and _leaves(group) == _leaves(body_error):
+        return body_error
     error: BaseException = group
-    while isinstance(error, BaseExceptionGroup) and error is not body_error:
-        if len(error.exceptions) != 1:
-            return group
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
-    return error
+    return group if isinstance(error, BaseExceptionGroup) else error
+
+
+def _leaves(error: BaseException) -> set[int]:
+    """The identities of the plain exceptions inside ``error``."""
+    if isinstance(error, BaseExceptionGroup):
+        return set().union(*(_leaves(e) for e in error.exceptions))
+    return {id(error)}
 
 
 async def _start_mux(

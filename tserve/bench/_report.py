@@ -92,7 +92,8 @@ def plot_run(summary: Summary, title: str, path: Path) -> None:
         lat.bar(xs, values, width, label=q)
     lat.set_xticks(range(len(LATENCIES)), [_NAMES[k] for k in LATENCIES])
     lat.set_ylabel("ms")
-    lat.set_yscale("log")
+    if all(s.p[q] > 0 for s in summary.latency.values() for q in qs):
+        lat.set_yscale("log")
     lat.set_title("latency percentiles")
     lat.legend()
     names = ["output", "total"]

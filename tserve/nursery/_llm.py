@@ -24,11 +24,10 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tserve.mux import EngineDeadError, Mux
 from tserve.nursery._engine_process import EngineProcess, exit_reason, start_engine
@@ -36,6 +35,9 @@ from tserve.nursery._errors import InvalidRequest, Overloaded, ShuttingDown
 from tserve.nursery._request import Prompt, RequestStream
 from tserve.nursery._results import Completion
 from tserve.protocol import EngineConfig, EngineReady, EngineStats, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["LLM", "LLMStats", "open_llm"]
 
@@ -517,4 +519,8 @@ _DEATH_MESSAGE_GRACE = 1.0  # s; see _watch_engine
 
 
 def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Blocking (a worker thread). transformers is imported here, not at module
+    import, so that importing tserve (the web layer) does not import torch."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -147,14 +147,10 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
+            if self._deadline_wall is None:  # the common case: no cancel scope to build
+                return await self._next()
             with anyio.CancelScope(deadline=self._deadline) as scope:
-                if self._state is RequestState.ADMITTED:
-                    await self._submit()
-                assert self._mailbox is not None
-                while True:
-                    delta = self._to_delta(await self._receive(self._mailbox))
-                    if delta is not None:
-                        return delta
+                return await self._next()
             assert scope.cancelled_caught
             raise RequestTimeout(f"request {self.request_id} passed its deadline")
         except BaseException:
@@ -191,6 +187,15 @@ class RequestStream:
         self._state = transition(self._state, state)
         if state is RequestState.ABORTED:
             self._llm._mux.abort(self.request_id)
+
+    async def _next(self) -> Delta:
+        if self._state is RequestState.ADMITTED:
+            await self._submit()
+        assert self._mailbox is not None
+        while True:
+            delta = self._to_delta(await self._receive(self._mailbox))
+            if delta is not None:
+                return delta
 
     async def _submit(self) -> None:
         make = self._make_prompt

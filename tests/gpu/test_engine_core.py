@@ -181,6 +181,18 @@ def test_32_staggered_greedy_requests_match_generate_alone(
         assert result.tokens == _reference(reference, prompt, n), f"r{i}, prompt of {len(prompt)}"
 
 
+def test_a_uniform_batch_matches_generate(core: EngineCore, tiny_model: tuple[Any, Any]) -> None:
+    """Equal prompts lengths admitted together: the unpadded attention shortcuts
+    (causal prefill without a mask, decodes without gather or mask) change nothing."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(6)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    run = _drive(core, {0: [AddRequest(f"u{i}", p, params) for i, p in enumerate(prompts)]})
+    reference, _ = tiny_model
+    for i, prompt in enumerate(prompts):
+        assert run.results[f"u{i}"].tokens == _reference(reference, prompt, 10), f"u{i}"
+
+
 def test_eos_stops_a_request_unless_ignored(core: EngineCore, tiny_model: tuple[Any, Any]) -> None:
     """Find a prompt whose greedy continuation reaches EOS; without ignore_eos it stops there."""
     reference, _ = tiny_model

@@ -66,18 +66,33 @@ class AttentionGroup:
     """Sequences whose attention runs as one padded SDPA call.
 
     Padding entries of ``q_index`` and ``kv_slots`` point at index 0; the mask
-    and ``out_rows`` keep them from mattering.
+    and ``out_rows`` keep them from mattering. Two shortcuts skip work that
+    would change nothing: ``packed`` (the queries are one token per sequence,
+    already contiguous in packed order: no gather, no scatter) and ``mask``
+    None (no padding at all: every key is visible, or, with ``is_causal``,
+    every query starts at position 0 so SDPA's own causal mask is exact).
     """
 
     q_index: torch.Tensor  # [B, Qmax] long: packed token index of each query
     kv_slots: torch.Tensor  # [B, Kmax] long: pool slot of each key position
-    mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool: True where the query may attend
+    mask: torch.Tensor | None  # [B, 1, Qmax, Kmax] bool: True where the query may attend
     out_rows: torch.Tensor  # [n] long: rows of the flattened [B*Qmax] output that are real
     out_index: torch.Tensor  # [n] long: packed token index of each of those rows
+    packed: tuple[int, int] | None = None  # queries are packed tokens [start, stop), Qmax == 1
+    is_causal: bool = False  # only with mask None: Qmax == Kmax, all sequences unpadded
 
     def to(self, device: torch.device) -> AttentionGroup:
-        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return AttentionGroup(*(t.to(device, non_blocking=True) for t in fields))
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return dataclasses.replace(
+            self,
+            q_index=move(self.q_index),
+            kv_slots=move(self.kv_slots),
+            mask=None if self.mask is None else move(self.mask),
+            out_rows=move(self.out_rows),
+            out_index=move(self.out_index),
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,14 +182,22 @@ def _group(
     k_valid = k_pos[None, :] < kv_lens[:, None]  # [B, Kmax]
     kv_slots = torch.where(k_valid, slots, 0)
 
+    out_rows = torch.nonzero(q_valid.flatten()).squeeze(1)
+    out_index = q_index.flatten()[out_rows]
+    packed = None
+    if q_max == 1 and offsets[members[-1]] - offsets[members[0]] == len(members) - 1:
+        packed = (offsets[members[0]], offsets[members[0]] + len(members))
+    unpadded = bool((kv_lens == kv_max).all() and (q_lens == q_max).all())
+    if unpadded and q_max == 1:  # one query per sequence, at its last position
+        return AttentionGroup(q_index, kv_slots, None, out_rows, out_index, packed)
+    if unpadded and q_max == kv_max:  # whole prompts from position 0
+        return AttentionGroup(q_index, kv_slots, None, out_rows, out_index, packed, True)
+
     # Query j of a sequence sits at position start + j and sees keys 0..start+j.
     # Padding queries (j >= q_len) see every valid key, so no row is all-False.
     causal = k_pos[None, None, :] <= (starts[:, None, None] + q_pos[None, :, None])
     mask = (causal & k_valid[:, None, :]).unsqueeze(1)
-
-    out_rows = torch.nonzero(q_valid.flatten()).squeeze(1)
-    out_index = q_index.flatten()[out_rows]
-    return AttentionGroup(q_index, kv_slots, mask, out_rows, out_index)
+    return AttentionGroup(q_index, kv_slots, mask, out_rows, out_index, packed)
 
 
 def paged_attention_forward(
@@ -208,14 +231,26 @@ def paged_attention_forward(
     q_flat = query[0].transpose(0, 1)  # [T, H, D]
     out = query.new_empty(q_flat.shape)
     for group in tserve_step.groups:
-        q = q_flat[group.q_index].transpose(1, 2)  # [B, H, Qmax, D]
+        if group.packed is not None:
+            q = q_flat[group.packed[0] : group.packed[1]].unsqueeze(2)  # [B, H, 1, D]
+        else:
+            q = q_flat[group.q_index].transpose(1, 2)  # [B, H, Qmax, D]
         k = k_pool[group.kv_slots].transpose(1, 2)  # [B, KVH, Kmax, D]
         v = v_pool[group.kv_slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True
+            q,
+            k,
+            v,
+            attn_mask=group.mask,
+            is_causal=group.is_causal,
+            scale=scaling,
+            enable_gqa=True,
         )
-        o = o.transpose(1, 2).flatten(0, 1)  # [B * Qmax, H, D]
-        out[group.out_index] = o[group.out_rows]
+        if group.packed is not None:
+            out[group.packed[0] : group.packed[1]] = o.squeeze(2)
+        else:
+            o = o.transpose(1, 2).flatten(0, 1)  # [B * Qmax, H, D]
+            out[group.out_index] = o[group.out_rows]
     return out.unsqueeze(0), None
 
 

@@ -78,8 +78,6 @@ class LLM:
         request_timeout: float | None,
         mux_done: anyio.Event,
     ) -> None:
-        if max_pending < 1:
-            raise ValueError("max_pending must be at least 1")
         self._mux = mux
         self._engine = engine
         self._mux_done = mux_done  # set when the mux stopped (engine dead or closed)
@@ -379,7 +377,9 @@ async def open_llm(
     cyclic garbage collector's sight with ``gc.freeze()``, so that
     collections during streaming stay cheap.
     """
-    config = EngineConfig(model=os.fspath(model), **engine_options)
+    if max_pending < 1:
+        raise ValueError("max_pending must be at least 1")
+    config = EngineConfig(model=os.fspath(model), **engine_options)  # TypeError: unknown option
     body_error: BaseException | None = None
     try:
         async with (

@@ -2,6 +2,10 @@
 
 Started by an API process (see ``tserve.nursery``), which passes its own pid
 with ``--parent-pid`` so the engine can exit when it is gone.
+
+Exit status: 0 after ``Shutdown`` or when the parent is gone; 1 after a fatal
+error, which every connected API process first hears about as ``EngineDead``;
+2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s engine %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    config = msgspec.json.decode(args.config, type=EngineConfig)
+    try:
+        config = msgspec.json.decode(args.config, type=EngineConfig)
+    except msgspec.DecodeError as exc:
+        parser.error(f"bad CONFIG_JSON: {exc}")
     # Import late: loading torch takes a while and argument errors should not wait.
     from tserve.gpu._process import run_engine
 

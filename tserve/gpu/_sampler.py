@@ -144,7 +144,8 @@ class Sampler:
     def _batch(self, logits: torch.Tensor, seqs: SequenceOf[Sequence], rows: list[int]) -> _Batch:
         """Step 2 over ``rows``: everything that vectorises."""
         params = [seqs[i].params for i in rows]
-        raw = logits[rows]
+        # ``rows`` is increasing: all of them means the whole tensor, no copy.
+        raw = logits if len(rows) == logits.shape[0] else logits[rows]
         processed = _apply_penalties(raw, [seqs[i] for i in rows])
         want_lp = [j for j, p in enumerate(params) if p.logprobs is not None]
         logprobs: dict[int, torch.Tensor] = {}

@@ -29,7 +29,10 @@ def read_stream(url: str, body: dict[str, object], out: list[list[str]]) -> None
     ):
         if r.status_code != 200:  # failed before its first token: a plain error
             r.read()
-            out.append([f"status:{r.status_code}:{r.json()['error']['code']}"])
+            status = f"status:{r.status_code}:{r.json()['error']['code']}"
+            if r.status_code == 503 and not r.headers.get("Retry-After", "").isdigit():
+                status += ":no-retry-after"
+            out.append([status])
             return
         out.append([line[6:] for line in r.iter_lines() if line.startswith("data: ")])
 
@@ -121,15 +124,29 @@ def test_sigterm_drains_streams_then_exits_zero(start_server: StartServer) -> No
 def test_sigterm_past_the_timeout_ends_streams_with_an_error_event(
     start_server: StartServer,
 ) -> None:
+    """Past --shutdown-timeout every request still running ends with an error, never a cut.
+
+    One request runs at a time (max-num-seqs 1) and the others queue in the
+    engine. A response whose headers were sent (it had its first token)
+    ends with a final ``shutting_down`` error event and ``[DONE]``; one
+    still waiting for its first token has sent nothing yet, so it gets the
+    plain 503 + Retry-After error JSON; one that finished in time says
+    ``length``. The four need 1,920 tokens decoded one request after
+    another, far more than 0.2 s of work, so some are cut either way.
+    """
     server = start_server("--max-num-seqs", "1", "--shutdown-timeout", "0.2")
     threads, out = start_streams(server, 4, {**LONG, "prompt": "y"})
+    engine = server.engine_pid
     server.process.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)
-    finishes = [finish_of(e) for e in out]
-    assert "error:shutting_down" in finishes
-    assert set(finishes) <= {"length", "error:shutting_down"}
+    finishes = [finish_of(e) for e in out]  # each stream ends with a final event and [DONE]
+    assert len(finishes) == 4
+    assert set(finishes) <= {"length", "error:shutting_down", "status:503:shutting_down"}
+    assert "error:shutting_down" in finishes  # a started stream was cut: it says so
+    assert "status:503:shutting_down" in finishes  # the queued ones never started
     assert server.process.wait(60) == 0
+    assert not Path(f"/proc/{engine}").exists() or _is_zombie(engine)
 
 
 def _is_zombie(pid: int) -> bool:

@@ -229,29 +229,42 @@ def paged_attention_forward(
     v_pool.index_copy_(0, tserve_step.slot_mapping, value[0].transpose(0, 1))
 
     q_flat = query[0].transpose(0, 1)  # [T, H, D]
+    groups = tserve_step.groups
+    if len(groups) == 1 and groups[0].packed == (0, q_flat.shape[0]):  # decodes only
+        o = _attend(groups[0], q_flat.unsqueeze(2), k_pool, v_pool, scaling)
+        return o.squeeze(2).unsqueeze(0), None
     out = query.new_empty(q_flat.shape)
-    for group in tserve_step.groups:
+    for group in groups:
         if group.packed is not None:
-            q = q_flat[group.packed[0] : group.packed[1]].unsqueeze(2)  # [B, H, 1, D]
+            start, stop = group.packed
+            o = _attend(group, q_flat[start:stop].unsqueeze(2), k_pool, v_pool, scaling)
+            out[start:stop] = o.squeeze(2)
         else:
             q = q_flat[group.q_index].transpose(1, 2)  # [B, H, Qmax, D]
-        k = k_pool[group.kv_slots].transpose(1, 2)  # [B, KVH, Kmax, D]
-        v = v_pool[group.kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=group.mask,
-            is_causal=group.is_causal,
-            scale=scaling,
-            enable_gqa=True,
-        )
-        if group.packed is not None:
-            out[group.packed[0] : group.packed[1]] = o.squeeze(2)
-        else:
-            o = o.transpose(1, 2).flatten(0, 1)  # [B * Qmax, H, D]
-            out[group.out_index] = o[group.out_rows]
+            o = _attend(group, q, k_pool, v_pool, scaling).transpose(1, 2).flatten(0, 1)
+            out[group.out_index] = o[group.out_rows]  # from [B * Qmax, H, D]
     return out.unsqueeze(0), None
+
+
+def _attend(
+    group: AttentionGroup,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """SDPA of ``q [B, H, Qmax, D]`` over the group's keys; returns ``[B, H, Qmax, D]``."""
+    k = k_pool[group.kv_slots].transpose(1, 2)  # [B, KVH, Kmax, D]
+    v = v_pool[group.kv_slots].transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=group.mask,
+        is_causal=group.is_causal,
+        scale=scaling,
+        enable_gqa=True,
+    )
 
 
 def register_paged_attention() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from tserve import protocol as p
@@ -38,6 +39,7 @@ MESSAGES: list[p.Message] = [
     p.Shutdown(),
     p.Shutdown(reason="SIGTERM"),
     p.EngineReady("tiny", "/models/tiny", 2048, 512, [0, 2], 64, 65536, "cpu", 42),
+    p.EngineReady("minilm", "/models/minilm", 256, 30522, [], 64, 0, "cpu", 43, "embed", 384),
     p.StepOutputs([], p.EngineStats()),
     p.StepOutputs(
         [
@@ -51,6 +53,7 @@ MESSAGES: list[p.Message] = [
             ),
             p.RequestOutput("d", [], p.FinishReason.ERROR, error="bad seed"),
             p.RequestOutput("e", [], p.FinishReason.ABORT),
+            p.RequestOutput("f", [], p.FinishReason.STOP, embedding=b"\x00\x00\x80?" * 3),
         ],
         p.EngineStats(running=3, waiting=1, kv_tokens_used=100, kv_tokens_total=4096, steps=9),
     ),
@@ -103,3 +106,31 @@ def test_protocol_is_a_leaf() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_frames_from_before_the_embedding_fields_still_decode() -> None:
+    """RequestOutput.embedding and EngineReady.task/embedding_dim are trailing defaults."""
+    old_output = msgspec.msgpack.encode(["a", [1], 1, None, None])
+    frame = bytes([p.Kind.STEP]) + msgspec.msgpack.encode([[msgspec.Raw(old_output)], []])
+    step = p.decode(frame)
+    assert isinstance(step, p.StepOutputs)
+    assert step.outputs == [p.RequestOutput("a", [1], p.FinishReason.STOP)]
+    assert step.outputs[0].embedding is None
+    ready = ["tiny", "/m", 2048, 512, [0], 64, 65536, "cpu", 42]
+    decoded = p.decode(bytes([p.Kind.READY]) + msgspec.msgpack.encode(ready))
+    assert isinstance(decoded, p.EngineReady)
+    assert (decoded.task, decoded.embedding_dim) == ("generate", 0)
+
+
+def test_merge_keeps_the_embedding() -> None:
+    vector = b"\x00\x00\x80?"
+    first = p.RequestOutput("a", [])
+    then = p.RequestOutput("a", [], p.FinishReason.STOP, embedding=vector)
+    assert p.merge_outputs(first, then).embedding == vector
+    assert p.merge_outputs(then, p.RequestOutput("a", [])).embedding == vector
+
+
+def test_engine_config_task_is_checked_on_decode() -> None:
+    assert msgspec.json.decode(b'{"task": "embed"}', type=p.EngineConfig).task == "embed"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"task": "rerank"}', type=p.EngineConfig)

@@ -28,7 +28,7 @@ Framing rules:
 from __future__ import annotations
 
 import enum
-from typing import Final, TypeAlias
+from typing import Final, Literal, TypeAlias
 
 import msgspec
 
@@ -140,6 +140,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     context length (capped by the KV budget). ``threads`` is torch's CPU thread
     count. ``device``/``dtype`` "auto" = CUDA with bf16 when present, else CPU
     with fp32.
+
+    ``task`` "embed" makes an embedding engine instead (``tserve.gpu._embed``):
+    ``model`` is then a local encoder directory, or "default" for the packaged
+    all-MiniLM-L6-v2; ``max_model_len`` None = the encoder's own maximum (256
+    for MiniLM); ``max_num_seqs`` and ``max_num_batched_tokens`` bound one
+    forward pass (inputs, and padded tokens); the KV fields are unused, and
+    ``dtype`` "auto" is fp32 on every device.
     """
 
     model: str = "default"
@@ -153,6 +160,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dtype: str = "auto"
     heartbeat_interval: float = 0.5
     cache_dir: str | None = None
+    task: Literal["generate", "embed"] = "generate"
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
@@ -190,7 +198,10 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     ``logprobs`` is None unless the request asked for them; then it has one
     entry per token in ``token_ids``. ``error`` is set only with
-    ``FinishReason.ERROR``.
+    ``FinishReason.ERROR``. ``embedding`` is set only by an embedding engine,
+    in its one output per request (``FinishReason.STOP``, no token ids): the
+    vector as little-endian float32 (4 bytes per dimension). Trailing and
+    defaulted, so frames from before it still decode.
     """
 
     request_id: str
@@ -198,6 +209,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    embedding: bytes | None = None
 
 
 def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -217,6 +229,7 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         then.finish_reason if then.finish_reason is not None else first.finish_reason,
         logprobs,
         then.error if then.error is not None else first.error,
+        then.embedding if then.embedding is not None else first.embedding,
     )
 
 
@@ -242,7 +255,11 @@ class EngineReady(msgspec.Struct, array_like=True, frozen=True):
     """The model is loaded and the engine takes requests.
 
     ``model_path`` is the local directory the engine loaded, so the API
-    process loads the same tokenizer.
+    process loads the same tokenizer. ``task`` is the engine's
+    ``EngineConfig.task``; an embedding engine also says ``embedding_dim``
+    (0 for a generation engine), and its ``max_model_len`` is the longest
+    input it takes. The last two fields are trailing and defaulted, so a
+    frame from before them still decodes.
     """
 
     model: str
@@ -254,6 +271,8 @@ class EngineReady(msgspec.Struct, array_like=True, frozen=True):
     kv_tokens_total: int
     device: str
     pid: int
+    task: str = "generate"
+    embedding_dim: int = 0
 
 
 class Heartbeat(msgspec.Struct, array_like=True, frozen=True):

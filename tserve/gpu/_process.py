@@ -1,4 +1,5 @@
-"""The engine process: a ROUTER socket around an :class:`EngineCore`.
+"""The engine process: a ROUTER socket around an :class:`EngineCore` (or an
+:class:`EmbedCore` when ``config.task`` is "embed": same loop, same wire).
 
 Plain blocking pyzmq; no trio, anyio or quart. The main loop, in steps:
 
@@ -30,6 +31,7 @@ from collections.abc import Callable
 
 import zmq
 
+from tserve.gpu._embed import EmbedCore
 from tserve.gpu._engine import EngineCore
 from tserve.gpu._outbox import Outbox
 from tserve.protocol import (
@@ -61,6 +63,10 @@ BACKLOG_RETRY = 0.01
 DEAD_SEND_TIMEOUT = 1.0
 
 
+# The step loop behind the socket: generation, or embeddings (``config.task``).
+Core = EngineCore | EmbedCore
+
+
 class _Stop(Exception):
     """Leave the main loop cleanly (Shutdown received)."""
 
@@ -81,7 +87,9 @@ def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
     outbox = Outbox(sock)
     try:
         try:
-            core = EngineCore(config, progress=log.info)
+            core: Core = (EmbedCore if config.task == "embed" else EngineCore)(
+                config, progress=log.info
+            )
         except Exception as exc:
             log.exception("engine failed to start")
             _report_death(sock, outbox, f"engine failed to start: {exc}", wait_for_peers=True)
@@ -93,7 +101,7 @@ def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
 
 
 def _serve(
-    core: EngineCore,
+    core: Core,
     sock: zmq.Socket[bytes],
     outbox: Outbox,
     interval: float,
@@ -128,7 +136,7 @@ def _serve(
         return 1
 
 
-def _drain_inbox(core: EngineCore, sock: zmq.Socket[bytes], outbox: Outbox, timeout: float) -> None:
+def _drain_inbox(core: Core, sock: zmq.Socket[bytes], outbox: Outbox, timeout: float) -> None:
     """Apply the frames waiting on the socket; wait up to ``timeout`` for the first."""
     if timeout > 0 and not sock.poll(int(timeout * 1000), zmq.POLLIN):
         return
@@ -140,7 +148,7 @@ def _drain_inbox(core: EngineCore, sock: zmq.Socket[bytes], outbox: Outbox, time
         _apply(core, outbox, peer, frame)
 
 
-def _apply(core: EngineCore, outbox: Outbox, peer: bytes, frame: bytes) -> None:
+def _apply(core: Core, outbox: Outbox, peer: bytes, frame: bytes) -> None:
     try:
         message = decode(frame)
     except ProtocolError as exc:
@@ -162,7 +170,7 @@ def _apply(core: EngineCore, outbox: Outbox, peer: bytes, frame: bytes) -> None:
             log.error("unexpected %s from peer %r", type(message).__name__, peer)
 
 
-def _forget_peers(core: EngineCore, gone: list[bytes]) -> None:
+def _forget_peers(core: Core, gone: list[bytes]) -> None:
     for peer in gone:
         log.warning("API peer %r is gone; aborting its requests", peer)
         core.abort_peer(peer)

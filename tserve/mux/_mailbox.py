@@ -151,7 +151,12 @@ class Mailbox:
             last = self._last
             assert last is not None
             output = RequestOutput(
-                self.request_id, self._token_ids, last.finish_reason, self._logprobs, last.error
+                self.request_id,
+                self._token_ids,
+                last.finish_reason,
+                self._logprobs,
+                last.error,
+                last.embedding,
             )
             self._token_ids = self._logprobs = self._last = None
         self._pending = None

@@ -1,0 +1,293 @@
+"""The embedding engine's step loop: :class:`EmbedCore`, in process and without sockets.
+
+It has the duck-typed interface ``_process.py`` drives an :class:`EngineCore`
+with (``add``, ``abort``, ``abort_peer``, ``abort_all``, ``has_work``,
+``step``, ``stats``, ``ready_info``), so an embedding engine is the same
+process, socket and wire as a generation engine with another core inside.
+
+Rules:
+
+* An embedding request is an ordinary ``AddRequest`` (its prompt token ids
+  are the input, as the tokenizer made them, special tokens included; its
+  sampling parameters are ignored). It is answered by exactly ONE
+  ``RequestOutput``: ``FinishReason.STOP``, no token ids, and ``embedding``
+  set to the unit-norm vector as little-endian float32; or
+  ``FinishReason.ERROR`` (empty, out of the vocabulary, longer than
+  ``max_model_len``: the engine never truncates), or ``FinishReason.ABORT``
+  (aborted or past its deadline while it waited).
+* A step takes waiting requests first come, first served: at most
+  ``max_num_seqs`` inputs, and at most ``max_num_batched_tokens`` tokens once
+  padded to the longest of them (the first always goes, whatever its
+  length). It pads them into ONE forward pass of the encoder, mean-pools the
+  last hidden states over the attention mask, and L2-normalises.
+* Requests never outlive the step that takes them, so an abort only ever
+  finds a request still waiting. Only an exception out of the forward pass
+  (the batch as a whole) escapes ``step()``: the process treats it as fatal.
+
+The test-only forward fault of ``_engine.py`` (``TSERVE_TEST_FAULT_FORWARD``)
+applies here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tserve.gpu._engine import ForwardFault, _fault_step_from_env, resolve_device
+from tserve.gpu._models import (
+    DEFAULT_EMBEDDING_MODEL_NAME,
+    default_embedding_model_dir,
+    load_encoder,
+)
+from tserve.protocol import (
+    AddRequest,
+    EngineConfig,
+    EngineReady,
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+)
+
+__all__ = ["EmbedCore", "mean_pool"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+@dataclasses.dataclass(slots=True)
+class _Waiting:
+    request_id: str
+    peer: bytes
+    token_ids: list[int]
+    deadline: float | None
+
+
+class EmbedCore:
+    """Batched embedding over one encoder. Not thread-safe; one owner calls it."""
+
+    def __init__(self, config: EngineConfig, progress: Progress = print) -> None:
+        torch.set_num_threads(max(1, config.threads))
+        device, _ = resolve_device(config)
+        # Embeddings are compared by cosine across requests and servers: fp32
+        # unless told otherwise, on every device (the encoders are small).
+        dtype = torch.float32 if config.dtype == "auto" else resolve_device(config)[1]
+        if config.model == "default":
+            path = default_embedding_model_dir()
+            self.model_name = DEFAULT_EMBEDDING_MODEL_NAME
+        else:
+            path = Path(config.model).expanduser()
+            self.model_name = path.name
+        progress(f"loading the encoder {path} on {device} ({dtype})")
+        self.model = load_encoder(path, device=device, dtype=dtype)
+        self.model_path = path.resolve()
+        model_config = self.model.config
+        self.vocab_size = int(model_config.vocab_size)
+        self.embedding_dim = int(model_config.hidden_size)
+        self.pad_token_id = int(getattr(model_config, "pad_token_id", None) or 0)
+        self.max_model_len = _max_length(path, model_config, config.max_model_len)
+        self.device = device
+        self.config = config
+        _check_pooling(path)
+        # Requests not yet embedded, first come first served; keyed by
+        # (peer, id) because two API processes may use the same id. Bound:
+        # the requests the API processes have live (their admission caps them).
+        self._waiting: dict[tuple[bytes, str], _Waiting] = {}
+        # Outputs decided outside a forward pass (rejections, aborts, expiry),
+        # sent with the next step. Bound: the adds and aborts since then.
+        self._pending: list[tuple[bytes, RequestOutput]] = []
+        self._steps = 0
+        self._aborts_received = 0
+        self._fault_step = _fault_step_from_env()
+        progress(
+            f"embedding engine ready: {self.model_name}, {self.embedding_dim} dimensions, "
+            f"inputs up to {self.max_model_len} tokens"
+        )
+
+    # -- requests in ---------------------------------------------------------------
+
+    def add(self, request: AddRequest, peer: bytes) -> None:
+        """Queue an input; one that can never be embedded is answered with an error.
+
+        An id already waiting for the SAME peer is that peer's protocol
+        violation: logged and dropped (see ``EngineCore.add``).
+        """
+        key = (peer, request.request_id)
+        if key in self._waiting:
+            log.error("peer %r re-used the live request id %r; add ignored", *key)
+            return
+        problem = self._check(request.prompt_token_ids)
+        if problem is not None:
+            error = RequestOutput(request.request_id, [], FinishReason.ERROR, error=problem)
+            self._pending.append((peer, error))
+            return
+        ids = list(request.prompt_token_ids)
+        self._waiting[key] = _Waiting(request.request_id, peer, ids, request.deadline)
+
+    def abort(self, request_ids: Iterable[str], peer: bytes | None = None) -> None:
+        """Idempotent: unknown or finished ids are ignored. With ``peer``, only its requests."""
+        for request_id in request_ids:
+            self._aborts_received += 1
+            if peer is not None:
+                found = self._waiting.pop((peer, request_id), None)
+                gone = [] if found is None else [found]
+            else:
+                gone = [w for w in self._waiting.values() if w.request_id == request_id]
+                for w in gone:
+                    del self._waiting[(w.peer, w.request_id)]
+            self._ended(gone, FinishReason.ABORT)
+
+    def abort_peer(self, peer: bytes) -> None:
+        """Abort every request of an API process that is gone."""
+        gone = [w for w in self._waiting.values() if w.peer == peer]
+        for w in gone:
+            del self._waiting[(w.peer, w.request_id)]
+        self._ended(gone, FinishReason.ABORT)
+
+    def abort_all(self) -> None:
+        """Abort everything waiting (shutdown); the outputs go out with the next step."""
+        gone, self._waiting = list(self._waiting.values()), {}
+        self._ended(gone, FinishReason.ABORT)
+
+    # -- the step ----------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting) or bool(self._pending)
+
+    def step(self, now: float | None = None) -> list[tuple[bytes, RequestOutput]]:
+        """Embed one batch of waiting inputs; return (peer, output) pairs.
+
+        ``now`` (default ``time.time()``) is what deadlines are checked
+        against. Blocks for one forward pass. Raises only for a failure of
+        the whole batch (the forward pass, the device), which is fatal.
+        """
+        now = time.time() if now is None else now
+        expired = [w for w in self._waiting.values() if w.deadline is not None and w.deadline < now]
+        for w in expired:  # 1 end expired requests
+            del self._waiting[(w.peer, w.request_id)]
+        self._ended(expired, FinishReason.ABORT)
+        batch = self._schedule()  # 2 take a batch, FCFS
+        outputs, self._pending = self._pending, []
+        if batch:
+            vectors = self._forward([w.token_ids for w in batch])  # 3 ONE forward pass
+            outputs += [  # 4 one final output per request
+                (w.peer, RequestOutput(w.request_id, [], FinishReason.STOP, embedding=vector))
+                for w, vector in zip(batch, vectors, strict=True)
+            ]
+        return outputs
+
+    def _schedule(self) -> list[_Waiting]:
+        """The longest FCFS prefix of the waiting inputs that fits one forward pass."""
+        batch: list[_Waiting] = []
+        width = 0
+        for w in self._waiting.values():
+            wider = max(width, len(w.token_ids))
+            if batch and (
+                len(batch) >= self.config.max_num_seqs
+                or wider * (len(batch) + 1) > self.config.max_num_batched_tokens
+            ):
+                break
+            batch.append(w)
+            width = wider
+        for w in batch:
+            del self._waiting[(w.peer, w.request_id)]
+        return batch
+
+    def _forward(self, inputs: list[list[int]]) -> list[bytes]:
+        """Unit-norm vectors of ``inputs`` (one padded forward pass), as float32 LE bytes."""
+        self._steps += 1
+        if self._steps == self._fault_step:
+            raise ForwardFault(f"injected forward fault at step {self._steps}")
+        width = max(len(ids) for ids in inputs)
+        ids = torch.full((len(inputs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(inputs), width), dtype=torch.long)
+        for row, tokens in enumerate(inputs):
+            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, : len(tokens)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.inference_mode():
+            hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            vectors = mean_pool(hidden, mask)
+        rows = vectors.cpu().numpy().astype("<f4", copy=False)
+        return [row.tobytes() for row in rows]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            waiting=len(self._waiting), steps=self._steps, aborts_received=self._aborts_received
+        )
+
+    def ready_info(self) -> EngineReady:
+        return EngineReady(
+            model=self.model_name,
+            model_path=str(self.model_path),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=[],
+            max_num_seqs=self.config.max_num_seqs,
+            kv_tokens_total=0,
+            device=str(self.device),
+            pid=os.getpid(),
+            task="embed",
+            embedding_dim=self.embedding_dim,
+        )
+
+    # -- internals -------------------------------------------------------------------
+
+    def _check(self, ids: list[int]) -> str | None:
+        """Why this input cannot be embedded, or None (the API process checks first)."""
+        if not ids:
+            return "input is empty"
+        if len(ids) > self.max_model_len:
+            return f"input is {len(ids)} tokens; this model takes at most {self.max_model_len}"
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"input token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+        return None
+
+    def _ended(self, requests: list[_Waiting], reason: FinishReason) -> None:
+        self._pending += [(w.peer, RequestOutput(w.request_id, [], reason)) for w in requests]
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """L2-normalised mean of ``hidden`` (batch, tokens, dim) over ``mask`` (batch, tokens), fp32."""
+    weights = mask.unsqueeze(-1).to(torch.float32)
+    summed = (hidden.to(torch.float32) * weights).sum(dim=1)
+    pooled = summed / weights.sum(dim=1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
+
+
+def _max_length(path: Path, model_config: Any, requested: int | None) -> int:
+    """The longest input: ``requested``, else the sentence-transformers setting
+    (``max_seq_length``), else the position table; never past the position table."""
+    positions = int(getattr(model_config, "max_position_embeddings", 0) or 512)
+    own = positions
+    settings = path / "sentence_bert_config.json"
+    if settings.is_file():
+        try:
+            own = int(json.loads(settings.read_text())["max_seq_length"])
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring %s: %s", settings, exc)
+    return max(1, min(requested or own, positions))
+
+
+def _check_pooling(path: Path) -> None:
+    """Warn when the directory's sentence-transformers pooling is not mean pooling."""
+    pooling = path / "1_Pooling" / "config.json"
+    if not pooling.is_file():
+        return
+    try:
+        mean = bool(json.loads(pooling.read_text()).get("pooling_mode_mean_tokens", True))
+    except (ValueError, AttributeError) as exc:
+        log.warning("ignoring %s: %s", pooling, exc)
+        return
+    if not mean:
+        log.warning("%s asks for another pooling than mean; tserve uses mean pooling", pooling)

@@ -37,6 +37,9 @@ class Server:
             stdout=subprocess.PIPE,
             stderr=self._log_file,
             env={**os.environ, "TSERVE_LOG_LEVEL": "warning"},
+            # Its own process group, as a shell gives a foreground job, so that
+            # a test can signal the group (Ctrl-C) without signalling pytest.
+            start_new_session=True,
         )
         self.url = self._wait_for_url()
         self.client = httpx.Client(base_url=self.url, timeout=60)

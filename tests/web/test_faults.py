@@ -108,11 +108,24 @@ def test_engine_kill_fails_every_request_and_exits_nonzero(start_server: StartSe
     assert server.process.wait(60) != 0
 
 
-def test_sigterm_drains_streams_then_exits_zero(start_server: StartServer) -> None:
+@pytest.mark.parametrize(
+    ("sig", "to_group"),
+    [(signal.SIGTERM, False), (signal.SIGINT, True), (signal.SIGTERM, True)],
+    ids=["sigterm", "ctrl-c-to-the-group", "sigterm-to-the-group"],
+)
+def test_sigterm_drains_streams_then_exits_zero(
+    start_server: StartServer, sig: signal.Signals, to_group: bool
+) -> None:
+    """SIGTERM or Ctrl-C drains; a signal to the whole process group (a terminal's
+    Ctrl-C, a supervisor's stop) does not reach the engine, which lives in a
+    session of its own, so the streams still finish."""
     server = start_server("--max-num-seqs", "1", "--shutdown-timeout", "60")
     threads, out = start_streams(server, 3, LONG)
     engine = server.engine_pid
-    server.process.send_signal(signal.SIGTERM)
+    if to_group:
+        os.killpg(server.process.pid, sig)
+    else:
+        server.process.send_signal(sig)
     for t in threads:
         t.join(120)
     assert [finish_of(e) for e in out] == ["length"] * 3

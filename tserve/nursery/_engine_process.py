@@ -4,8 +4,11 @@ The engine listens on an ``ipc://`` socket inside a fresh directory that only
 this user can enter (``mkdtemp`` makes it 0700); the directory is removed on
 exit. The engine is told our pid and exits by itself within about a second if
 we die without stopping it (SIGKILL, ``os._exit``), so it can never be left
-holding the device. It ignores SIGINT: a Ctrl-C in a terminal reaches the
-whole process group, and the API process decides what happens.
+holding the device. It runs in a session (and so a process group) of its
+own: a Ctrl-C in a terminal, or a supervisor's SIGTERM to the server's
+process group, reaches only the API process, which drains its requests and
+then stops the engine itself. (The engine also ignores SIGINT, for the
+launchers that start it some other way.)
 """
 
 from __future__ import annotations
@@ -108,7 +111,11 @@ async def start_engine(
     ]
     try:
         process = await anyio.open_process(
-            command, stdin=subprocess.DEVNULL, stdout=None, stderr=None
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=None,
+            stderr=None,
+            start_new_session=True,  # signals to our process group pass it by
         )
         engine = EngineProcess(process, address)
         try:

@@ -1,6 +1,7 @@
 """Request lifecycle and the embeddable anyio API (see DESIGN.md, "The request lifecycle")."""
 
 from tserve.mux import EngineDeadError
+from tserve.nursery._embed import Embedder, EmbeddingResult, open_embedder
 from tserve.nursery._errors import (
     InvalidRequest,
     LLMError,
@@ -18,6 +19,8 @@ __all__ = [
     "LLM",
     "Completion",
     "Delta",
+    "Embedder",
+    "EmbeddingResult",
     "EngineDeadError",
     "InvalidRequest",
     "LLMError",
@@ -29,5 +32,6 @@ __all__ = [
     "RequestTimeout",
     "ShuttingDown",
     "Usage",
+    "open_embedder",
     "open_llm",
 ]

@@ -39,6 +39,8 @@ from tserve.protocol import EngineConfig, EngineReady, EngineStats, SamplingPara
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from tserve.nursery._embed import Embedder, EmbeddingInput, EmbeddingResult
+
 __all__ = ["LLM", "LLMStats", "open_llm"]
 
 log = logging.getLogger("tserve")
@@ -97,6 +99,8 @@ class LLM:
         # max_pending of them wait).
         self._tokenizer_limiter = anyio.CapacityLimiter(4)
         self._call_soon = _loop_caller()
+        # The embedding model's engine, when open_llm was given one.
+        self.embedder: Embedder | None = None
 
     # -- state -------------------------------------------------------------------
 
@@ -106,11 +110,16 @@ class LLM:
 
     @property
     def engine_alive(self) -> bool:
-        """False once the engine is known to be dead, or the LLM closed; never True again."""
-        return not (self._mux.dead or self._mux_done.is_set())
+        """False once an engine (generation, or embedding if loaded) is known to be
+        dead, or the LLM closed; never True again."""
+        alive = not (self._mux.dead or self._mux_done.is_set())
+        return alive and (self.embedder is None or self.embedder.engine_alive)
 
     @property
     def engine_dead_reason(self) -> str | None:
+        if self._mux.dead_reason is None and self.embedder is not None:
+            reason = self.embedder.engine_dead_reason
+            return None if reason is None else f"embedding engine: {reason}"
         return self._mux.dead_reason
 
     @property
@@ -192,6 +201,20 @@ class LLM:
     ) -> Completion:
         """The whole result of :meth:`chat` at once."""
         return await _collect(self.chat(messages, params, **kwargs))
+
+    async def embed(self, inputs: EmbeddingInput) -> EmbeddingResult:
+        """Embed ``inputs`` with the embedding model (see :meth:`Embedder.embed`).
+
+        Raises InvalidRequest (``param`` "model") when ``open_llm`` was not
+        given an ``embedding_model``, ShuttingDown while draining.
+        """
+        if self.embedder is None:
+            raise InvalidRequest(
+                "no embedding model is loaded (open_llm(embedding_model=...))", param="model"
+            )
+        if self.draining:
+            raise ShuttingDown("the server is shutting down")
+        return await self.embedder.embed(inputs)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``. Blocking (tokenizer work): call it in a thread."""
@@ -337,6 +360,7 @@ async def open_llm(
     shutdown_grace: float = 5.0,
     log_level: str = "INFO",
     freeze_gc: bool = True,
+    embedding_model: str | os.PathLike[str] | None = None,
     **engine_options: Any,
 ) -> AsyncIterator[LLM]:
     """Start an engine process for ``model`` and yield an :class:`LLM` over it.
@@ -376,6 +400,13 @@ async def open_llm(
     transformers and the tokenizer make hundreds of thousands) out of the
     cyclic garbage collector's sight with ``gc.freeze()``, so that
     collections during streaming stay cheap.
+
+    ``embedding_model`` (a local encoder directory, or "default" for the
+    packaged all-MiniLM-L6-v2; None = no embeddings) starts a second engine
+    process for :meth:`LLM.embed` (see ``tserve.nursery._embed``), with the
+    same startup, shutdown and death rules; it shares ``threads``, ``device``
+    and ``heartbeat_interval`` with the generation engine. The death of
+    either engine turns ``engine_alive`` False.
     """
     if max_pending < 1:
         raise ValueError("max_pending must be at least 1")
@@ -384,6 +415,16 @@ async def open_llm(
     try:
         async with (
             start_engine(config, log_level=log_level, stop_grace=shutdown_grace) as engine,
+            _open_embedder(
+                embedding_model,
+                max_pending,
+                request_timeout,
+                startup_timeout,
+                heartbeat_timeout,
+                shutdown_grace,
+                log_level,
+                engine_options,
+            ) as embedder,
             anyio.create_task_group() as tg,
         ):
             mux = Mux(heartbeat_timeout=heartbeat_timeout, ready_timeout=startup_timeout)
@@ -401,6 +442,7 @@ async def open_llm(
                     request_timeout=request_timeout,
                     mux_done=mux_done,
                 )
+                llm.embedder = embedder
                 if freeze_gc:
                     gc.collect()
                     gc.freeze()
@@ -419,6 +461,34 @@ async def open_llm(
     else:
         return
     raise error
+
+
+def _open_embedder(
+    model: str | os.PathLike[str] | None,
+    max_pending: int,
+    request_timeout: float | None,
+    startup_timeout: float,
+    heartbeat_timeout: float,
+    shutdown_grace: float,
+    log_level: str,
+    engine_options: Mapping[str, Any],
+) -> contextlib.AbstractAsyncContextManager[Embedder | None]:
+    """The embedding engine for ``model``, or nothing for None. Entered before the
+    generation engine's mux, so both engines load at the same time."""
+    if model is None:
+        return contextlib.nullcontext()
+    # Imported here: _embed builds on this module's helpers.
+    from tserve.nursery._embed import embedding_config, open_embedder
+
+    return open_embedder(
+        embedding_config(os.fspath(model), engine_options),
+        max_pending=max_pending,
+        request_timeout=request_timeout,
+        startup_timeout=startup_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+        shutdown_grace=shutdown_grace,
+        log_level=log_level,
+    )
 
 
 def _unwrap(

@@ -278,7 +278,8 @@ def _plot(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         ax.set_title(f"{kind} lengths")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{meta['model']} on CPU, {meta['threads']} threads (fp32)")
+    threads = f"{meta['threads']} thread{'s' if meta['threads'] != 1 else ''}"
+    fig.suptitle(f"{meta['model']} on CPU, {threads} (fp32)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

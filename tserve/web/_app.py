@@ -3,6 +3,7 @@
 Routes::
 
     POST /v1/completions, /v1/chat/completions   (JSON or SSE with "stream": true)
+    POST /v1/embeddings                          (when open_llm has an embedding model)
     GET  /v1/models                              POST /tokenize, /detokenize
     GET  /version   /health   /ready   /metrics
 
@@ -44,7 +45,7 @@ from tserve.nursery import (
     RequestStream,
     ShuttingDown,
 )
-from tserve.web._errors import ModelNotFound, Unauthorized, error_reply
+from tserve.web._errors import ModelNotFound, NotFound, Unauthorized, error_reply
 from tserve.web._metrics import CONTENT_TYPE, Metrics, RequestRecord
 from tserve.web._requests import (
     ChatRequest,
@@ -52,6 +53,7 @@ from tserve.web._requests import (
     parse_chat,
     parse_completion,
     parse_detokenize,
+    parse_embeddings,
     parse_tokenize,
 )
 from tserve.web._responses import (
@@ -61,6 +63,7 @@ from tserve.web._responses import (
     chat_response,
     completion_chunk,
     completion_response,
+    embedding_response,
     total_usage,
     usage_chunk,
 )
@@ -150,6 +153,7 @@ class Frontend:
         routes: list[tuple[str, str, Callable[[RequestRecord], Awaitable[Response]], bool]] = [
             ("/v1/completions", "POST", self.completions, True),
             ("/v1/chat/completions", "POST", self.chat_completions, True),
+            ("/v1/embeddings", "POST", self.embeddings, True),
             ("/v1/models", "GET", self.models, True),
             ("/tokenize", "POST", self.tokenize, True),
             ("/detokenize", "POST", self.detokenize, True),
@@ -378,6 +382,35 @@ class Frontend:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return Response(body, content_type="text/event-stream", headers=headers)
 
+    # -- embeddings --------------------------------------------------------------------
+
+    async def embeddings(self, record: RequestRecord) -> Response:
+        """``/v1/embeddings``: one engine request per input, all in one batch when they fit."""
+        req = parse_embeddings(await self._body())
+        embedder = self.llm.embedder
+        if embedder is None:
+            raise NotFound("This server has no embedding model (see --embedding-model)")
+        model = embedder.model
+        if req.model is not None and req.model != model:
+            raise ModelNotFound(
+                f"The model '{req.model}' does not exist or does not embed; this server "
+                f"embeds with '{model}'",
+                param="model",
+            )
+        if req.dimensions is not None and req.dimensions != embedder.dimensions:
+            raise InvalidRequest(
+                f"'dimensions' must be {embedder.dimensions} for {model}: its vectors "
+                "cannot be shortened",
+                param="dimensions",
+            )
+
+        async def work() -> Response:
+            result = await self.llm.embed(req.inputs)
+            record.embedded(len(req.inputs), result.prompt_tokens)
+            return _json(embedding_response(model, result, req.encoding_format))
+
+        return await self._abortable(work)
+
     # -- the other routes ------------------------------------------------------------
 
     async def models(self, record: RequestRecord) -> Response:
@@ -391,6 +424,17 @@ class Frontend:
             }
             for name in self.model_names
         ]
+        embedder = self.llm.embedder
+        if embedder is not None:
+            data.append(
+                {
+                    "id": embedder.model,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "tserve",
+                    "max_model_len": embedder.max_input_tokens,
+                }
+            )
         return _json({"object": "list", "data": data})
 
     async def tokenize(self, record: RequestRecord) -> Response:

@@ -88,6 +88,10 @@ class Metrics:
         )  # fmt: skip
         self.prompt_tokens = Counter("tserve_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("tserve_generation_tokens", "Output tokens", registry=r)
+        self.embedding_inputs = Counter(
+            "tserve_embedding_inputs", "Inputs embedded (their tokens count as prompt tokens)",
+            registry=r,
+        )  # fmt: skip
         r.register(_EngineCollector(stats, in_flight))
 
     def render(self) -> bytes:
@@ -128,6 +132,11 @@ class RequestRecord:
         else:
             self._metrics.itl.observe((now - last) / n)
         self._last[index] = now
+
+    def embedded(self, inputs: int, tokens: int) -> None:
+        """Observe an embedding response: ``inputs`` vectors from ``tokens`` prompt tokens."""
+        self._prompt_tokens += tokens
+        self._metrics.embedding_inputs.inc(inputs)
 
     def done(self, status: int) -> None:
         if self._done:

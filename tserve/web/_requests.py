@@ -16,7 +16,8 @@ Rules:
   ``stop_token_ids``.
 * Bounds: ``n`` times the number of prompts is at most :data:`MAX_CHOICES`,
   at most :data:`MAX_STOP` stop strings, ``logprobs``/``top_logprobs`` at
-  most :data:`MAX_LOGPROBS`.
+  most :data:`MAX_LOGPROBS`, at most :data:`MAX_EMBEDDING_INPUTS` inputs per
+  ``/v1/embeddings`` request (OpenAI's limit), none of them empty.
 """
 
 from __future__ import annotations
@@ -32,15 +33,18 @@ from tserve.protocol import SamplingParams
 
 __all__ = [
     "MAX_CHOICES",
+    "MAX_EMBEDDING_INPUTS",
     "MAX_LOGPROBS",
     "MAX_STOP",
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",
+    "EmbeddingRequest",
     "TokenizeRequest",
     "parse_chat",
     "parse_completion",
     "parse_detokenize",
+    "parse_embeddings",
     "parse_tokenize",
 ]
 
@@ -48,6 +52,7 @@ MAX_CHOICES = 128  # n * len(prompts) per HTTP request
 MAX_STOP = 16
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 256
+MAX_EMBEDDING_INPUTS = 2048
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _Int64 = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
@@ -138,6 +143,14 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
     tokens: list[_TokenId]
 
 
+class EmbeddingBody(msgspec.Struct, kw_only=True):
+    input: str | list[str | _TokenId | list[_TokenId]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    user: str | None = None
+
+
 # -- validated requests -------------------------------------------------------------
 
 
@@ -188,6 +201,16 @@ class TokenizeRequest:
 class DetokenizeRequest:
     model: str | None
     tokens: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    """A validated ``/v1/embeddings`` body: texts, or token ids, one entry per input."""
+
+    model: str | None
+    inputs: list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"]
+    dimensions: int | None
 
 
 # -- parsing -----------------------------------------------------------------------
@@ -258,12 +281,14 @@ def _include_usage(body: _SamplingBody) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def _prompts(prompt: str | list[str | int | list[int]]) -> list[str] | list[list[int]]:
+def _prompts(
+    prompt: str | list[str | int | list[int]], field: str = "prompt"
+) -> list[str] | list[list[int]]:
     """One of: a string, strings, token ids, lists of token ids; nothing mixed."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise InvalidRequest("'prompt' must not be an empty list", param="prompt")
+        raise InvalidRequest(f"'{field}' must not be an empty list", param=field)
     if all(isinstance(p, int) for p in prompt):
         return [[p for p in prompt if isinstance(p, int)]]
     if all(isinstance(p, str) for p in prompt):
@@ -272,12 +297,12 @@ def _prompts(prompt: str | list[str | int | list[int]]) -> list[str] | list[list
         lists = [p for p in prompt if isinstance(p, list)]
         for i, ids in enumerate(lists):
             if not ids:
-                raise InvalidRequest(f"'prompt[{i}]' is an empty list", param=f"prompt[{i}]")
+                raise InvalidRequest(f"'{field}[{i}]' is an empty list", param=f"{field}[{i}]")
         return lists
     raise InvalidRequest(
-        "'prompt' must be a string, a list of strings, a list of token ids, or a list of "
+        f"'{field}' must be a string, a list of strings, a list of token ids, or a list of "
         "lists of token ids (not a mix)",
-        param="prompt",
+        param=field,
     )
 
 
@@ -384,3 +409,22 @@ def parse_detokenize(body: bytes) -> DetokenizeRequest:
     """Validate a ``/detokenize`` body."""
     req = _decode(body, DetokenizeBody)
     return DetokenizeRequest(req.model, list(req.tokens))
+
+
+def parse_embeddings(body: bytes) -> EmbeddingRequest:
+    """Validate a ``/v1/embeddings`` body. Raises InvalidRequest.
+
+    Lengths in tokens are checked later, against the embedding model.
+    """
+    req = _decode(body, EmbeddingBody)
+    inputs = _prompts(req.input, "input")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise InvalidRequest(
+            f"'input' holds {len(inputs)} inputs; at most {MAX_EMBEDDING_INPUTS} per request",
+            param="input",
+        )
+    for i, item in enumerate(inputs):
+        if isinstance(item, str) and not item:
+            where = "input" if isinstance(req.input, str) else f"input[{i}]"
+            raise InvalidRequest(f"'{where}' is an empty string", param=where)
+    return EmbeddingRequest(req.model, inputs, req.encoding_format or "float", req.dimensions)

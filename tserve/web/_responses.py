@@ -16,15 +16,19 @@ Shapes follow OpenAI's API reference:
 A token's text is the tokenizer's decoding of that one token; a token that
 is only part of a UTF-8 character decodes to U+FFFD. Logprobs of -inf (and
 NaN) are reported as -9999.0, as OpenAI does.
+
+Embeddings: ``encoding_format="base64"`` is the base64 of the vector's
+little-endian float32 bytes, as OpenAI sends it (the SDK decodes it so).
 """
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tserve.nursery import Delta, Usage
+from tserve.nursery import Delta, EmbeddingResult, Usage
 from tserve.protocol import TokenLogprob
 
 __all__ = [
@@ -35,6 +39,7 @@ __all__ = [
     "chat_response",
     "completion_chunk",
     "completion_response",
+    "embedding_response",
     "total_usage",
     "usage_chunk",
     "usage_dict",
@@ -252,3 +257,16 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, usage: Usage) -> J
         "choices": [],
         "usage": usage_dict(usage),
     }
+
+
+def embedding_response(model: str, result: EmbeddingResult, encoding_format: str) -> JSON:
+    """The body of a ``/v1/embeddings`` response (``encoding_format`` "float" or "base64")."""
+    if encoding_format == "base64":
+        vectors: list[Any] = [base64.b64encode(raw).decode("ascii") for raw in result.raw]
+    else:
+        vectors = result.vectors()
+    data = [
+        {"object": "embedding", "index": i, "embedding": vector} for i, vector in enumerate(vectors)
+    ]
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}

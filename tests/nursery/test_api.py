@@ -24,6 +24,7 @@ from tserve import (
     open_llm,
 )
 from tserve.nursery import RequestState
+from tserve.nursery._llm import INLINE_TOKENIZE_CHARS
 from tserve.protocol import FinishReason
 
 pytestmark = pytest.mark.anyio
@@ -120,11 +121,37 @@ async def test_chat_applies_the_template(llm: LLM) -> None:
     await settled(llm)
 
 
-async def test_tokenization_runs_in_a_worker_thread(
+async def test_short_prompts_tokenize_on_the_loop(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tokenization that blocks holds no other request up: one with token
-    ids runs to completion meanwhile."""
+    """Below INLINE_TOKENIZE_CHARS a prompt or chat is tokenized in the loop's
+    own thread (cheaper than the hop to a worker), with the same ids."""
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    encode = llm.encode
+
+    def recording_encode(text: str) -> list[int]:
+        threads.append(threading.get_ident())
+        return encode(text)
+
+    monkeypatch.setattr(llm, "encode", recording_encode)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    short = "ab " * ((INLINE_TOKENIZE_CHARS - 1) // 3)  # fewer tokens than the context
+    result = await llm.complete(short, params)
+    assert result.prompt_token_ids == encode(short)
+    chat = await llm.complete_chat([{"role": "user", "content": "hi"}], params)
+    assert chat.finish_reason == "length"
+    assert await llm.tokenize("hello") == encode("hello")
+    assert len(threads) == 3 and set(threads) == {loop_thread}
+    await settled(llm)
+
+
+async def test_long_tokenization_runs_in_a_worker_thread(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt is tokenized in a worker thread, and a tokenization that
+    blocks holds no other request up: one with token ids runs to completion
+    meanwhile."""
     loop_thread = threading.get_ident()
     entered, release = threading.Event(), threading.Event()
     threads: list[int] = []
@@ -141,7 +168,8 @@ async def test_tokenization_runs_in_a_worker_thread(
     results: list[str] = []
 
     async def slow() -> None:
-        results.append((await llm.complete("a slow prompt", params)).finish_reason)
+        prompt = "slow " * (INLINE_TOKENIZE_CHARS // 5 + 1)  # long: a worker thread
+        results.append((await llm.complete(prompt, params)).finish_reason)
 
     with anyio.fail_after(HANG_GUARD):
         async with anyio.create_task_group() as tg:

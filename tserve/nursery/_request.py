@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
@@ -60,8 +60,9 @@ class RequestStream:
     """An async iterator of :class:`Delta` for one request; also an async
     context manager whose exit closes the request.
 
-    ``__anext__`` is a checkpoint. The first call tokenizes the prompt (in a
-    worker thread) and submits the request. If a call is cancelled, or the
+    ``__anext__`` is a checkpoint. The first call tokenizes the prompt (on
+    the loop if it is short, else in a worker thread: ``LLM.tokenize``) and
+    submits the request. If a call is cancelled, or the
     request's deadline passes (RequestTimeout), or it raises, the request is
     over: it is aborted in the engine and the stream is closed; a later
     ``__anext__`` raises ``StopAsyncIteration``. The engine's death raises
@@ -90,14 +91,14 @@ class RequestStream:
         self,
         llm: LLM,
         request_id: str,
-        make_prompt: Callable[[], list[int]] | list[int],
+        make_prompt: Callable[[], Awaitable[list[int]]] | list[int],
         params: SamplingParams,
         timeout: float | None,
     ) -> None:
         self._done = True  # until fully built: __del__ must find nothing to do
         self.request_id = request_id
         self._llm = llm
-        # Token ids, or a blocking function that makes them (run in a thread).
+        # Token ids, or an async function that makes them (LLM.tokenize).
         self._make_prompt = make_prompt
         self._params = params
         # The deadline on the event loop's clock, and the same instant on the
@@ -199,10 +200,7 @@ class RequestStream:
 
     async def _submit(self) -> None:
         make = self._make_prompt
-        if isinstance(make, list):
-            prompt = make
-        else:
-            prompt = await anyio.to_thread.run_sync(make, limiter=self._llm._tokenizer_limiter)
+        prompt = make if isinstance(make, list) else await make()
         self._llm._check_prompt(prompt, self._params)
         self.prompt_token_ids = prompt
         mux = self._llm._mux

@@ -318,7 +318,7 @@ class Frontend:
             for prompt in req.prompts:
                 source: str | list[int] = prompt
                 if req.n > 1 and isinstance(prompt, str):
-                    source = await trio.to_thread.run_sync(self.llm.encode, prompt)
+                    source = await self.llm.tokenize(prompt)
                 streams.extend(self.llm.generate(source, req.params) for _ in range(req.n))
         except BaseException:
             for stream in streams:
@@ -330,7 +330,7 @@ class Frontend:
         """Admit ``n`` streams. Without max_tokens, the rest of the context is the limit."""
         if req.max_tokens is not None and req.n == 1:
             return [self.llm.chat(req.messages, req.params)]
-        ids = await trio.to_thread.run_sync(self.llm.apply_chat_template, req.messages)
+        ids = await self.llm.tokenize_chat(req.messages)
         params = req.params
         if req.max_tokens is None:
             room = max(1, self.llm.ready.max_model_len - len(ids))
@@ -441,9 +441,9 @@ class Frontend:
         req = parse_tokenize(await self._body())
         self._model(req.model)
         if req.messages is not None:
-            ids = await trio.to_thread.run_sync(self.llm.apply_chat_template, req.messages)
+            ids = await self.llm.tokenize_chat(req.messages)
         else:
-            ids = await trio.to_thread.run_sync(self.llm.encode, req.prompt or "")
+            ids = await self.llm.tokenize(req.prompt or "")
         limit = self.llm.ready.max_model_len
         return _json({"tokens": ids, "count": len(ids), "max_model_len": limit})
 

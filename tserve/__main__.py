@@ -136,8 +136,15 @@ def _parser() -> argparse.ArgumentParser:
         description="tserve: an OpenAI-compatible LLM server. "
         "Without a command, 'serve' runs with its defaults.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,bench}")
     _serve_parser(sub)
+    # Listed here for --help only: main() hands `bench ...` to tserve.bench
+    # before parsing, so that serving never imports the benchmark.
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmark a running server (python -m tserve bench --help says more)",
+    )
     return parser
 
 

@@ -1,0 +1,37 @@
+"""``python -m tserve``'s command line: the commands its help lists."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tserve.__main__ import main
+
+
+def test_help_lists_serve_and_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "{serve,bench}" in out
+    assert "serve a model" in out and "benchmark a running server" in out
+
+
+def test_help_does_not_import_the_benchmark() -> None:
+    code = (
+        "import sys\n"
+        "from tserve.__main__ import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('tserve.bench' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_bench_help_is_the_benchmarks_own(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0
+    assert "--base-url" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """Request lifecycle and the embeddable anyio API (see DESIGN.md, "The request lifecycle")."""
 
 from tserve.mux import EngineDeadError
-from tserve.nursery._embed import Embedder, EmbeddingResult, open_embedder
+from tserve.nursery._embed import Embedder, EmbeddingResult, attach_embedder, open_embedder
 from tserve.nursery._errors import (
     InvalidRequest,
     LLMError,
@@ -10,7 +10,7 @@ from tserve.nursery._errors import (
     RequestTimeout,
     ShuttingDown,
 )
-from tserve.nursery._llm import LLM, LLMStats, open_llm
+from tserve.nursery._llm import LLM, LLMStats, attach_llm, open_llm
 from tserve.nursery._request import RequestStream
 from tserve.nursery._results import Completion, Delta, Usage
 from tserve.nursery._state import RequestState
@@ -32,6 +32,8 @@ __all__ = [
     "RequestTimeout",
     "ShuttingDown",
     "Usage",
+    "attach_embedder",
+    "attach_llm",
     "open_embedder",
     "open_llm",
 ]

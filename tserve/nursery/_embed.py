@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 
 from tserve.mux import EngineDeadError, Mailbox, Mux, MuxClosedError
-from tserve.nursery._engine_process import EngineProcess, start_engine
+from tserve.nursery._engine_process import EngineRef, start_engine
 from tserve.nursery._errors import (
     InvalidRequest,
     Overloaded,
@@ -36,7 +36,7 @@ from tserve.nursery._errors import (
     RequestTimeout,
     ShuttingDown,
 )
-from tserve.nursery._llm import _start_mux, _unwrap, _watch_engine
+from tserve.nursery._llm import engine_session
 from tserve.nursery._request import ENGINE_DEADLINE_SLACK
 from tserve.protocol import (
     AddRequest,
@@ -50,7 +50,14 @@ from tserve.protocol import (
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["Embedder", "EmbeddingInput", "EmbeddingResult", "embedding_config", "open_embedder"]
+__all__ = [
+    "Embedder",
+    "EmbeddingInput",
+    "EmbeddingResult",
+    "attach_embedder",
+    "embedding_config",
+    "open_embedder",
+]
 
 EmbeddingInput = str | Sequence[str] | Sequence[Sequence[int]]
 """A text, texts, or token ids per input (as the encoder's tokenizer makes them)."""
@@ -114,7 +121,7 @@ class Embedder:
     def __init__(
         self,
         mux: Mux,
-        engine: EngineProcess,
+        engine: EngineRef,
         ready: EngineReady,
         tokenizer: Tokenizer,
         *,
@@ -161,6 +168,11 @@ class Embedder:
     @property
     def engine_pid(self) -> int:
         return self._engine.pid
+
+    @property
+    def engine_address(self) -> str:
+        """The engine's socket address: what :func:`attach_embedder` takes."""
+        return self._engine.address
 
     def kill_engine(self) -> None:
         """SIGKILL the embedding engine process: for fault-injection tests."""
@@ -317,43 +329,74 @@ async def open_embedder(
     """
     if config.task != "embed":
         raise ValueError(f"an embedding engine needs task='embed', not {config.task!r}")
-    body_error: BaseException | None = None
-    try:
-        async with (
-            start_engine(config, log_level=log_level, stop_grace=shutdown_grace) as engine,
-            anyio.create_task_group() as tg,
-        ):
-            mux = Mux(heartbeat_timeout=heartbeat_timeout, ready_timeout=startup_timeout)
-            mux_done = anyio.Event()
-            try:
-                tg.start_soon(_watch_engine, engine, mux, mux_done)
-                what = f"the embedding model {config.model}"
-                ready = await _start_mux(tg, mux, engine, mux_done, model=what)
-                tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, ready.model_path)
-                embedder = Embedder(
-                    mux,
-                    engine,
-                    ready,
-                    tokenizer,
-                    max_pending=max_pending,
-                    request_timeout=request_timeout,
-                    mux_done=mux_done,
-                )
-                try:
-                    yield embedder
-                except BaseException as exc:
-                    body_error = exc
-                    raise
-            finally:
-                mux.shutdown_engine("API process leaving")
-                tg.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        error = _unwrap(group, body_error)
-        if error is group:
-            raise
-    else:
-        return
-    raise error
+    async with (
+        start_engine(config, log_level=log_level, stop_grace=shutdown_grace) as engine,
+        _connect_embedder(
+            engine,
+            owned=True,
+            what=f"the embedding model {config.model}",
+            max_pending=max_pending,
+            request_timeout=request_timeout,
+            startup_timeout=startup_timeout,
+            heartbeat_timeout=heartbeat_timeout,
+        ) as embedder,
+    ):
+        yield embedder
+
+
+@contextlib.asynccontextmanager
+async def attach_embedder(
+    address: str,
+    engine_pid: int,
+    *,
+    max_pending: int = 1024,
+    request_timeout: float | None = None,
+    startup_timeout: float = 600.0,
+    heartbeat_timeout: float = 30.0,
+) -> AsyncIterator[Embedder]:
+    """Yield an :class:`Embedder` over a running embedding engine that another
+    process owns (see :func:`tserve.nursery.attach_llm`: the same rules; leaving
+    the block never stops the engine)."""
+    async with _connect_embedder(
+        EngineRef(address, engine_pid),
+        owned=False,
+        what=f"the embedding engine at {address}",
+        max_pending=max_pending,
+        request_timeout=request_timeout,
+        startup_timeout=startup_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+    ) as embedder:
+        yield embedder
+
+
+@contextlib.asynccontextmanager
+async def _connect_embedder(
+    engine: EngineRef,
+    *,
+    owned: bool,
+    what: str,
+    max_pending: int,
+    request_timeout: float | None,
+    startup_timeout: float,
+    heartbeat_timeout: float,
+) -> AsyncIterator[Embedder]:
+    async with engine_session(
+        engine,
+        owned=owned,
+        what=what,
+        startup_timeout=startup_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+    ) as (mux, mux_done):
+        tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, mux.ready.model_path)
+        yield Embedder(
+            mux,
+            engine,
+            mux.ready,
+            tokenizer,
+            max_pending=max_pending,
+            request_timeout=request_timeout,
+            mux_done=mux_done,
+        )
 
 
 def _load_tokenizer(path: str) -> Tokenizer:

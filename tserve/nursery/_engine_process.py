@@ -28,28 +28,36 @@ import msgspec
 
 from tserve.protocol import EngineConfig
 
-__all__ = ["EngineProcess", "exit_reason", "start_engine"]
+__all__ = ["EngineProcess", "EngineRef", "exit_reason", "start_engine"]
 
 
-class EngineProcess:
-    """A running engine process, as :func:`start_engine` yields it."""
+class EngineRef:
+    """An engine process on this host by its socket address and pid.
 
-    def __init__(self, process: anyio.abc.Process, address: str) -> None:
-        self.process = process
+    Either one this process started (:class:`EngineProcess`, which also owns
+    its lifetime) or one another API process started and shares with us.
+    """
+
+    def __init__(self, address: str, pid: int) -> None:
         self.address = address
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.returncode
+        self.pid = pid
 
     def kill(self) -> None:
         """SIGKILL the engine (tests and drills use this to simulate a crash)."""
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.process.pid, signal.SIGKILL)
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class EngineProcess(EngineRef):
+    """A running engine process that this process owns, as :func:`start_engine` yields it."""
+
+    def __init__(self, process: anyio.abc.Process, address: str) -> None:
+        super().__init__(address, process.pid)
+        self.process = process
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
 
     async def wait(self) -> int:
         """Wait until the process has exited; return its code. Cancellable."""

@@ -30,7 +30,7 @@ import anyio
 import anyio.abc
 
 from tserve.mux import EngineDeadError, Mux
-from tserve.nursery._engine_process import EngineProcess, exit_reason, start_engine
+from tserve.nursery._engine_process import EngineProcess, EngineRef, exit_reason, start_engine
 from tserve.nursery._errors import InvalidRequest, Overloaded, ShuttingDown
 from tserve.nursery._request import Prompt, RequestStream
 from tserve.nursery._results import Completion
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from tserve.nursery._embed import Embedder, EmbeddingInput, EmbeddingResult
 
-__all__ = ["LLM", "LLMStats", "open_llm"]
+__all__ = ["LLM", "LLMStats", "attach_llm", "engine_session", "open_llm"]
 
 log = logging.getLogger("tserve")
 
@@ -83,7 +83,7 @@ class LLM:
     def __init__(
         self,
         mux: Mux,
-        engine: EngineProcess,
+        engine: EngineRef,
         ready: EngineReady,
         tokenizer: PreTrainedTokenizerBase,
         *,
@@ -136,6 +136,11 @@ class LLM:
     @property
     def engine_pid(self) -> int:
         return self._engine.pid
+
+    @property
+    def engine_address(self) -> str:
+        """The engine's socket address: what :func:`attach_llm` takes."""
+        return self._engine.address
 
     def kill_engine(self) -> None:
         """SIGKILL the engine process: for fault-injection tests and drills."""
@@ -451,48 +456,150 @@ async def open_llm(
     if max_pending < 1:
         raise ValueError("max_pending must be at least 1")
     config = EngineConfig(model=os.fspath(model), **engine_options)  # TypeError: unknown option
+    async with (
+        start_engine(config, log_level=log_level, stop_grace=shutdown_grace) as engine,
+        _open_embedder(
+            embedding_model,
+            max_pending,
+            request_timeout,
+            startup_timeout,
+            heartbeat_timeout,
+            shutdown_grace,
+            log_level,
+            engine_options,
+        ) as embedder,
+        _connect_llm(
+            engine,
+            owned=True,
+            what=config.model,
+            max_pending=max_pending,
+            request_timeout=request_timeout,
+            startup_timeout=startup_timeout,
+            heartbeat_timeout=heartbeat_timeout,
+            freeze_gc=freeze_gc,
+            embedder=embedder,
+        ) as llm,
+    ):
+        yield llm
+
+
+@contextlib.asynccontextmanager
+async def attach_llm(
+    address: str,
+    engine_pid: int,
+    *,
+    max_pending: int = 1024,
+    request_timeout: float | None = None,
+    startup_timeout: float = 600.0,
+    heartbeat_timeout: float = 30.0,
+    freeze_gc: bool = True,
+    embedder: Embedder | None = None,
+) -> AsyncIterator[LLM]:
+    """Yield an :class:`LLM` over a running engine that another process owns.
+
+    For the extra API processes of ``--api-processes N``: each runs its own
+    mux to the one engine at ``address`` (process ``engine_pid`` on this
+    host). Enters once the engine answered Hello with EngineReady (it is
+    normally ready already) and the tokenizer is loaded; EngineDeadError if
+    it is gone. ``embedder`` (see ``attach_embedder``) serves :meth:`LLM.embed`.
+
+    Unlike :func:`open_llm`, leaving the block never sends Shutdown and never
+    stops the engine: only its owner does. Engine death is seen from here
+    through the engine's exit (watched by pid), its EngineDead message, or
+    silence past ``heartbeat_timeout``; then every live request fails with
+    EngineDeadError, as with :func:`open_llm`.
+    """
+    if max_pending < 1:
+        raise ValueError("max_pending must be at least 1")
+    async with _connect_llm(
+        EngineRef(address, engine_pid),
+        owned=False,
+        what=f"the engine at {address}",
+        max_pending=max_pending,
+        request_timeout=request_timeout,
+        startup_timeout=startup_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+        freeze_gc=freeze_gc,
+        embedder=embedder,
+    ) as llm:
+        yield llm
+
+
+@contextlib.asynccontextmanager
+async def _connect_llm(
+    engine: EngineRef,
+    *,
+    owned: bool,
+    what: str,
+    max_pending: int,
+    request_timeout: float | None,
+    startup_timeout: float,
+    heartbeat_timeout: float,
+    freeze_gc: bool,
+    embedder: Embedder | None,
+) -> AsyncIterator[LLM]:
+    """The LLM over ``engine``'s session (see :func:`engine_session`), tokenizer loaded."""
+    async with engine_session(
+        engine,
+        owned=owned,
+        what=what,
+        startup_timeout=startup_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+    ) as (mux, mux_done):
+        tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, mux.ready.model_path)
+        llm = LLM(
+            mux,
+            engine,
+            mux.ready,
+            tokenizer,
+            max_pending=max_pending,
+            request_timeout=request_timeout,
+            mux_done=mux_done,
+        )
+        llm.embedder = embedder
+        if freeze_gc:
+            gc.collect()
+            gc.freeze()
+        yield llm
+
+
+@contextlib.asynccontextmanager
+async def engine_session(
+    engine: EngineRef,
+    *,
+    owned: bool,
+    what: str,
+    startup_timeout: float,
+    heartbeat_timeout: float,
+) -> AsyncIterator[tuple[Mux, anyio.Event]]:
+    """Run a mux to ``engine`` and a watcher of its process; yield ``(mux, mux_done)``.
+
+    Enters once the engine is ready (EngineDeadError if it died, failed to
+    start or was not ready within ``startup_timeout`` s; meanwhile the log
+    says every 10 s that we wait for ``what``). ``mux_done`` is set when the
+    mux stops. Leaving the block sends Shutdown first when ``owned`` (the
+    owner stops the process itself; see :func:`start_engine`), never
+    otherwise. An exception from the block propagates unchanged.
+    """
     body_error: BaseException | None = None
     try:
-        async with (
-            start_engine(config, log_level=log_level, stop_grace=shutdown_grace) as engine,
-            _open_embedder(
-                embedding_model,
-                max_pending,
-                request_timeout,
-                startup_timeout,
-                heartbeat_timeout,
-                shutdown_grace,
-                log_level,
-                engine_options,
-            ) as embedder,
-            anyio.create_task_group() as tg,
-        ):
+        async with anyio.create_task_group() as tg:
             mux = Mux(heartbeat_timeout=heartbeat_timeout, ready_timeout=startup_timeout)
             mux_done = anyio.Event()
             try:
-                tg.start_soon(_watch_engine, engine, mux, mux_done)
-                ready = await _start_mux(tg, mux, engine, mux_done, model=config.model)
-                tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, ready.model_path)
-                llm = LLM(
-                    mux,
-                    engine,
-                    ready,
-                    tokenizer,
-                    max_pending=max_pending,
-                    request_timeout=request_timeout,
-                    mux_done=mux_done,
-                )
-                llm.embedder = embedder
-                if freeze_gc:
-                    gc.collect()
-                    gc.freeze()
+                if isinstance(engine, EngineProcess):
+                    tg.start_soon(_watch_engine, engine, mux, mux_done)
+                else:
+                    tg.start_soon(_watch_shared_engine, engine, mux, mux_done)
+                await _start_mux(tg, mux, engine, mux_done, model=what)
                 try:
-                    yield llm
+                    yield mux, mux_done
                 except BaseException as exc:
                     body_error = exc
                     raise
             finally:
-                mux.shutdown_engine("API process leaving")
+                if owned:
+                    mux.shutdown_engine("API process leaving")
                 tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         error = _unwrap(group, body_error)
@@ -557,7 +664,7 @@ def _leaves(error: BaseException) -> set[int]:
 
 
 async def _start_mux(
-    tg: anyio.abc.TaskGroup, mux: Mux, engine: EngineProcess, mux_done: anyio.Event, *, model: str
+    tg: anyio.abc.TaskGroup, mux: Mux, engine: EngineRef, mux_done: anyio.Event, *, model: str
 ) -> EngineReady:
     """Run the mux in ``tg``; return once the engine is ready, with progress in the log.
 
@@ -622,6 +729,49 @@ async def _watch_engine(engine: EngineProcess, mux: Mux, mux_done: anyio.Event) 
                 await mux_done.wait()
         mux.engine_died(exit_reason(code))
         tg.cancel_scope.cancel()
+
+
+async def _watch_shared_engine(engine: EngineRef, mux: Mux, mux_done: anyio.Event) -> None:
+    """Turn the exit of an engine another process owns into engine death.
+
+    Not our child, so no exit status: a pidfd (exact, no pid reuse) says
+    when it is gone, or polling every 0.1 s where there is none. As in
+    :func:`_watch_engine`, the EngineDead message gets
+    ``_DEATH_MESSAGE_GRACE`` s to arrive first, so its reason is kept.
+    """
+    try:
+        pidfd: int | None = os.pidfd_open(engine.pid)
+    except ProcessLookupError:
+        pidfd = None
+        gone = True
+    except (AttributeError, OSError):  # no pidfd on this platform or kernel
+        pidfd, gone = None, False
+    else:
+        gone = False
+    try:
+        if pidfd is not None:
+            await anyio.wait_readable(pidfd)
+        else:
+            while not gone:
+                await anyio.sleep(0.1)
+                gone = not _pid_exists(engine.pid)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    if not mux_done.is_set():
+        with anyio.move_on_after(_DEATH_MESSAGE_GRACE):
+            await mux_done.wait()
+    mux.engine_died(f"the engine process (pid {engine.pid}) exited")
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 _PROGRESS_INTERVAL = 10.0  # s between "waiting for the engine" log lines

@@ -6,6 +6,8 @@ never ask for a model (mux, protocol) do not pay for importing them.
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +35,18 @@ def tiny_model(tiny_model_dir: Path) -> tuple[Any, Any]:
     from tserve.gpu._models import load_model
 
     return load_model(tiny_model_dir, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """Collect, then keep the cyclic GC off for the test.
+
+    Tests that compare fd counts need it: a client leaked by an earlier test
+    can otherwise be finalized between two counts and close its sockets.
+    """
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

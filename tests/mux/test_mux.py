@@ -69,6 +69,7 @@ async def _engine_and_mux(
             yield mux
 
 
+@pytest.mark.usefixtures("no_gc")
 async def test_ten_thousand_requests_share_one_socket_and_constant_fds(
     ipc_address: str,
 ) -> None:

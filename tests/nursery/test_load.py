@@ -49,6 +49,7 @@ def _prompt(rng: random.Random) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(rng.randrange(1, 12))]
 
 
+@pytest.mark.usefixtures("no_gc")
 async def test_ten_thousand_concurrent_generates(llm: LLM, wire: Wire) -> None:
     """The seed's load test, embedded: 10,000 concurrent requests of exactly N
     tokens (EOS ignored) through one mux; none errors, every one gets N

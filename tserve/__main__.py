@@ -15,9 +15,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tserve.protocol import EngineConfig
+
+if TYPE_CHECKING:
+    from tserve.nursery import LLM
+    from tserve.web import ServerConfig
 
 __all__ = ["main"]
 
@@ -84,6 +88,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "model name(s) clients use, comma-separated (default: the model's directory name)",
     )
     _option(http, "--max-body-bytes", int, 4 * 1024 * 1024, "largest request body (413 above)")
+    _option(
+        http,
+        "--api-processes",
+        int,
+        1,
+        "API processes serving the port (SO_REUSEPORT), each with its own connection to "
+        "the one engine; --max-pending applies to each",
+    )
     _option(http, "--log-level", str, "info", "debug, info, warning or error")
     _flag(http, "--no-request-log", "do not log one line per request")
 
@@ -165,10 +177,13 @@ def _serve(args: argparse.Namespace) -> int:
     from tserve.web import AppConfig, ServerConfig, serve
 
     names = tuple(n.strip() for n in (args.served_model_name or "").split(",") if n.strip())
+    if args.api_processes < 1:
+        raise SystemExit("--api-processes must be at least 1")
     server = ServerConfig(
         host=args.host,
         port=args.port,
         shutdown_timeout=args.shutdown_timeout,
+        reuse_port=args.api_processes > 1,
         app=AppConfig(
             served_model_names=names,
             api_key=args.api_key or None,
@@ -200,6 +215,8 @@ def _serve(args: argparse.Namespace) -> int:
             embedding_model=embedding,
             **engine,
         ) as llm:
+            if args.api_processes > 1:
+                return await _serve_with_workers(llm, server, args)
             codes: list[int] = []
 
             async def run_server(task_status: trio.TaskStatus[str]) -> None:
@@ -207,11 +224,74 @@ def _serve(args: argparse.Namespace) -> int:
 
             async with trio.open_nursery() as nursery:
                 url = await nursery.start(run_server)
-                name = names[0] if names else llm.model
-                print(f"tserve: serving '{name}' at {url}/v1", flush=True)
+                _print_serving(names[0] if names else llm.model, url)
         return codes[0]
 
     return trio.run(run)
+
+
+def _print_serving(name: str, url: str) -> None:
+    print(f"tserve: serving '{name}' at {url}/v1", flush=True)
+
+
+async def _serve_with_workers(llm: LLM, server: ServerConfig, args: argparse.Namespace) -> int:
+    """Serve from this process and ``--api-processes`` - 1 workers (see tserve._api_worker).
+
+    This process listens first (to learn the port when it is 0), then starts
+    the workers, and says "serving" once all of them listen. Each SIGTERM or
+    SIGINT it handles is forwarded to them; once its own server has drained,
+    the workers get ``--shutdown-timeout`` + 10 s to finish theirs, and only
+    then is the engine stopped (the caller leaves open_llm). A worker that
+    exits on its own shuts the whole server down. Non-zero if any process
+    failed.
+    """
+    import dataclasses
+
+    import trio
+
+    from tserve._api_worker import Workers, WorkerSpec
+    from tserve.web import serve
+
+    workers = Workers(args.api_processes - 1, stop_grace=server.shutdown_timeout + 10)
+    served = trio.Event()
+    codes: list[int] = []
+
+    async def run_server(task_status: trio.TaskStatus[str]) -> None:
+        try:
+            code = await serve(
+                llm,
+                server,
+                shutdown_trigger=workers.failed.wait,
+                on_signal=workers.forward,
+                task_status=task_status,
+            )
+            codes.append(code)
+        finally:
+            served.set()
+
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(run_server)
+        embedder = llm.embedder
+        spec = WorkerSpec(
+            parent_pid=os.getpid(),
+            engine_address=llm.engine_address,
+            engine_pid=llm.engine_pid,
+            embedding_address=None if embedder is None else embedder.engine_address,
+            embedding_pid=None if embedder is None else embedder.engine_pid,
+            server=dataclasses.replace(server, port=int(url.rsplit(":", 1)[1])),
+            max_pending=args.max_pending,
+            request_timeout=args.request_timeout,
+            log_level=args.log_level,
+        )
+        async with workers.run(spec):
+            logging.getLogger("tserve").info(
+                "API processes: %d (main) and workers %s", os.getpid(), workers.pids
+            )
+            names = server.app.served_model_names
+            _print_serving(names[0] if names else llm.model, url)
+            await served.wait()
+    failed = workers.failed.is_set() or any(code != 0 for code in workers.exit_codes)
+    return codes[0] if codes and codes[0] else int(failed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -223,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(words)
     logging.basicConfig(
         level=args.log_level.upper(),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
     try:

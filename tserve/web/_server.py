@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import resource
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -52,6 +53,9 @@ class ServerConfig:
     backlog: int = 4096
     keep_alive_timeout: float = 75.0
     handle_signals: bool = True  # False when not in the main thread (tests)
+    # Bind with SO_REUSEPORT, so that several API processes (--api-processes)
+    # serve one port, each with its own accept queue that the kernel fills.
+    reuse_port: bool = False
     app: AppConfig = dataclasses.field(default_factory=AppConfig)
 
 
@@ -68,10 +72,31 @@ def raise_fd_limit() -> int:
     return target
 
 
+def _reuse_port_socket(host: str, port: int) -> int:
+    """A TCP socket bound to ``host:port`` with SO_REUSEPORT; returns its fd, ours to hand on.
+
+    Any process of this user may bind the same port this way, and the kernel
+    spreads new connections over all of them (by a hash of the addresses).
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hc = HypercornConfig()
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    hc.bind = [f"{host}:{config.port}"]
+    if config.reuse_port:
+        hc.bind = [f"fd://{_reuse_port_socket(config.host, config.port)}"]  # hypercorn listens
+    else:
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        hc.bind = [f"{host}:{config.port}"]
     hc.backlog = config.backlog
     hc.keep_alive_timeout = config.keep_alive_timeout
     # After the trigger, hypercorn cancels what is left past this; our own
@@ -86,8 +111,15 @@ def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
 class _Lifecycle:
     """Runs the shutdown steps once, whichever of signal, trigger or death comes first."""
 
-    def __init__(self, llm: LLM, frontend: Frontend, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        llm: LLM,
+        frontend: Frontend,
+        config: ServerConfig,
+        on_signal: Callable[[signal.Signals], None] | None,
+    ) -> None:
         self.llm = llm
+        self.on_signal = on_signal
         self.frontend = frontend
         self.config = config
         self.exit_code = EXIT_OK
@@ -120,6 +152,8 @@ class _Lifecycle:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 log.info("%s: shutting down", signal.Signals(signum).name)
+                if self.on_signal is not None:
+                    self.on_signal(signal.Signals(signum))
                 nursery.start_soon(self.drain, self.config.shutdown_timeout)
 
     async def watch_trigger(self, trigger: Callable[[], Awaitable[None]]) -> None:
@@ -146,19 +180,22 @@ async def serve(
     config: ServerConfig | None = None,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    on_signal: Callable[[signal.Signals], None] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> int:
     """Serve ``llm`` over HTTP until shutdown; return the process exit code.
 
     Blocks for the life of the server. ``task_status.started`` gets the base
     URL (``http://host:port``, with the real port when ``port`` is 0).
-    Cancelling it stops at once (no drain).
+    Cancelling it stops at once (no drain). ``on_signal`` is called
+    (synchronously) with each SIGTERM/SIGINT this server handles, before it
+    acts on it: ``--api-processes`` forwards them to its other processes.
     """
     config = config or ServerConfig()
     raise_fd_limit()
     app = create_app(llm, config.app)
     frontend: Frontend = app.extensions["tserve"]
-    life = _Lifecycle(llm, frontend, config)
+    life = _Lifecycle(llm, frontend, config, on_signal)
     async with trio.open_nursery() as nursery:
         if config.handle_signals:
             nursery.start_soon(life.watch_signals, nursery)

@@ -1,0 +1,235 @@
+"""The extra API processes of ``python -m tserve serve --api-processes N``.
+
+The main process owns the engine(s) and serves HTTP itself; it starts N-1
+workers with :class:`Workers`, each ``python -m tserve._api_worker``: an API
+process of its own that attaches to the main process's engine with its own
+mux (``attach_llm``, and ``attach_embedder`` when there is an embedding
+engine) and binds the same port with SO_REUSEPORT. The kernel spreads new
+connections over the N listening sockets.
+
+Lifecycle rules:
+
+* A worker reads its :class:`WorkerSpec` as JSON on stdin (not argv, where
+  ``ps`` would show the API key) and prints :data:`READY` once it listens.
+* Workers run in sessions of their own, so a Ctrl-C or a SIGTERM to the
+  main process's group reaches the main process only, and the main process
+  forwards each SIGTERM/SIGINT it handles to every worker exactly once per
+  signal: a second signal hurries them as it hurries the main process.
+* Leaving :meth:`Workers.run`'s block (after the main server returned):
+  workers not yet signalled get SIGTERM; all get ``stop_grace`` s to drain
+  and exit, then SIGKILL. Only then does the main process stop the engine.
+* A worker exits when the main process is gone (it watches its parent), and
+  anyway soon after, because the engine exits without its parent and the
+  worker sees that through the engine's pidfd.
+* A worker that exits on its own while the server runs makes the whole
+  server shut down and exit non-zero, as a dead engine does: a supervisor
+  restarts it whole rather than let it serve with part of its capacity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import msgspec
+import trio
+
+from tserve.web import ServerConfig
+
+__all__ = ["READY", "WorkerSpec", "Workers", "main"]
+
+log = logging.getLogger("tserve")
+
+READY = "tserve-worker: ready"
+_PARENT_POLL = 0.2  # s between checks that the main process is still there
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What one worker needs: where the engines are and how to serve."""
+
+    parent_pid: int
+    engine_address: str
+    engine_pid: int
+    embedding_address: str | None = None
+    embedding_pid: int | None = None
+    server: ServerConfig  # with reuse_port=True and the real port
+    max_pending: int
+    request_timeout: float | None
+    log_level: str = "INFO"
+
+
+class Workers:
+    """The worker processes of one main process. Use :meth:`run`; call from its trio thread."""
+
+    def __init__(self, count: int, *, stop_grace: float) -> None:
+        self._count = count
+        self._stop_grace = stop_grace
+        self._processes: list[trio.Process] = []
+        self._signalled: set[int] = set()  # pids that got a forwarded signal
+        self._stopping = False
+        self.failed = trio.Event()  # a worker exited while the server ran
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._processes]
+
+    @property
+    def exit_codes(self) -> list[int | None]:
+        return [p.returncode for p in self._processes]
+
+    def forward(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to every worker still running. Synchronous, never raises."""
+        for process in self._processes:
+            if process.returncode is None:
+                self._signalled.add(process.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(sig)
+
+    @contextlib.asynccontextmanager
+    async def run(self, spec: WorkerSpec) -> AsyncIterator[Workers]:
+        """Start the workers; enter once every one listens; stop them all on the way out.
+
+        Raises RuntimeError if a worker exits before it is ready (its reason
+        is in the log it shares with us). Leaving the block in any way stops
+        every worker (shielded; bound: ``stop_grace`` s + 5 s).
+        """
+        async with trio.open_nursery() as nursery:
+            try:
+                for _ in range(self._count):
+                    process = await self._start_one(spec)
+                    await nursery.start(self._follow, process)
+                yield self
+            finally:
+                self._stopping = True
+                with trio.CancelScope(shield=True):
+                    await self._stop_all()
+                nursery.cancel_scope.cancel()
+
+    async def _start_one(self, spec: WorkerSpec) -> trio.Process:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "tserve._api_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # signals reach workers through forward() only
+        )
+        self._processes.append(process)
+        assert process.stdin is not None
+        async with process.stdin:
+            await process.stdin.send_all(msgspec.json.encode(spec))
+        return process
+
+    async def _follow(
+        self,
+        process: trio.Process,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Report ``process`` started once it printed READY, pass its other output
+        on to our stdout, and turn an exit of its own into ``failed``."""
+        assert process.stdout is not None
+        buffer = b""
+        ready = False
+        async for chunk in process.stdout:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if not ready and line.decode(errors="replace") == READY:
+                    ready = True
+                    task_status.started()
+                else:
+                    sys.stdout.buffer.write(line + b"\n")
+                    sys.stdout.flush()
+        code = await process.wait()
+        if not ready:
+            raise RuntimeError(f"API worker {process.pid} exited with {code} before it was ready")
+        if not self._stopping and process.pid not in self._signalled:
+            log.error("API worker %d exited with %d: shutting the server down", process.pid, code)
+            self.failed.set()
+
+    async def _stop_all(self) -> None:
+        for process in self._processes:
+            if process.returncode is None and process.pid not in self._signalled:
+                self._signalled.add(process.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+        for sig, wait in ((None, self._stop_grace), (signal.SIGKILL, 5.0)):
+            with trio.move_on_after(wait):
+                for process in self._processes:
+                    if sig is not None and process.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            process.send_signal(sig)
+                    await process.wait()
+
+
+# -- the worker process ------------------------------------------------------------
+
+
+async def _parent_gone(parent_pid: int) -> None:
+    """Return once the main process is gone (we were reparented)."""
+    while os.getppid() == parent_pid:  # noqa: ASYNC110 (no event for a parent's death)
+        await trio.sleep(_PARENT_POLL)
+    log.warning("the main API process (pid %d) is gone; this worker exits", parent_pid)
+
+
+async def _serve_worker(spec: WorkerSpec) -> int:
+    from tserve.nursery import attach_embedder, attach_llm
+    from tserve.web import serve
+
+    async with contextlib.AsyncExitStack() as stack:
+        embedder = None
+        if spec.embedding_address is not None and spec.embedding_pid is not None:
+            embedder = await stack.enter_async_context(
+                attach_embedder(
+                    spec.embedding_address,
+                    spec.embedding_pid,
+                    max_pending=spec.max_pending,
+                    request_timeout=spec.request_timeout,
+                )
+            )
+        llm = await stack.enter_async_context(
+            attach_llm(
+                spec.engine_address,
+                spec.engine_pid,
+                max_pending=spec.max_pending,
+                request_timeout=spec.request_timeout,
+                embedder=embedder,
+            )
+        )
+        codes: list[int] = []
+
+        async def run_server(task_status: trio.TaskStatus[str]) -> None:
+            trigger = lambda: _parent_gone(spec.parent_pid)  # noqa: E731
+            codes.append(
+                await serve(llm, spec.server, shutdown_trigger=trigger, task_status=task_status)
+            )
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_server)
+            print(READY, flush=True)
+        return codes[0]
+    raise AssertionError("unreachable")
+
+
+def main() -> int:
+    """Entry point of a worker: the spec on stdin; exit status as ``python -m tserve``'s."""
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
+    logging.basicConfig(
+        level=spec.log_level.upper(),
+        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    if os.getppid() != spec.parent_pid:
+        return 1  # the main process is gone already
+    try:
+        return trio.run(_serve_worker, spec)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

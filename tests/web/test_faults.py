@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,6 +94,12 @@ def test_engine_kill_fails_every_request_and_exits_nonzero(start_server: StartSe
     )
     blocker.start()
     server.wait_for_metric("tserve_requests_live", 4)
+    # A second token observed means the running stream sent its headers, so
+    # it must end with an error event rather than a status.
+    deadline = time.monotonic() + 60
+    while server.metric("tserve_inter_token_latency_seconds_count") < 1:
+        assert time.monotonic() < deadline, "no stream ever got past its first token"
+        time.sleep(0.05)
     engine = server.engine_pid
     os.kill(engine, signal.SIGKILL)
     for t in [*threads, blocker]:

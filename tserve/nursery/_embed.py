@@ -17,7 +17,6 @@ from __future__ import annotations
 import array
 import contextlib
 import dataclasses
-import itertools
 import sys
 import time
 import uuid
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from tserve.mux import EngineDeadError, Mailbox, Mux, MuxClosedError
+from tserve.mux import Mailbox, Mux, MuxClosedError
 from tserve.nursery._engine_process import EngineRef, start_engine
 from tserve.nursery._errors import (
     InvalidRequest,
@@ -36,7 +35,7 @@ from tserve.nursery._errors import (
     RequestTimeout,
     ShuttingDown,
 )
-from tserve.nursery._llm import engine_session
+from tserve.nursery._llm import EngineClient, engine_session
 from tserve.nursery._request import ENGINE_DEADLINE_SLACK
 from tserve.protocol import (
     AddRequest,
@@ -109,7 +108,7 @@ def embedding_config(model: str, engine_options: Mapping[str, Any]) -> EngineCon
     )
 
 
-class Embedder:
+class Embedder(EngineClient):
     """Embed text with the embedding engine behind one mux. Create with :func:`open_embedder`.
 
     Admission: at most ``max_pending`` inputs are live at once (each input is
@@ -117,6 +116,9 @@ class Embedder:
     :class:`Overloaded` at once, and one with more inputs than that raises
     :class:`InvalidRequest`. Call it from the event loop thread that opened it.
     """
+
+    _dead = "the embedding engine is dead"
+    _closed = "the embedding model is closed"
 
     def __init__(
         self,
@@ -129,24 +131,21 @@ class Embedder:
         request_timeout: float | None,
         mux_done: anyio.Event,
     ) -> None:
-        self._mux = mux
-        self._engine = engine
-        self._mux_done = mux_done  # set when the mux stopped (engine dead or closed)
-        self.ready = ready
+        super().__init__(
+            mux,
+            engine,
+            ready,
+            max_pending=max_pending,
+            request_timeout=request_timeout,
+            mux_done=mux_done,
+            id_prefix=f"emb-{uuid.uuid4().hex[:8]}",
+        )
         self.tokenizer = tokenizer
-        self.max_pending = max_pending
-        self.request_timeout = request_timeout
         # Invariant: 0 <= live <= max_pending; inputs of calls in progress.
         self.live = 0
-        self._ids = itertools.count()
-        self._id_prefix = f"emb-{uuid.uuid4().hex[:8]}"
         # Tokenizer calls in worker threads; more wait for a thread (they are
         # admitted, so at most max_pending inputs' worth of calls wait).
         self._tokenizer_limiter = anyio.CapacityLimiter(2)
-
-    @property
-    def model(self) -> str:
-        return self.ready.model
 
     @property
     def dimensions(self) -> int:
@@ -155,28 +154,6 @@ class Embedder:
     @property
     def max_input_tokens(self) -> int:
         return self.ready.max_model_len
-
-    @property
-    def engine_alive(self) -> bool:
-        """False once the embedding engine is known to be dead, or closed."""
-        return not (self._mux.dead or self._mux_done.is_set())
-
-    @property
-    def engine_dead_reason(self) -> str | None:
-        return self._mux.dead_reason
-
-    @property
-    def engine_pid(self) -> int:
-        return self._engine.pid
-
-    @property
-    def engine_address(self) -> str:
-        """The engine's socket address: what :func:`attach_embedder` takes."""
-        return self._engine.address
-
-    def kill_engine(self) -> None:
-        """SIGKILL the embedding engine process: for fault-injection tests."""
-        self._engine.kill()
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, special tokens included, never truncated. Blocking."""
@@ -209,10 +186,7 @@ class Embedder:
             self.live -= len(items)
 
     def _admit(self, count: int) -> None:
-        if self._mux.dead:
-            raise EngineDeadError(self._mux.dead_reason or "the embedding engine is dead")
-        if self._mux_done.is_set():
-            raise ShuttingDown("the embedding model is closed")
+        self._check_running()
         if count > self.max_pending:
             raise InvalidRequest(
                 f"{count} inputs in one request; the server takes at most {self.max_pending}",
@@ -236,7 +210,7 @@ class Embedder:
         try:
             try:
                 for tokens in ids:
-                    rid = f"{self._id_prefix}-{next(self._ids)}"
+                    rid = self._next_request_id()
                     mailboxes.append(self._mux.open_mailbox(rid, 1))
                     self._mux.submit(AddRequest(rid, tokens, _PARAMS, deadline))
                 raw = [_vector(await mailbox.get(), deadline) for mailbox in mailboxes]

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from tserve.nursery._embed import Embedder, EmbeddingInput, EmbeddingResult
 
-__all__ = ["LLM", "LLMStats", "attach_llm", "engine_session", "open_llm"]
+__all__ = ["LLM", "EngineClient", "LLMStats", "attach_llm", "engine_session", "open_llm"]
 
 log = logging.getLogger("tserve")
 
@@ -69,7 +69,77 @@ class LLMStats:
     engine_alive: bool
 
 
-class LLM:
+class EngineClient:
+    """What :class:`LLM` and :class:`~tserve.nursery.Embedder` share: one engine
+    behind one mux (see :func:`engine_session`).
+
+    Its identity (model, pid, socket address), whether it is alive, request
+    ids, and the refusal of new work once the engine is dead or the client
+    closed. Each subclass does its own admission on top of
+    :meth:`_check_running` and names itself in ``_dead`` and ``_closed``.
+    """
+
+    _dead = "the engine is dead"  # EngineDeadError's message when the mux has none
+    _closed = "the engine client is closed"  # ShuttingDown's message once the mux stopped
+
+    def __init__(
+        self,
+        mux: Mux,
+        engine: EngineRef,
+        ready: EngineReady,
+        *,
+        max_pending: int,
+        request_timeout: float | None,
+        mux_done: anyio.Event,
+        id_prefix: str,
+    ) -> None:
+        self._mux = mux
+        self._engine = engine
+        self._mux_done = mux_done  # set when the mux stopped (engine dead or closed)
+        self.ready = ready
+        self.max_pending = max_pending
+        self.request_timeout = request_timeout
+        self._ids = itertools.count()
+        self._id_prefix = id_prefix
+
+    @property
+    def model(self) -> str:
+        return self.ready.model
+
+    @property
+    def engine_alive(self) -> bool:
+        """False once the engine is known to be dead, or the client closed; never True again."""
+        return not (self._mux.dead or self._mux_done.is_set())
+
+    @property
+    def engine_dead_reason(self) -> str | None:
+        return self._mux.dead_reason
+
+    @property
+    def engine_pid(self) -> int:
+        return self._engine.pid
+
+    @property
+    def engine_address(self) -> str:
+        """The engine's socket address: what :func:`attach_llm` (or ``attach_embedder``) takes."""
+        return self._engine.address
+
+    def kill_engine(self) -> None:
+        """SIGKILL the engine process: for fault-injection tests and drills."""
+        self._engine.kill()
+
+    def _check_running(self) -> None:
+        """Raise EngineDeadError if the engine is dead, ShuttingDown if the client is closed."""
+        if self._mux.dead:
+            raise EngineDeadError(self._mux.dead_reason or self._dead)
+        if self._mux_done.is_set():
+            raise ShuttingDown(self._closed)
+
+    def _next_request_id(self) -> str:
+        return f"{self._id_prefix}-{next(self._ids)}"
+
+
+class LLM(EngineClient):
     """Generate text with the engine behind one mux. Create with :func:`open_llm`.
 
     Admission: at most ``max_pending`` requests are live (admitted and not
@@ -79,6 +149,9 @@ class LLM:
     (:meth:`encode`, :meth:`decode`, :meth:`apply_chat_template`), which
     are for worker threads.
     """
+
+    _dead = "the engine is dead"
+    _closed = "the LLM is closed"
 
     def __init__(
         self,
@@ -91,20 +164,21 @@ class LLM:
         request_timeout: float | None,
         mux_done: anyio.Event,
     ) -> None:
-        self._mux = mux
-        self._engine = engine
-        self._mux_done = mux_done  # set when the mux stopped (engine dead or closed)
-        self.ready = ready
+        super().__init__(
+            mux,
+            engine,
+            ready,
+            max_pending=max_pending,
+            request_timeout=request_timeout,
+            mux_done=mux_done,
+            id_prefix=uuid.uuid4().hex[:8],
+        )
         self.tokenizer = tokenizer
         self._decode_ids = _fast_decoder(tokenizer)
-        self.max_pending = max_pending
-        self.request_timeout = request_timeout
         self.draining = False
         # Invariant: 0 <= _live <= max_pending; a stream counts from admission
         # until its close() (which runs once).
         self._live = 0
-        self._ids = itertools.count()
-        self._id_prefix = uuid.uuid4().hex[:8]
         # Tokenizer calls in worker threads. Bound: this many at once; more
         # wait for a thread (they are admitted requests, so at most
         # max_pending of them wait).
@@ -116,14 +190,10 @@ class LLM:
     # -- state -------------------------------------------------------------------
 
     @property
-    def model(self) -> str:
-        return self.ready.model
-
-    @property
     def engine_alive(self) -> bool:
         """False once an engine (generation, or embedding if loaded) is known to be
         dead, or the LLM closed; never True again."""
-        alive = not (self._mux.dead or self._mux_done.is_set())
+        alive = super().engine_alive
         return alive and (self.embedder is None or self.embedder.engine_alive)
 
     @property
@@ -132,19 +202,6 @@ class LLM:
             reason = self.embedder.engine_dead_reason
             return None if reason is None else f"embedding engine: {reason}"
         return self._mux.dead_reason
-
-    @property
-    def engine_pid(self) -> int:
-        return self._engine.pid
-
-    @property
-    def engine_address(self) -> str:
-        """The engine's socket address: what :func:`attach_llm` takes."""
-        return self._engine.address
-
-    def kill_engine(self) -> None:
-        """SIGKILL the engine process: for fault-injection tests and drills."""
-        self._engine.kill()
 
     async def wait_engine_dead(self) -> str:
         """Wait until the engine is dead (or the LLM closed); return the reason.
@@ -279,16 +336,13 @@ class LLM:
         request_id: str | None,
         timeout: float | None,
     ) -> RequestStream:
-        if self._mux.dead:
-            raise EngineDeadError(self._mux.dead_reason or "the engine is dead")
-        if self._mux_done.is_set():
-            raise ShuttingDown("the LLM is closed")
+        self._check_running()
         if self.draining:
             raise ShuttingDown("the server is shutting down")
         if self._live >= self.max_pending:
             raise Overloaded(f"{self.max_pending} requests are already in flight")
         timeout = self.request_timeout if timeout is None else timeout
-        rid = request_id or f"{self._id_prefix}-{next(self._ids)}"
+        rid = request_id or self._next_request_id()
         stream = RequestStream(self, rid, prompt, params or SamplingParams(), timeout)
         self._live += 1
         return stream

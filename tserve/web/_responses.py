@@ -65,18 +65,34 @@ def usage_dict(usage: Usage) -> JSON:
     }
 
 
-class CompletionChoice:
-    """One choice of ``/v1/completions``. ``prefix`` is the echoed prompt, if any."""
+class _Choice:
+    """What both kinds of choice keep: the text so far, and how it finished."""
 
-    def __init__(
-        self, index: int, token_text: TokenText, *, logprobs: bool, prefix: str = ""
-    ) -> None:
+    def __init__(self, index: int, token_text: TokenText, *, logprobs: bool) -> None:
         self.index = index
         self.finish_reason: str | None = None
         self.usage: Usage | None = None  # set by the last delta
         self._token_text = token_text
         self._logprobs = logprobs
-        self._parts: list[str] = [prefix] if prefix else []
+        self._parts: list[str] = []
+
+    def _record(self, delta: Delta) -> None:
+        """Keep ``delta``'s text, and its finish if it is the last."""
+        self._parts.append(delta.text)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.usage = delta.usage
+
+
+class CompletionChoice(_Choice):
+    """One choice of ``/v1/completions``. ``prefix`` is the echoed prompt, if any."""
+
+    def __init__(
+        self, index: int, token_text: TokenText, *, logprobs: bool, prefix: str = ""
+    ) -> None:
+        super().__init__(index, token_text, logprobs=logprobs)
+        if prefix:
+            self._parts.append(prefix)
         self._pending_prefix = prefix  # sent with the first chunk
         # Invariant: _offset == total length of the text emitted so far.
         self._offset = len(prefix)
@@ -87,11 +103,8 @@ class CompletionChoice:
         text = self._pending_prefix + delta.text
         self._pending_prefix = ""
         lp = self._take_logprobs(delta) if self._logprobs else None
-        self._parts.append(delta.text)
+        self._record(delta)
         self._offset += len(delta.text)
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self.usage = delta.usage
         return {
             "index": self.index,
             "text": text,
@@ -123,16 +136,11 @@ class CompletionChoice:
         return out
 
 
-class ChatChoice:
+class ChatChoice(_Choice):
     """One choice of ``/v1/chat/completions``."""
 
     def __init__(self, index: int, token_text: TokenText, *, logprobs: bool) -> None:
-        self.index = index
-        self.finish_reason: str | None = None
-        self.usage: Usage | None = None
-        self._token_text = token_text
-        self._logprobs = logprobs
-        self._parts: list[str] = []
+        super().__init__(index, token_text, logprobs=logprobs)
         self._content: list[JSON] = []
         self._first = True
 
@@ -147,10 +155,7 @@ class ChatChoice:
             entries = [self._entry(e) for e in delta.logprobs or ()]
             self._content.extend(entries)
             lp = {"content": entries, "refusal": None}
-        self._parts.append(delta.text)
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self.usage = delta.usage
+        self._record(delta)
         return {
             "index": self.index,
             "delta": message,
@@ -191,56 +196,30 @@ def total_usage(choices: Sequence[CompletionChoice | ChatChoice], n: int) -> Usa
 def completion_response(
     rid: str, created: int, model: str, choices: Sequence[CompletionChoice], usage: Usage
 ) -> JSON:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [c.final() for c in choices],
-        "usage": usage_dict(usage),
-    }
+    body = _envelope(rid, created, model, "text_completion", [c.final() for c in choices])
+    body["usage"] = usage_dict(usage)
+    return body
 
 
 def chat_response(
     rid: str, created: int, model: str, choices: Sequence[ChatChoice], usage: Usage
 ) -> JSON:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [c.final() for c in choices],
-        "usage": usage_dict(usage),
-    }
+    body = _envelope(rid, created, model, "chat.completion", [c.final() for c in choices])
+    body["usage"] = usage_dict(usage)
+    return body
 
 
 def completion_chunk(
     rid: str, created: int, model: str, choice: JSON, *, include_usage: bool
 ) -> JSON:
-    chunk: JSON = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [choice],
-    }
+    chunk = _envelope(rid, created, model, "text_completion", [choice])
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
 def chat_chunk(rid: str, created: int, model: str, choice: JSON, *, include_usage: bool) -> JSON:
-    chunk: JSON = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [choice],
-    }
+    chunk = _envelope(rid, created, model, "chat.completion.chunk", [choice])
     if include_usage:
         chunk["usage"] = None
     return chunk
@@ -248,14 +227,20 @@ def chat_chunk(rid: str, created: int, model: str, choice: JSON, *, include_usag
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, usage: Usage) -> JSON:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+    chunk = _envelope(rid, created, model, obj, [])
+    chunk["usage"] = usage_dict(usage)
+    return chunk
+
+
+def _envelope(rid: str, created: int, model: str, obj: str, choices: list[JSON]) -> JSON:
+    """What every response body and stream chunk starts with, up to its choices."""
     return {
         "id": rid,
         "object": obj,
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [],
-        "usage": usage_dict(usage),
+        "choices": choices,
     }
 
 

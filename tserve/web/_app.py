@@ -67,7 +67,7 @@ from tserve.web._responses import (
     total_usage,
     usage_chunk,
 )
-from tserve.web._streaming import Choice, SSEBody, collect, first_deltas
+from tserve.web._streaming import Choice, SSEBody, closed_on_error, collect, first_deltas
 
 __all__ = ["AppConfig", "Frontend", "create_app"]
 
@@ -314,16 +314,12 @@ class Frontend:
     async def _start_completion(self, req: CompletionRequest) -> list[RequestStream]:
         """Admit ``n`` streams per prompt; a prompt used ``n > 1`` times is tokenized once."""
         streams: list[RequestStream] = []
-        try:
+        with closed_on_error(streams):
             for prompt in req.prompts:
                 source: str | list[int] = prompt
                 if req.n > 1 and isinstance(prompt, str):
                     source = await self.llm.tokenize(prompt)
                 streams.extend(self.llm.generate(source, req.params) for _ in range(req.n))
-        except BaseException:
-            for stream in streams:
-                stream.close()
-            raise
         return streams
 
     async def _start_chat(self, req: ChatRequest) -> list[RequestStream]:
@@ -336,12 +332,8 @@ class Frontend:
             room = max(1, self.llm.ready.max_model_len - len(ids))
             params = msgspec.structs.replace(params, max_tokens=room)
         streams: list[RequestStream] = []
-        try:
+        with closed_on_error(streams):
             streams.extend(self.llm.generate(ids, params) for _ in range(req.n))
-        except BaseException:
-            for stream in streams:
-                stream.close()
-            raise
         return streams
 
     async def _echo_prefixes(self, req: CompletionRequest) -> list[str]:

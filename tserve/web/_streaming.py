@@ -20,7 +20,8 @@ pumps, and ``SSEBody.__aexit__`` for streams never pumped).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -33,7 +34,7 @@ from tserve.web._errors import RequestAborted, error_reply
 from tserve.web._metrics import RequestRecord
 from tserve.web._responses import ChatChoice, CompletionChoice, total_usage
 
-__all__ = ["Choice", "SSEBody", "collect", "first_deltas"]
+__all__ = ["Choice", "SSEBody", "closed_on_error", "collect", "first_deltas"]
 
 Choice = CompletionChoice | ChatChoice
 JSON = dict[str, Any]
@@ -53,6 +54,18 @@ async def _next(stream: RequestStream) -> Delta:
         raise RuntimeError(f"request {stream.request_id} ended without a finish") from None
 
 
+@contextlib.contextmanager
+def closed_on_error(streams: Sequence[RequestStream]) -> Iterator[None]:
+    """Close every stream in ``streams`` (as it is then) if the block raises,
+    cancellation included; re-raise. Synchronous."""
+    try:
+        yield
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+
+
 async def first_deltas(streams: Sequence[RequestStream]) -> list[Delta]:
     """The first delta of every stream, pulled concurrently.
 
@@ -69,7 +82,7 @@ async def first_deltas(streams: Sequence[RequestStream]) -> list[Delta]:
             errors.append(exc)
             scope.cancel()
 
-    try:
+    with closed_on_error(streams):
         if len(streams) == 1:
             return [await _next(streams[0])]
         async with trio.open_nursery() as nursery:
@@ -77,10 +90,6 @@ async def first_deltas(streams: Sequence[RequestStream]) -> list[Delta]:
                 nursery.start_soon(first, i, nursery.cancel_scope)
         if errors:
             raise errors[0]
-    except BaseException:
-        for stream in streams:
-            stream.close()
-        raise
     return [d for d in firsts if d is not None]
 
 

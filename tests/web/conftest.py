@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -117,15 +118,19 @@ def start_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[...,
         server.stop(signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def keyed_server(model_dir: Path, *args: str, log: Path) -> Iterator[Server]:
+    """A server of ``model_dir`` as "tiny" with ``API_KEY`` (its client sends it) and
+    ``args``; after the block it must stop cleanly (exit status 0)."""
+    srv = Server(model_dir, "--served-model-name", "tiny", "--api-key", API_KEY, *args, log=log)
+    srv.client.headers["Authorization"] = f"Bearer {API_KEY}"
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()[-3000:]
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One shared server with an API key, for tests that leave it as they found it."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = Server(
-        tiny_model_dir,
-        *("--api-key", API_KEY, "--max-pending", "512", "--served-model-name", "tiny"),
-        log=log,
-    )
-    srv.client.headers["Authorization"] = f"Bearer {API_KEY}"
-    yield srv
-    assert srv.stop() == 0, srv.log.read_text()[-3000:]
+    with keyed_server(tiny_model_dir, "--max-pending", "512", log=log) as srv:
+        yield srv

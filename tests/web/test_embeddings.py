@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.web.conftest import API_KEY, Server
+from tests.web.conftest import API_KEY, Server, keyed_server
 
 pytestmark = [
     pytest.mark.slow,
@@ -34,14 +34,8 @@ UNRELATED = "The stock market fell sharply on Tuesday."
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("embed-server") / "server.log"
-    srv = Server(
-        tiny_model_dir,
-        *("--served-model-name", "tiny", "--api-key", API_KEY, "--embedding-model", "default"),
-        log=log,
-    )
-    srv.client.headers["Authorization"] = f"Bearer {API_KEY}"
-    yield srv
-    assert srv.stop() == 0, srv.log.read_text()[-3000:]
+    with keyed_server(tiny_model_dir, "--embedding-model", "default", log=log) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

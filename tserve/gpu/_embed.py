@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ import torch
 from tserve.gpu._engine import ForwardFault, _fault_step_from_env, resolve_device
 from tserve.gpu._models import (
     DEFAULT_EMBEDDING_MODEL_NAME,
+    ProgressCallback,
     default_embedding_model_dir,
     load_encoder,
 )
@@ -60,8 +61,6 @@ __all__ = ["EmbedCore", "mean_pool"]
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[str], None]
-
 
 @dataclasses.dataclass(slots=True)
 class _Waiting:
@@ -74,7 +73,7 @@ class _Waiting:
 class EmbedCore:
     """Batched embedding over one encoder. Not thread-safe; one owner calls it."""
 
-    def __init__(self, config: EngineConfig, progress: Progress = print) -> None:
+    def __init__(self, config: EngineConfig, progress: ProgressCallback = print) -> None:
         torch.set_num_threads(max(1, config.threads))
         device, _ = resolve_device(config)
         # Embeddings are compared by cosine across requests and servers: fp32

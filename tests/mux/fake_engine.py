@@ -200,32 +200,6 @@ class FakeEngine:
         )
 
 
-def fake_engine_command(
-    address: str,
-    *,
-    tokens_per_step: int = 1,
-    step_delay: float = 0.0,
-    heartbeat_interval: float = 0.1,
-    die_after_steps: int | None = None,
-    send_dead: bool = False,
-    hang_after_steps: int | None = None,
-    ghost_deltas: bool = False,
-) -> list[str]:
-    """The argv that starts a fake engine with these options."""
-    argv = [sys.executable, "-m", "tests.mux.fake_engine", address]
-    argv += ["--tokens-per-step", str(tokens_per_step), "--step-delay", str(step_delay)]
-    argv += ["--heartbeat-interval", str(heartbeat_interval)]
-    if die_after_steps is not None:
-        argv += ["--die-after-steps", str(die_after_steps)]
-    if send_dead:
-        argv.append("--send-dead")
-    if hang_after_steps is not None:
-        argv += ["--hang-after-steps", str(hang_after_steps)]
-    if ghost_deltas:
-        argv.append("--ghost-deltas")
-    return argv
-
-
 @contextmanager
 def run_fake_engine(
     address: str,
@@ -238,17 +212,19 @@ def run_fake_engine(
     hang_after_steps: int | None = None,
     ghost_deltas: bool = False,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Start a fake engine process for the block; kill it (if still alive) after."""
-    argv = fake_engine_command(
-        address,
-        tokens_per_step=tokens_per_step,
-        step_delay=step_delay,
-        heartbeat_interval=heartbeat_interval,
-        die_after_steps=die_after_steps,
-        send_dead=send_dead,
-        hang_after_steps=hang_after_steps,
-        ghost_deltas=ghost_deltas,
-    )
+    """Start a fake engine process with these options for the block; kill it
+    (if still alive) after."""
+    argv = [sys.executable, "-m", "tests.mux.fake_engine", address]
+    argv += ["--tokens-per-step", str(tokens_per_step), "--step-delay", str(step_delay)]
+    argv += ["--heartbeat-interval", str(heartbeat_interval)]
+    if die_after_steps is not None:
+        argv += ["--die-after-steps", str(die_after_steps)]
+    if send_dead:
+        argv.append("--send-dead")
+    if hang_after_steps is not None:
+        argv += ["--hang-after-steps", str(hang_after_steps)]
+    if ghost_deltas:
+        argv.append("--ghost-deltas")
     env = {**os.environ, "PYTHONPATH": str(_REPO_ROOT)}
     process = subprocess.Popen(argv, cwd=_REPO_ROOT, env=env)
     try:

@@ -1,6 +1,7 @@
 """Token deltas per second through the real mux, against raw pyzmq as the ceiling.
 
-Run: ``python -m benchmarks.mux [--readers 1000] [--steps 3000] [--backend trio]``
+Run: ``python -m benchmarks.mux [--readers 1000] [--steps 3000] [--backend trio]
+[--no-gc-freeze]``
 
 An engine-side process (blocking pyzmq, a ROUTER as in the engine) answers
 Hello, waits for one AddRequest per reader, then sends ``--steps`` StepOutputs
@@ -17,11 +18,14 @@ Both clocks run from sending the adds to the last delta read. Runs alternate
 each side reports its best run. Prints both rates and mux/raw, and writes a
 JSON result under ``results/``.
 
-Most of the cost on both sides is CPython's cyclic GC walking the heap while
-frames are decoded (full collections scale with the number of live objects,
-and an API process with a thousand request tasks has many). ``--gc-freeze``
-moves everything alive at start into the permanent generation first, as a
-long-running server process would do after start-up.
+CPython's cyclic GC is a large part of the cost on both sides: decoding a
+step allocates one tracked list per delta, which triggers collections, and
+full collections walk every live object (with a thousand reader tasks, the
+mux side has many). By default each run first does ``gc.collect()`` and
+``gc.freeze()`` once its side is connected, as the API process does after
+start-up (``open_llm(freeze_gc=True)``), and ``gc.unfreeze()`` after it; the
+readers' tasks are created after the freeze, as requests are in a server.
+``--no-gc-freeze`` measures without it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -108,7 +114,7 @@ def _start_engine(address: str, readers: int, steps: int) -> subprocess.Popen[by
 # -- the API side --------------------------------------------------------------
 
 
-def run_raw(address: str, readers: int, steps: int) -> float:
+def run_raw(address: str, readers: int, steps: int, freeze: bool) -> float:
     """Blocking pyzmq: receive and decode every frame. Returns deltas/s."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     socket = context.socket(zmq.DEALER)
@@ -117,23 +123,24 @@ def run_raw(address: str, readers: int, steps: int) -> float:
     socket.send(p.encode(p.Hello(os.getpid())))
     assert isinstance(p.decode(socket.recv()), p.EngineReady)
     adds = p.encode(_adds(readers, steps))
-    start = time.perf_counter()
-    socket.send(adds)
     deltas = 0
     finished = 0
-    while finished < readers:
-        step = p.decode(socket.recv())
-        assert isinstance(step, p.StepOutputs)
-        deltas += len(step.outputs)
-        finished += sum(output.finish_reason is not None for output in step.outputs)
-    elapsed = time.perf_counter() - start
+    with _gc_frozen(freeze):
+        start = time.perf_counter()
+        socket.send(adds)
+        while finished < readers:
+            step = p.decode(socket.recv())
+            assert isinstance(step, p.StepOutputs)
+            deltas += len(step.outputs)
+            finished += sum(output.finish_reason is not None for output in step.outputs)
+        elapsed = time.perf_counter() - start
     socket.close()
     context.term()
     assert deltas == readers * steps
     return deltas / elapsed
 
 
-async def run_mux(address: str, readers: int, steps: int) -> float:
+async def run_mux(address: str, readers: int, steps: int, freeze: bool) -> float:
     """The real mux with one reader task per request. Returns deltas/s."""
     received = 0
 
@@ -148,26 +155,42 @@ async def run_mux(address: str, readers: int, steps: int) -> float:
         async with anyio.create_task_group() as tg:
             mux = Mux()
             await tg.start(mux.run, address)
-            start = time.perf_counter()
-            async with anyio.create_task_group() as reading:
-                for add in _adds(readers, steps).adds:
-                    mailbox = mux.open_mailbox(add.request_id, steps)
-                    mux.submit(add)
-                    reading.start_soon(read, mailbox)
-            elapsed = time.perf_counter() - start
+            with _gc_frozen(freeze):
+                start = time.perf_counter()
+                async with anyio.create_task_group() as reading:
+                    for add in _adds(readers, steps).adds:
+                        mailbox = mux.open_mailbox(add.request_id, steps)
+                        mux.submit(add)
+                        reading.start_soon(read, mailbox)
+                elapsed = time.perf_counter() - start
             tg.cancel_scope.cancel()
     assert received == readers * steps, (received, readers * steps)
     return received / elapsed
 
 
-def _measure(mode: str, readers: int, steps: int, backend: str) -> float:
+@contextmanager
+def _gc_frozen(freeze: bool) -> Iterator[None]:
+    """With ``freeze``: collect, then ``gc.freeze()`` for the block, as the API
+    process does once it has started (``open_llm(freeze_gc=True)``)."""
+    if not freeze:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _measure(mode: str, readers: int, steps: int, backend: str, freeze: bool) -> float:
     directory = tempfile.mkdtemp(prefix="tserve-bench-", dir="/tmp")
     address = f"ipc://{directory}/engine.sock"
     engine = _start_engine(address, readers, steps)
     try:
         if mode == "raw":
-            return run_raw(address, readers, steps)
-        return anyio.run(run_mux, address, readers, steps, backend=backend)
+            return run_raw(address, readers, steps, freeze)
+        return anyio.run(run_mux, address, readers, steps, freeze, backend=backend)
     finally:
         engine.wait(timeout=60)
         shutil.rmtree(directory, ignore_errors=True)
@@ -179,20 +202,22 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--backend", choices=["trio", "asyncio"], default="trio")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs each")
-    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before measuring")
+    parser.add_argument(
+        "--gc-freeze",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gc.freeze() once connected, as the API process does (default: on)",
+    )
     parser.add_argument("--engine", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
         serve_engine(args.engine, args.readers, args.steps)
         return 0
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
     raws: list[float] = []
     muxes: list[float] = []
     for _ in range(args.repeat):
-        raws.append(_measure("raw", args.readers, args.steps, args.backend))
-        muxes.append(_measure("mux", args.readers, args.steps, args.backend))
+        raws.append(_measure("raw", args.readers, args.steps, args.backend, args.gc_freeze))
+        muxes.append(_measure("mux", args.readers, args.steps, args.backend, args.gc_freeze))
     raw, mux = max(raws), max(muxes)
     ratio = mux / raw
     print(f"deltas: {args.readers} readers x {args.steps} steps, one token each")

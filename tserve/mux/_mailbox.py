@@ -18,16 +18,17 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 import anyio
 from anyio.lowlevel import cancel_shielded_checkpoint, checkpoint_if_cancelled
 
 from tserve.mux._errors import MuxError
+from tserve.mux._parking import Waiter, park
 from tserve.protocol import RequestOutput, TokenLogprob
 
-__all__ = ["Mailbox"]
+__all__ = ["Mailbox", "deliver"]
 
 
 class Mailbox:
@@ -47,9 +48,9 @@ class Mailbox:
         "_logprobs",
         "_on_close",
         "_pending",
+        "_room",
         "_submitted",
         "_token_ids",
-        "_tokens",
         "_waiter",
         "max_tokens",
         "request_id",
@@ -63,16 +64,19 @@ class Mailbox:
         # What arrived and was not read yet: the first delta as it came, and
         # once a second one arrives, the merge of all of them in _token_ids /
         # _logprobs, with the latest delta (for its finish reason and error)
-        # in _last. Bound: at most max_tokens token ids (and their logprobs),
-        # because the engine sends each token once and nothing after the
-        # finish; a delta past max_tokens fails the mailbox (_put) instead of
-        # growing it. At the bound nothing waits: put never blocks.
+        # in _last (deliver() skips that for deltas of token ids only, which
+        # carry neither). Bound: at most max_tokens token ids (and their
+        # logprobs), because the engine sends each token once and nothing
+        # after the finish; a delta past max_tokens fails the mailbox (_put)
+        # instead of growing it. At the bound nothing waits: put never blocks.
         self._pending: RequestOutput | None = None
         self._token_ids: list[int] | None = None  # not None iff merging
         self._logprobs: list[TokenLogprob] | None = None
         self._last: RequestOutput | None = None
-        self._tokens = 0  # token ids put so far, <= max_tokens
-        self._waiter: anyio.Event | None = None  # set iff the reader waits
+        self._room = max_tokens  # max_tokens - token ids put so far; < 0: failed
+        # Set iff the reader waits, and then _pending is None: so while
+        # deltas merge, nobody needs waking.
+        self._waiter: Waiter | None = None
         self._error: BaseException | None = None
         self._finished = False  # the final output was handed to the reader
         # Owned by the mux: the add / the abort went into its inbox.
@@ -86,9 +90,13 @@ class Mailbox:
     # The mux's side: synchronous, never blocks.
 
     def _put(self, output: RequestOutput) -> None:
-        """Store or merge one delta; wake the reader if it waits. Never blocks."""
-        self._tokens = tokens = self._tokens + len(output.token_ids)
-        if tokens > self.max_tokens:  # an engine bug: fail, don't grow
+        """Store or merge one delta; wake the reader if it waits. Never blocks.
+
+        :func:`deliver` does the common case (one more plain delta onto a
+        merge in progress) itself, with the same effect.
+        """
+        self._room = room = self._room - len(output.token_ids)
+        if room < 0:  # an engine bug: fail, don't grow
             self._fail(MuxError(f"engine sent more than {self.max_tokens} tokens"))
             return
         pending = self._pending
@@ -109,7 +117,7 @@ class Mailbox:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            waiter.set()
+            waiter.wake()
 
     def _fail(self, error: BaseException) -> None:
         """End the mailbox with ``error`` (after what it already holds)."""
@@ -118,7 +126,7 @@ class Mailbox:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            waiter.set()
+            waiter.wake()
 
     # The reader's side.
 
@@ -140,7 +148,7 @@ class Mailbox:
                     raise self._error
                 if self._finished:
                     raise anyio.EndOfStream
-                waiter = self._waiter = anyio.Event()
+                waiter = self._waiter = park()
                 await waiter.wait()
         return self._take()
 
@@ -197,3 +205,34 @@ class Mailbox:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def deliver(mailboxes: dict[str, Mailbox], outputs: Iterable[RequestOutput]) -> int:
+    """Put each output into the mailbox of its request id; return how many had none.
+
+    The mux's hot path: one engine step's outputs, a dict lookup and a list
+    extend per delta while readers lag (the usual case in a busy step), and
+    :meth:`Mailbox._put` for everything else. A mailbox that receives its
+    final output is removed from ``mailboxes``. Synchronous, never blocks.
+    """
+    get = mailboxes.get
+    unknown = 0
+    for output in outputs:
+        mailbox = get(output.request_id)
+        if mailbox is None:
+            unknown += 1
+            continue
+        merged = mailbox._token_ids
+        if merged is not None and output.finish_reason is None and output.logprobs is None:
+            # Inlined _put, merge branch: the reader is not waiting (it
+            # would have taken _pending) and the delta carries only tokens.
+            token_ids = output.token_ids
+            room = mailbox._room - len(token_ids)
+            if room >= 0:
+                mailbox._room = room
+                merged += token_ids
+                continue
+        mailbox._put(output)
+        if output.finish_reason is not None:
+            del mailboxes[output.request_id]
+    return unknown

@@ -34,7 +34,7 @@ import zmq
 from anyio.abc import TaskStatus
 
 from tserve.mux._errors import EngineDeadError, MuxClosedError, MuxError
-from tserve.mux._mailbox import Mailbox
+from tserve.mux._mailbox import Mailbox, deliver
 from tserve.mux._zmqio import ZmqChannel
 from tserve.protocol import (
     AddRequest,
@@ -344,33 +344,35 @@ class Mux:
             self._last_received = anyio.current_time()
             stats.frames_received += len(frames)
             for frame in frames:
-                message = self._decode(frame)
-                if type(message) is StepOutputs:
-                    self._route(message)
-                elif type(message) is Heartbeat:
-                    self.engine_stats = message.stats
-                elif type(message) is EngineDead:
-                    self.engine_died(message.reason)
+                if not self._handle(frame):
                     return
-                elif message is None:
-                    return  # malformed: engine_died was called
+
+    def _handle(self, frame: bytes) -> bool:
+        """Decode one engine frame and act on it; False once the engine is dead.
+
+        A function of its own so that each decoded step is freed as soon as
+        it is routed, before the next one is decoded: fewer live objects when
+        decoding triggers a garbage collection, so fewer survive into the
+        older generations and full collections come less often.
+        """
+        message = self._decode(frame)
+        if type(message) is StepOutputs:
+            self._route(message)
+        elif type(message) is Heartbeat:
+            self.engine_stats = message.stats
+        elif type(message) is EngineDead:
+            self.engine_died(message.reason)
+            return False
+        elif message is None:
+            return False  # malformed: engine_died was called
+        return True
 
     def _route(self, step: StepOutputs) -> None:
-        # The hot path: keep it to a dict lookup and an append per delta.
         self.engine_stats = step.stats
-        mailboxes = self._mailboxes
-        get = mailboxes.get
-        unknown = 0
-        for output in step.outputs:
-            mailbox = get(output.request_id)
-            if mailbox is None:
-                unknown += 1
-                continue
-            mailbox._put(output)
-            if output.finish_reason is not None:
-                del mailboxes[output.request_id]
+        outputs = step.outputs
+        unknown = deliver(self._mailboxes, outputs)
         self.stats.unknown_deltas += unknown
-        self.stats.deltas_routed += len(step.outputs) - unknown
+        self.stats.deltas_routed += len(outputs) - unknown
 
     def _decode(self, frame: bytes) -> EngineReady | StepOutputs | Heartbeat | EngineDead | None:
         """Decode an engine frame; a malformed one declares the engine dead."""

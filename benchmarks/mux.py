@@ -31,7 +31,6 @@ readers' tasks are created after the freeze, as requests are in a server.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -49,6 +48,7 @@ import zmq
 
 from tserve import protocol as p
 from tserve.mux import Mailbox, Mux
+from tserve.nursery._gc import serving_gc
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,17 +170,13 @@ async def run_mux(address: str, readers: int, steps: int, freeze: bool) -> float
 
 @contextmanager
 def _gc_frozen(freeze: bool) -> Iterator[None]:
-    """With ``freeze``: collect, then ``gc.freeze()`` for the block, as the API
-    process does once it has started (``open_llm(freeze_gc=True)``)."""
+    """With ``freeze``: the GC settings the API process uses once it has
+    started (``open_llm(freeze_gc=True)``: freeze, larger gen-0 threshold)."""
     if not freeze:
         yield
         return
-    gc.collect()
-    gc.freeze()
-    try:
+    with serving_gc():
         yield
-    finally:
-        gc.unfreeze()
 
 
 def _measure(mode: str, readers: int, steps: int, backend: str, freeze: bool) -> float:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import itertools
 import logging
 import os
@@ -32,6 +31,7 @@ import anyio.abc
 from tserve.mux import EngineDeadError, Mux
 from tserve.nursery._engine_process import EngineProcess, EngineRef, exit_reason, start_engine
 from tserve.nursery._errors import InvalidRequest, Overloaded, ShuttingDown
+from tserve.nursery._gc import serving_gc
 from tserve.nursery._request import Prompt, RequestStream
 from tserve.nursery._results import Completion
 from tserve.protocol import EngineConfig, EngineReady, EngineStats, SamplingParams, TokenLogprob
@@ -497,8 +497,9 @@ async def open_llm(
 
     ``freeze_gc`` moves every object alive after startup (torch-free, but
     transformers and the tokenizer make hundreds of thousands) out of the
-    cyclic garbage collector's sight with ``gc.freeze()``, so that
-    collections during streaming stay cheap.
+    cyclic garbage collector's sight with ``gc.freeze()`` and raises the
+    gen-0 threshold while the block runs (see ``_gc.py``), so that
+    collections during streaming stay cheap; both are restored on exit.
 
     ``embedding_model`` (a local encoder directory, or "default" for the
     packaged all-MiniLM-L6-v2; None = no embeddings) starts a second engine
@@ -611,10 +612,8 @@ async def _connect_llm(
             mux_done=mux_done,
         )
         llm.embedder = embedder
-        if freeze_gc:
-            gc.collect()
-            gc.freeze()
-        yield llm
+        with serving_gc() if freeze_gc else contextlib.nullcontext():
+            yield llm
 
 
 @contextlib.asynccontextmanager

@@ -11,11 +11,14 @@ to the attention function).
 Per layer, :func:`paged_attention_forward`:
 
 1. writes this step's K/V into the pool at ``slot_mapping`` (one slot per token);
-2. for each :class:`AttentionGroup` (decodes; prefill chunks): gathers the
-   queries into a padded ``[B, H, Qmax, D]`` batch and each sequence's keys and
-   values through its block table into ``[B, KVH, Kmax, D]``;
+2. for each :class:`AttentionGroup` (decodes; prefill chunks): takes the
+   queries as a padded ``[B, H, Qmax, D]`` batch (a view when they are already
+   in order) and each sequence's keys and values, ``[B, KVH, Kmax, D]``,
+   through its block table with ``index_select`` (or straight from this step's
+   new K/V when every sequence in the group starts at position 0);
 3. runs ONE ``scaled_dot_product_attention`` per group with a ``[B, 1, Qmax,
-   Kmax]`` boolean mask (causal within the sequence, nothing past its length);
+   Kmax]`` boolean mask (causal within the sequence, nothing past its length),
+   or none when nothing is padded;
 4. scatters the real (non-padding) rows back into packed order.
 
 Decodes and prefill chunks are grouped apart so that a long chunk does not pad
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -65,23 +68,37 @@ class KVPool:
 class AttentionGroup:
     """Sequences whose attention runs as one padded SDPA call.
 
-    Padding entries of ``q_index`` and ``kv_slots`` point at index 0; the mask
-    and ``out_rows`` keep them from mattering. Two shortcuts skip work that
-    would change nothing: ``packed`` (the queries are one token per sequence,
-    already contiguous in packed order: no gather, no scatter) and ``mask``
-    None (no padding at all: every key is visible, or, with ``is_causal``,
-    every query starts at position 0 so SDPA's own causal mask is exact).
+    Index tensors are flat (row-major over ``[B, Qmax]`` / ``[B, Kmax]``) so
+    that gathers are ``index_select`` (a row copy) rather than advanced
+    indexing. Padding entries point at index 0; the mask and ``out_rows`` keep
+    them from mattering. Shortcuts that skip work which would change nothing:
+
+    * ``packed``: the queries are already contiguous packed tokens ``[start,
+      stop)`` in ``[B, Qmax]`` order (one token per sequence, or one sequence):
+      no gather, no scatter;
+    * ``fresh``: every sequence starts at position 0, so its keys and values
+      are exactly this step's new ones for its query tokens: they are taken
+      like the queries, not gathered from the pool (``kv_slots`` is unused);
+    * ``mask`` None: no padding at all: every key is visible, or, with
+      ``is_causal``, every query starts at position 0 so SDPA's own causal
+      mask is exact.
     """
 
-    q_index: torch.Tensor  # [B, Qmax] long: packed token index of each query
-    kv_slots: torch.Tensor  # [B, Kmax] long: pool slot of each key position
-    mask: torch.Tensor | None  # [B, 1, Qmax, Kmax] bool: True where the query may attend
+    shape: tuple[int, int, int]  # (B, Qmax, Kmax)
+    # The next three are empty when ``packed`` (the queries need no gather or scatter).
+    q_index: torch.Tensor  # [B * Qmax] long: packed token index of each query
     out_rows: torch.Tensor  # [n] long: rows of the flattened [B*Qmax] output that are real
     out_index: torch.Tensor  # [n] long: packed token index of each of those rows
-    packed: tuple[int, int] | None = None  # queries are packed tokens [start, stop), Qmax == 1
+    kv_slots: torch.Tensor  # [B * Kmax] long: pool slot of each key position; empty if fresh
+    mask: torch.Tensor | None  # [B, 1, Qmax, Kmax] bool: True where the query may attend
+    packed: tuple[int, int] | None = None  # queries are packed tokens [start, stop)
     is_causal: bool = False  # only with mask None: Qmax == Kmax, all sequences unpadded
+    fresh: bool = False  # every sequence starts at 0: keys/values are this step's
 
     def to(self, device: torch.device) -> AttentionGroup:
+        if self.kv_slots.device == device:
+            return self
+
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
@@ -110,94 +127,110 @@ def build_step(
     """Pack ``chunks`` into ``(input_ids [1, T], position_ids [1, T], metadata)``.
 
     Tokens are packed in chunk order. Every chunk's sequence must have a block
-    table covering ``start + len(token_ids)`` positions.
+    table covering ``start + len(token_ids)`` positions. Per-token lists are
+    built in Python and become tensors once: a step's fixed cost is a handful
+    of tensor calls, whatever the batch.
     """
+    block_size = pool.block_size
     tokens: list[int] = []
     positions: list[int] = []
+    slots: list[int] = []
+    offsets = [0]  # offsets[i]: packed index of chunk i's first token
     for chunk in chunks:
         assert chunk.token_ids, "a scheduled chunk has at least one token"
-        tokens.extend(chunk.token_ids)
-        positions.extend(range(chunk.start, chunk.start + len(chunk.token_ids)))
-    tables = _block_tables(chunks, pool.block_size)
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(len(chunks)), torch.tensor([len(c.token_ids) for c in chunks])
-    )
-    pos = torch.tensor(positions)
-    slot_mapping = tables[seq_of_token, pos // pool.block_size] * pool.block_size
-    slot_mapping += pos % pool.block_size
+        span = range(chunk.start, chunk.start + len(chunk.token_ids))
+        table = chunk.seq.block_table
+        assert len(table) * block_size >= span.stop, f"{chunk.seq.request_id}: block table short"
+        tokens += chunk.token_ids
+        positions += span
+        slots += [table[p // block_size] * block_size + p % block_size for p in span]
+        offsets.append(offsets[-1] + len(span))
 
     decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
-    offsets = _packed_offsets(chunks)
     groups = tuple(
-        _group(members, chunks, tables, offsets, pool.block_size).to(device)
+        _group(members, chunks, offsets, block_size).to(device)
         for members in (decodes, prefills)
         if members
     )
-    metadata = StepMetadata(pool, slot_mapping.to(device), groups)
-    input_ids = torch.tensor([tokens], device=device)
-    return input_ids, pos.unsqueeze(0).to(device), metadata
-
-
-def _block_tables(chunks: Sequence[ScheduledChunk], block_size: int) -> torch.Tensor:
-    """``[num_chunks, max_blocks]`` long: each chunk's block table, zero-padded."""
-    needed = [-(-(c.start + len(c.token_ids)) // block_size) for c in chunks]
-    width = max(needed)
-    rows = []
-    for chunk, n in zip(chunks, needed, strict=True):
-        table = chunk.seq.block_table
-        assert len(table) >= n, f"{chunk.seq.request_id}: block table too short"
-        rows.append(table[:n] + [0] * (width - n))
-    return torch.tensor(rows, dtype=torch.long)
-
-
-def _packed_offsets(chunks: Sequence[ScheduledChunk]) -> list[int]:
-    offsets = [0]
-    for chunk in chunks:
-        offsets.append(offsets[-1] + len(chunk.token_ids))
-    return offsets
+    packed = torch.tensor([tokens, positions, slots]).to(device)  # one transfer
+    return packed[0:1], packed[1:2], StepMetadata(pool, packed[2], groups)
 
 
 def _group(
     members: list[int],
     chunks: Sequence[ScheduledChunk],
-    tables: torch.Tensor,
     offsets: list[int],
     block_size: int,
 ) -> AttentionGroup:
     """Index tensors (on CPU) for one padded attention batch over ``members``."""
-    q_lens = torch.tensor([len(chunks[i].token_ids) for i in members])
-    starts = torch.tensor([chunks[i].start for i in members])
-    kv_lens = starts + q_lens
-    q_max, kv_max = int(q_lens.max()), int(kv_lens.max())
+    q_lens = [len(chunks[i].token_ids) for i in members]
+    starts = [chunks[i].start for i in members]
+    firsts = [offsets[i] for i in members]
+    kv_lens = [start + n for start, n in zip(starts, q_lens, strict=True)]
+    batch, q_max, kv_max = len(members), max(q_lens), max(kv_lens)
 
-    q_pos = torch.arange(q_max)
-    q_valid = q_pos[None, :] < q_lens[:, None]  # [B, Qmax]
-    first = torch.tensor([offsets[i] for i in members])
-    q_index = torch.where(q_valid, first[:, None] + q_pos[None, :], 0)
-
-    k_pos = torch.arange(kv_max)
-    blocks = tables[members][:, : -(-kv_max // block_size)]
-    slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :kv_max]
-    k_valid = k_pos[None, :] < kv_lens[:, None]  # [B, Kmax]
-    kv_slots = torch.where(k_valid, slots, 0)
-
-    out_rows = torch.nonzero(q_valid.flatten()).squeeze(1)
-    out_index = q_index.flatten()[out_rows]
+    # Queries in [B, Qmax] order (padding -> token 0), and where real rows go.
     packed = None
-    if q_max == 1 and offsets[members[-1]] - offsets[members[0]] == len(members) - 1:
-        packed = (offsets[members[0]], offsets[members[0]] + len(members))
-    unpadded = bool((kv_lens == kv_max).all() and (q_lens == q_max).all())
-    if unpadded and q_max == 1:  # one query per sequence, at its last position
-        return AttentionGroup(q_index, kv_slots, None, out_rows, out_index, packed)
-    if unpadded and q_max == kv_max:  # whole prompts from position 0
-        return AttentionGroup(q_index, kv_slots, None, out_rows, out_index, packed, True)
+    q_index: list[int] = []
+    out_rows: list[int] = []
+    if (q_max == 1 or batch == 1) and firsts[-1] - firsts[0] == (batch - 1) * q_max:
+        packed = (firsts[0], firsts[0] + batch * q_max)  # no padding, already in order
+    else:
+        for b, (first, n) in enumerate(zip(firsts, q_lens, strict=True)):
+            q_index += [*range(first, first + n), *[0] * (q_max - n)]
+            out_rows += range(b * q_max, b * q_max + n)
+    out_index = [q_index[row] for row in out_rows]
 
-    # Query j of a sequence sits at position start + j and sees keys 0..start+j.
-    # Padding queries (j >= q_len) see every valid key, so no row is all-False.
-    causal = k_pos[None, None, :] <= (starts[:, None, None] + q_pos[None, :, None])
-    mask = (causal & k_valid[:, None, :]).unsqueeze(1)
-    return AttentionGroup(q_index, kv_slots, mask, out_rows, out_index, packed)
+    fresh = not any(starts)  # keys are the queries' own tokens: no pool gather
+    kv_slots = torch.empty(0, dtype=torch.long)
+    if not fresh:
+        kv_slots = _kv_slots(members, chunks, kv_lens, kv_max, block_size)
+
+    mask = None
+    unpadded = all(n == q_max for n in q_lens) and all(k == kv_max for k in kv_lens)
+    # Unpadded, one query per sequence at its last position: every key is visible.
+    # Unpadded whole prompts from position 0: SDPA's own causal mask is exact.
+    is_causal = unpadded and q_max == kv_max > 1
+    if not unpadded or q_max not in (1, kv_max):
+        # Query j of a sequence sits at position start + j and sees keys 0..start+j.
+        # Padding queries (j >= q_len) see every valid key, so no row is all-False.
+        k_pos, q_pos = torch.arange(kv_max), torch.arange(q_max)
+        causal = k_pos[None, None, :] <= torch.tensor(starts)[:, None, None] + q_pos[None, :, None]
+        k_valid = k_pos[None, :] < torch.tensor(kv_lens)[:, None]  # [B, Kmax]
+        mask = (causal & k_valid[:, None, :]).unsqueeze(1)
+    return AttentionGroup(
+        shape=(batch, q_max, kv_max),
+        q_index=torch.tensor(q_index, dtype=torch.long),
+        kv_slots=kv_slots,
+        mask=mask,
+        out_rows=torch.tensor(out_rows, dtype=torch.long),
+        out_index=torch.tensor(out_index, dtype=torch.long),
+        packed=packed,
+        is_causal=is_causal,
+        fresh=fresh,
+    )
+
+
+def _kv_slots(
+    members: list[int],
+    chunks: Sequence[ScheduledChunk],
+    kv_lens: list[int],
+    kv_max: int,
+    block_size: int,
+) -> torch.Tensor:
+    """``[B * Kmax]`` long: the pool slot of each key position; padding -> slot 0."""
+    width = -(-kv_max // block_size)
+    rows = []
+    for i, kv_len in zip(members, kv_lens, strict=True):
+        n = -(-kv_len // block_size)
+        rows.append(chunks[i].seq.block_table[:n] + [0] * (width - n))
+    tables = torch.tensor(rows, dtype=torch.long)  # [B, blocks]
+    slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :kv_max]
+    if any(kv_len != kv_max for kv_len in kv_lens):
+        k_valid = torch.arange(kv_max)[None, :] < torch.tensor(kv_lens)[:, None]
+        slots = torch.where(k_valid, slots, 0)
+    return slots.flatten()
 
 
 def paged_attention_forward(
@@ -224,47 +257,70 @@ def paged_attention_forward(
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention softcap / sinks are not supported")
     layer: int = module.layer_idx  # type: ignore[assignment]
+    new = _Tokens(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_pool, v_pool = tserve_step.pool.k[layer], tserve_step.pool.v[layer]
-    k_pool.index_copy_(0, tserve_step.slot_mapping, key[0].transpose(0, 1))
-    v_pool.index_copy_(0, tserve_step.slot_mapping, value[0].transpose(0, 1))
+    k_pool.index_copy_(0, tserve_step.slot_mapping, new.k)
+    v_pool.index_copy_(0, tserve_step.slot_mapping, new.v)
 
-    q_flat = query[0].transpose(0, 1)  # [T, H, D]
     groups = tserve_step.groups
-    if len(groups) == 1 and groups[0].packed == (0, q_flat.shape[0]):  # decodes only
-        o = _attend(groups[0], q_flat.unsqueeze(2), k_pool, v_pool, scaling)
-        return o.squeeze(2).unsqueeze(0), None
-    out = query.new_empty(q_flat.shape)
+    num_tokens = new.q.shape[0]
+    if len(groups) == 1 and groups[0].packed == (0, num_tokens):  # one group, in packed order
+        return _attend(groups[0], new, k_pool, v_pool, scaling).unsqueeze(0), None
+    out = query.new_empty(new.q.shape)
     for group in groups:
+        o = _attend(group, new, k_pool, v_pool, scaling)
         if group.packed is not None:
             start, stop = group.packed
-            o = _attend(group, q_flat[start:stop].unsqueeze(2), k_pool, v_pool, scaling)
-            out[start:stop] = o.squeeze(2)
+            out[start:stop] = o
         else:
-            q = q_flat[group.q_index].transpose(1, 2)  # [B, H, Qmax, D]
-            o = _attend(group, q, k_pool, v_pool, scaling).transpose(1, 2).flatten(0, 1)
-            out[group.out_index] = o[group.out_rows]  # from [B * Qmax, H, D]
+            out.index_copy_(0, group.out_index, o.index_select(0, group.out_rows))
     return out.unsqueeze(0), None
+
+
+class _Tokens(NamedTuple):
+    """This step's packed queries, keys and values: ``[T, heads, D]`` each."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 def _attend(
     group: AttentionGroup,
-    q: torch.Tensor,
+    new: _Tokens,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     scaling: float | None,
 ) -> torch.Tensor:
-    """SDPA of ``q [B, H, Qmax, D]`` over the group's keys; returns ``[B, H, Qmax, D]``."""
-    k = k_pool[group.kv_slots].transpose(1, 2)  # [B, KVH, Kmax, D]
-    v = v_pool[group.kv_slots].transpose(1, 2)
-    return F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
+    """SDPA for one group; returns ``[B * Qmax, H, D]`` (rows in ``[B, Qmax]`` order)."""
+    batch, _, kv_max = group.shape
+    q = _take(new.q, group)
+    if group.fresh:  # the keys of these queries are their own tokens
+        k, v = _take(new.k, group), _take(new.v, group)
+    else:
+        k = k_pool.index_select(0, group.kv_slots).view(batch, kv_max, *k_pool.shape[1:])
+        v = v_pool.index_select(0, group.kv_slots).view(batch, kv_max, *v_pool.shape[1:])
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # [B, H, Qmax, D]
+        k.transpose(1, 2),  # [B, KVH, Kmax, D]
+        v.transpose(1, 2),
         attn_mask=group.mask,
         is_causal=group.is_causal,
         scale=scaling,
         enable_gqa=True,
     )
+    return o.transpose(1, 2).flatten(0, 1)
+
+
+def _take(tokens: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """``tokens [T, heads, D]`` at the group's query positions: ``[B, Qmax, heads, D]``."""
+    batch, q_max, _ = group.shape
+    if group.packed is not None:
+        start, stop = group.packed
+        taken = tokens[start:stop]
+    else:
+        taken = tokens.index_select(0, group.q_index)
+    return taken.view(batch, q_max, *tokens.shape[1:])
 
 
 def register_paged_attention() -> None:

@@ -106,17 +106,20 @@ class ModelRunner:
         order. Blocks until the device finishes. Token ids must be < vocab size
         (checked at admission, not here): a bad one fails the whole step.
         """
-        sampled = [i for i, c in enumerate(chunks) if c.sample]
         if not chunks:
             return torch.empty(0, self.vocab_size)
+        keep: list[int] = []  # packed index of each sampling chunk's last token
+        end = 0
+        for chunk in chunks:
+            end += len(chunk.token_ids)
+            if chunk.sample:
+                keep.append(end - 1)
         with torch.inference_mode():
             input_ids, position_ids, step = build_step(chunks, self.pool, self.device)
-            ends = torch.cumsum(torch.tensor([len(c.token_ids) for c in chunks]), 0)
-            keep = (ends[sampled] - 1).to(self.device)
             out: Any = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                logits_to_keep=keep,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                 use_cache=False,
                 tserve_step=step,
             )

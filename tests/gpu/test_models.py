@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,8 @@ from tserve.gpu import _models
 from tserve.gpu._models import ModelLoadError, build_tiny_model, default_model_dir, load_model
 
 
-def test_tiny_model_builds_fast_and_deterministically(tmp_path: Path, tiny_model_dir: Path) -> None:
-    started = time.monotonic()
+def test_tiny_model_builds_deterministically(tmp_path: Path, tiny_model_dir: Path) -> None:
     again = build_tiny_model(tmp_path / "again")
-    assert time.monotonic() - started < 10
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (again / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
     config = json.loads((again / "config.json").read_text())

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import platform
 import random
@@ -43,11 +42,11 @@ from typing import Any
 
 import torch
 
+from benchmarks._results import result_stem, write_json
 from tserve.gpu._engine import EngineCore
 from tserve.gpu._models import build_tiny_model, default_model_dir, load_model
 from tserve.protocol import AddRequest, EngineConfig, SamplingParams
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 _PEER = b"bench"
 
 
@@ -232,9 +231,7 @@ def main() -> int:
 
 
 def _write(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]]) -> None:
-    results = _REPO_ROOT / "results"
-    results.mkdir(exist_ok=True)
-    stem = results / f"engine-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = result_stem("engine")
     meta = {
         "model": model_dir.name,
         "threads": args.threads,
@@ -245,7 +242,7 @@ def _write(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]]
         "python": platform.python_version(),
         "machine": platform.machine(),
     }
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    write_json(stem, {"meta": meta, "rows": rows})
     _plot(stem.with_suffix(".png"), meta, rows)
     print(f"wrote {stem}.json and {stem}.png")
 

@@ -29,7 +29,6 @@ the engine's forward pass dominates, as it does for any real model.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -42,10 +41,9 @@ from typing import Any
 
 import anyio
 
+from benchmarks._results import REPO_ROOT, result_stem, write_json
 from tserve import LLM, SamplingParams, open_llm
 from tserve.protocol import AddRequest, EngineConfig
-
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -197,11 +195,8 @@ def main() -> int:
     print(f"direct EngineCore: {result['direct_tokens_per_s']:,.0f} tokens/s")
     print(f"open_llm ({args.backend}):  {result['api_tokens_per_s']:,.0f} tokens/s")
     print(f"api / direct:      {result['ratio']:.2f}")
-    results = _REPO_ROOT / "results"
-    results.mkdir(exist_ok=True)
-    path = results / f"frontend-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path.relative_to(_REPO_ROOT)}")
+    path = write_json(result_stem("frontend"), result)
+    print(f"wrote {path.relative_to(REPO_ROOT)}")
     return 0
 
 

@@ -31,7 +31,6 @@ readers' tasks are created after the freeze, as requests are in a server.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -41,16 +40,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import anyio
 import zmq
 
+from benchmarks._results import REPO_ROOT, result_stem, write_json
 from tserve import protocol as p
 from tserve.mux import Mailbox, Mux
 from tserve.nursery._gc import serving_gc
-
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _request_ids(readers: int) -> list[str]:
@@ -107,8 +104,8 @@ def serve_engine(address: str, readers: int, steps: int) -> None:
 def _start_engine(address: str, readers: int, steps: int) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "benchmarks.mux", "--engine", address]
     argv += ["--readers", str(readers), "--steps", str(steps)]
-    env = {**os.environ, "PYTHONPATH": str(_REPO_ROOT)}
-    return subprocess.Popen(argv, cwd=_REPO_ROOT, env=env)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen(argv, cwd=REPO_ROOT, env=env)
 
 
 # -- the API side --------------------------------------------------------------
@@ -239,11 +236,8 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    results = _REPO_ROOT / "results"
-    results.mkdir(exist_ok=True)
-    path = results / f"mux-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path.relative_to(_REPO_ROOT)}")
+    path = write_json(result_stem("mux"), result)
+    print(f"wrote {path.relative_to(REPO_ROOT)}")
     return 0
 
 

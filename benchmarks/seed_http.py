@@ -70,7 +70,8 @@ import httpx
 import msgspec
 import trio
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._results import REPO_ROOT, result_stem, write_json
+
 _MODEL_NAME = "seed"  # --served-model-name; every request asks for it
 _URL_LINE = re.compile(rb"serving '.*' at http://127\.0\.0\.1:(\d+)/v1")
 
@@ -600,7 +601,7 @@ def _build_model(spec: str, scratch: Path) -> str:
     code = "import sys; from tserve.gpu._models import build_tiny_model as b; b(sys.argv[1])"
     subprocess.run(
         [sys.executable, "-c", code, str(target)],
-        cwd=_REPO_ROOT,
+        cwd=REPO_ROOT,
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -737,7 +738,7 @@ async def _run_load(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_sample_for, procs, client, samples, math.inf, args.interval)
                 with trio.move_on_at(trio.current_time() + deadline - time.monotonic() + 15):
-                    await trio.run_process(argv, cwd=_REPO_ROOT, check=False)
+                    await trio.run_process(argv, cwd=REPO_ROOT, check=False)
                 nursery.cancel_scope.cancel()
             run.end = time.monotonic()
             await _sample_for(procs, client, samples, args.tail_seconds, args.interval)
@@ -1021,9 +1022,7 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
 
 
 async def _main(args: argparse.Namespace, stamp: str) -> dict[str, Any]:
-    results = _REPO_ROOT / "results"
-    results.mkdir(exist_ok=True)
-    log_path = results / f"seed_http-{stamp}-server.log"
+    log_path = result_stem("seed_http", stamp).with_name(f"seed_http-{stamp}-server.log")
     deadline = time.monotonic() + args.max_seconds
     with tempfile.TemporaryDirectory(prefix="seed-http-") as scratch:
         model = await trio.to_thread.run_sync(_build_model, args.model, Path(scratch))
@@ -1031,7 +1030,7 @@ async def _main(args: argparse.Namespace, stamp: str) -> dict[str, Any]:
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             process = await trio.lowlevel.open_process(
-                command, cwd=_REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log
             )
         finally:
             os.close(log)
@@ -1092,12 +1091,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     result = trio.run(_main, args, stamp)
     _print_table(result, sys.stdout)
-    path = _REPO_ROOT / "results" / f"seed_http-{stamp}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path.relative_to(_REPO_ROOT)}")
+    path = write_json(result_stem("seed_http", stamp), result, indent=1)
+    print(f"wrote {path.relative_to(REPO_ROOT)}")
     png = path.with_suffix(".png")
     if not args.no_plot and _plot(result, png):
-        print(f"wrote {png.relative_to(_REPO_ROOT)}")
+        print(f"wrote {png.relative_to(REPO_ROOT)}")
     passed = _passed(result)
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1

@@ -131,6 +131,15 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _option(eng, "--threads", int, d.threads, "torch CPU threads")
     _option(eng, "--device", str, d.device, "auto, cpu or cuda[:N]")
     _option(eng, "--dtype", str, d.dtype, "auto, float32, bfloat16 or float16")
+    _option(
+        eng,
+        "--cpu-gemm",
+        str,
+        d.cpu_gemm,
+        "linear layers on CPU: 'auto' (measure BLAS vs prepacked oneDNN per layer at "
+        "startup), 'blas' or 'onednn'",
+        choices=("auto", "blas", "onednn"),
+    )
     _option(eng, "--cache-dir", str, None, "where converted models are cached")
     _option(
         eng,
@@ -199,6 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "device": args.device,
         "dtype": args.dtype,
+        "cpu_gemm": args.cpu_gemm,
         "cache_dir": args.cache_dir,
     }
 

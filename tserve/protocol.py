@@ -139,7 +139,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     shared by all running requests; ``max_model_len`` None = the model's own
     context length (capped by the KV budget). ``threads`` is torch's CPU thread
     count. ``device``/``dtype`` "auto" = CUDA with bf16 when present, else CPU
-    with fp32.
+    with fp32. ``cpu_gemm`` picks the library behind linear layers on CPU:
+    "auto" measures, per layer shape and row count, whether the BLAS or
+    prepacked oneDNN is faster; "blas" and "onednn" force one.
 
     ``task`` "embed" makes an embedding engine instead (``tserve.gpu._embed``):
     ``model`` is then a local encoder directory, or "default" for the packaged
@@ -161,6 +163,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     heartbeat_interval: float = 0.5
     cache_dir: str | None = None
     task: Literal["generate", "embed"] = "generate"
+    cpu_gemm: Literal["auto", "blas", "onednn"] = "auto"
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):

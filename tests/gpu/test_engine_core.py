@@ -152,15 +152,18 @@ def _reference(model: Any, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize(
     ("kv_cache_tokens", "expect_preemption"), [(8192, False), (512, True)], ids=["roomy", "tight"]
 )
+@pytest.mark.parametrize("cpu_gemm", ["auto", "onednn"])
 def test_32_staggered_greedy_requests_match_generate_alone(
     tiny_model_dir: Path,
     tiny_model: tuple[Any, Any],
     kv_cache_tokens: int,
     expect_preemption: bool,
+    cpu_gemm: str,
 ) -> None:
     """Chunked prefills, decodes and admissions share steps; under a tight KV
-    budget requests are also preempted and recomputed. Not one token changes."""
-    core = _core(tiny_model_dir, kv_cache_tokens=kv_cache_tokens)
+    budget requests are also preempted and recomputed. Not one token changes,
+    whether the linear layers run on the BLAS generate uses or on oneDNN."""
+    core = _core(tiny_model_dir, kv_cache_tokens=kv_cache_tokens, cpu_gemm=cpu_gemm)
     rng = random.Random(0)
     prompts = _prompts(rng, 32)
     max_tokens = [rng.randint(4, 24) for _ in prompts]

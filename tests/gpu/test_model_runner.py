@@ -28,10 +28,11 @@ PREFILL_CHUNK = 24  # longest prefill chunk of one request in one step
 NEW_TOKENS = 12
 
 
-@pytest.fixture
-def runner(tiny_model_dir: Path) -> ModelRunner:
+@pytest.fixture(params=["auto", "blas", "onednn"])
+def runner(tiny_model_dir: Path, request: pytest.FixtureRequest) -> ModelRunner:
+    """A runner whose linear layers run on the library measured fastest, the BLAS, or oneDNN."""
     model, _ = load_model(tiny_model_dir, device="cpu", dtype=torch.float32)
-    return ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    return ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, cpu_gemm=request.param)
 
 
 @dataclass

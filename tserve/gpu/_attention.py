@@ -13,22 +13,27 @@ Per layer, :func:`paged_attention_forward`:
 1. writes this step's K/V into the pool at ``slot_mapping`` (one slot per token);
 2. for each :class:`AttentionGroup` (decodes; prefill chunks): takes the
    queries as a padded ``[B, H, Qmax, D]`` batch (a view when they are already
-   in order) and each sequence's keys and values, ``[B, KVH, Kmax, D]``,
+   in order) and each sequence's keys and values, ``[KVH, B, Kmax, D]``,
    through its block table with ``index_select`` (or straight from this step's
    new K/V when every sequence in the group starts at position 0);
 3. runs ONE ``scaled_dot_product_attention`` per group with a ``[B, 1, Qmax,
    Kmax]`` boolean mask (causal within the sequence, nothing past its length),
-   or none when nothing is padded;
+   or none when nothing is padded. Decodes on CPU in fp32 run as two batched
+   matrix products and a softmax instead (:func:`_attend_decode`): for one
+   query per sequence that is about 1.5x faster than SDPA's CPU kernel, and
+   equal to it up to float rounding;
 4. scatters the real (non-padding) rows back into packed order.
 
 Decodes and prefill chunks are grouped apart so that a long chunk does not pad
-every decode to its length. The pool layout is ``[layers, slots, KVH, D]``
-with ``slot = block * block_size + offset``.
+every decode to its length. The pool layout is ``[layers, KVH, slots, D]``
+with ``slot = block * block_size + offset``: a gather of B sequences' keys is
+then ``[KVH, B * Kmax, D]``, which the batched products read as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, Final, NamedTuple
 
@@ -53,7 +58,7 @@ ATTENTION_NAME: Final = "tserve_paged"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVPool:
-    """Preallocated K and V for every layer: each ``[layers, slots, KVH, D]``."""
+    """Preallocated K and V for every layer: each ``[layers, KVH, slots, D]``."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -61,7 +66,7 @@ class KVPool:
 
     @property
     def num_slots(self) -> int:
-        return int(self.k.shape[1])
+        return int(self.k.shape[2])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,6 +96,9 @@ class AttentionGroup:
     out_index: torch.Tensor  # [n] long: packed token index of each of those rows
     kv_slots: torch.Tensor  # [B * Kmax] long: pool slot of each key position; empty if fresh
     mask: torch.Tensor | None  # [B, 1, Qmax, Kmax] bool: True where the query may attend
+    # [B, 1, Kmax] float, 0 where visible and -inf past a sequence's length: the mask of a
+    # padded one-query group as a bias for the product path. None when nothing is padded.
+    key_bias: torch.Tensor | None
     packed: tuple[int, int] | None = None  # queries are packed tokens [start, stop)
     is_causal: bool = False  # only with mask None: Qmax == Kmax, all sequences unpadded
     fresh: bool = False  # every sequence starts at 0: keys/values are this step's
@@ -107,6 +115,7 @@ class AttentionGroup:
             q_index=move(self.q_index),
             kv_slots=move(self.kv_slots),
             mask=None if self.mask is None else move(self.mask),
+            key_bias=None if self.key_bias is None else move(self.key_bias),
             out_rows=move(self.out_rows),
             out_index=move(self.out_index),
         )
@@ -199,11 +208,15 @@ def _group(
         causal = k_pos[None, None, :] <= torch.tensor(starts)[:, None, None] + q_pos[None, :, None]
         k_valid = k_pos[None, :] < torch.tensor(kv_lens)[:, None]  # [B, Kmax]
         mask = (causal & k_valid[:, None, :]).unsqueeze(1)
+    key_bias = None
+    if mask is not None and q_max == 1:
+        key_bias = torch.zeros(mask.shape[0], 1, kv_max).masked_fill_(~mask[:, 0], -math.inf)
     return AttentionGroup(
         shape=(batch, q_max, kv_max),
         q_index=torch.tensor(q_index, dtype=torch.long),
         kv_slots=kv_slots,
         mask=mask,
+        key_bias=key_bias,
         out_rows=torch.tensor(out_rows, dtype=torch.long),
         out_index=torch.tensor(out_index, dtype=torch.long),
         packed=packed,
@@ -259,8 +272,8 @@ def paged_attention_forward(
     layer: int = module.layer_idx  # type: ignore[assignment]
     new = _Tokens(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_pool, v_pool = tserve_step.pool.k[layer], tserve_step.pool.v[layer]
-    k_pool.index_copy_(0, tserve_step.slot_mapping, new.k)
-    v_pool.index_copy_(0, tserve_step.slot_mapping, new.v)
+    k_pool.index_copy_(1, tserve_step.slot_mapping, key[0])
+    v_pool.index_copy_(1, tserve_step.slot_mapping, value[0])
 
     groups = tserve_step.groups
     num_tokens = new.q.shape[0]
@@ -292,24 +305,50 @@ def _attend(
     v_pool: torch.Tensor,
     scaling: float | None,
 ) -> torch.Tensor:
-    """SDPA for one group; returns ``[B * Qmax, H, D]`` (rows in ``[B, Qmax]`` order)."""
-    batch, _, kv_max = group.shape
+    """Attention for one group; returns ``[B * Qmax, H, D]`` (rows in ``[B, Qmax]`` order)."""
+    batch, q_max, kv_max = group.shape
     q = _take(new.q, group)
-    if group.fresh:  # the keys of these queries are their own tokens
-        k, v = _take(new.k, group), _take(new.v, group)
-    else:
-        k = k_pool.index_select(0, group.kv_slots).view(batch, kv_max, *k_pool.shape[1:])
-        v = v_pool.index_select(0, group.kv_slots).view(batch, kv_max, *v_pool.shape[1:])
+    if group.fresh:  # the keys of these queries are their own tokens: [B, KVH, Qmax, D]
+        k, v = _take(new.k, group).transpose(1, 2), _take(new.v, group).transpose(1, 2)
+    else:  # [KVH, B, Kmax, D]
+        k = k_pool.index_select(1, group.kv_slots).view(-1, batch, kv_max, k_pool.shape[-1])
+        v = v_pool.index_select(1, group.kv_slots).view(-1, batch, kv_max, v_pool.shape[-1])
+        if q_max == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
+            return _attend_decode(q, k, v, group.key_bias, scaling)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [B, H, Qmax, D]
-        k.transpose(1, 2),  # [B, KVH, Kmax, D]
-        v.transpose(1, 2),
+        k,  # [B, KVH, Kmax, D]
+        v,
         attn_mask=group.mask,
         is_causal=group.is_causal,
         scale=scaling,
         enable_gqa=True,
     )
     return o.transpose(1, 2).flatten(0, 1)
+
+
+def _attend_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One query per sequence as batched products: ``q [B, 1, H, D]``, ``k``/``v``
+    ``[KVH, B, Kmax, D]`` -> ``[B, H, D]``.
+
+    Query heads are grouped by the key/value head they share, as in
+    transformers' ``repeat_kv``: query head ``h`` reads KV head ``h // (H // KVH)``.
+    """
+    kv_heads, batch, _, dim = k.shape
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = q.view(batch, kv_heads, -1, dim).transpose(0, 1)  # [KVH, B, H/KVH, D]
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).mul_(scale)  # [KVH, B, H/KVH, Kmax]
+    if key_bias is not None:
+        scores.add_(key_bias)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [KVH, B, H/KVH, D]
+    return out.transpose(0, 1).reshape(batch, -1, dim)
 
 
 def _take(tokens: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

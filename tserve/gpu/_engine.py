@@ -104,7 +104,12 @@ class EngineCore:
         )
         self.config = config
         self.runner = ModelRunner(
-            model, num_blocks=num_blocks, block_size=config.block_size, device=device, dtype=dtype
+            model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            device=device,
+            dtype=dtype,
+            cpu_gemm=config.cpu_gemm,
         )
         self.sampler = Sampler(device=device)
         self.blocks = BlockManager(num_blocks, config.block_size)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,6 +25,7 @@ from tserve.gpu._attention import (
     build_step,
     register_paged_attention,
 )
+from tserve.gpu._gemm import tune_linears
 from tserve.gpu._models import ModelLoadError
 from tserve.gpu._sequence import ScheduledChunk
 
@@ -59,6 +60,9 @@ class ModelRunner:
     """Executes scheduled chunks with a paged KV cache of ``num_blocks * block_size`` slots.
 
     ``device`` and ``dtype`` default to the model's; the pool uses the same.
+    On CPU, every linear layer runs on the matrix-product library that
+    measured fastest for it (``cpu_gemm="auto"``: :mod:`tserve.gpu._gemm`;
+    blocks while it measures), or on the one ``cpu_gemm`` names.
     Raises :class:`ModelLoadError` if the model's attention is not pluggable
     through transformers' ``AttentionInterface``. Layers with sliding-window
     attention get full attention here (exact only within the window).
@@ -72,6 +76,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        cpu_gemm: Literal["auto", "blas", "onednn"] = "auto",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -80,9 +85,11 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else model.device
         self.dtype = dtype if dtype is not None else model.dtype
         self.model = _take_over(model, self.device, self.dtype)
+        if self.device.type == "cpu" and cpu_gemm != "blas":
+            tune_linears(self.model, library=None if cpu_gemm == "auto" else cpu_gemm)
         self.vocab_size: int = self.model.config.get_text_config().vocab_size
         layers, kv_heads, head_dim = _kv_shape(self.model.config)
-        shape = (layers, num_blocks * block_size, kv_heads, head_dim)
+        shape = (layers, kv_heads, num_blocks * block_size, head_dim)
         with torch.inference_mode():
             self.pool = KVPool(
                 k=torch.zeros(shape, device=self.device, dtype=self.dtype),

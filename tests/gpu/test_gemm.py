@@ -1,0 +1,109 @@
+"""Linear layers on the library measured fastest: same products, tied weights kept."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tserve.gpu._gemm import (
+    TUNED_ROWS,
+    Plan,
+    TunedLinear,
+    measure,
+    onednn_available,
+    tune_linears,
+)
+from tserve.gpu._model_runner import ModelRunner
+from tserve.gpu._models import load_model
+
+pytestmark = pytest.mark.skipif(
+    not onednn_available(torch.float32), reason="this torch has no oneDNN linear"
+)
+
+
+def test_a_plan_uses_the_lower_measured_row_count() -> None:
+    plan = Plan((1, 4, 16), ("blas", "onednn", "blas"))
+    assert [plan.library(n) for n in (1, 2, 3)] == ["blas"] * 3
+    assert [plan.library(n) for n in (4, 9, 15)] == ["onednn"] * 3
+    assert [plan.library(n) for n in (16, 17, 5000)] == ["blas"] * 3  # the last holds above
+    assert plan.describe() == "blas from 1 row, onednn from 4 rows, blas from 16 rows"
+
+
+@pytest.mark.parametrize("library", ["blas", "onednn"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_both_libraries_compute_the_same_product(library: str, bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 200, bias=bias)
+    tuned = TunedLinear(linear, Plan((1,), (library,)))  # type: ignore[arg-type]
+    assert (tuned.packed is not None) == (library == "onednn")
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 7, 64, 129):
+            x = torch.randn(1, rows, 96)  # packed step layout: [1, T, hidden]
+            out = tuned(x)
+            assert out.shape == (1, rows, 200)
+            # Equal up to float rounding: the libraries sum in different orders.
+            torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias))
+
+
+def test_a_mixed_plan_switches_library_by_row_count() -> None:
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(32, 48, bias=False)
+    tuned = TunedLinear(linear, Plan((1, 8), ("blas", "onednn")))
+    with torch.inference_mode():
+        few, many = torch.randn(3, 32), torch.randn(8, 32)
+        # Below 8 rows the BLAS runs: exactly F.linear's bits.
+        assert torch.equal(tuned(few), F.linear(few, linear.weight))
+        torch.testing.assert_close(tuned(many), F.linear(many, linear.weight))
+
+
+def test_measure_returns_a_library_per_row_count() -> None:
+    linear = torch.nn.Linear(64, 64)
+    plan = measure(linear, TUNED_ROWS, timer=time.perf_counter)
+    assert plan.rows == TUNED_ROWS
+    assert len(plan.libraries) == len(TUNED_ROWS)
+    assert set(plan.libraries) <= {"blas", "onednn"}
+
+
+@pytest.mark.parametrize("library", [None, "onednn"])
+def test_tuning_a_model_keeps_its_logits_and_tied_weights(
+    tiny_model_dir: Path, library: Any
+) -> None:
+    model, _ = load_model(tiny_model_dir, device="cpu", dtype=torch.float32)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    ids = torch.tensor([[5, 17, 230, 9, 41, 300, 2]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+    plans = tune_linears(model, library=library)
+
+    assert len(plans) == linears  # every linear layer, the output head included
+    tuned = [m for m in model.modules() if isinstance(m, TunedLinear)]
+    assert len(tuned) == linears
+    assert model.lm_head.linear.weight is model.model.embed_tokens.weight
+    if library == "onednn":
+        assert all(t.packed is not None for t in tuned)
+    with torch.inference_mode():
+        after = model(ids).logits
+    # Logits of magnitude ~10 through two layers: float rounding only (measured <= 4e-5).
+    torch.testing.assert_close(after, before, rtol=0, atol=2e-4)
+
+
+def test_the_blas_setting_leaves_the_model_alone(tiny_model_dir: Path) -> None:
+    model, _ = load_model(tiny_model_dir, device="cpu", dtype=torch.float32)
+    runner = ModelRunner(model, num_blocks=4, block_size=16, cpu_gemm="blas")
+    assert not any(isinstance(m, TunedLinear) for m in runner.model.modules())
+    runner = ModelRunner(
+        load_model(tiny_model_dir, device="cpu", dtype=torch.float32)[0],
+        num_blocks=4,
+        block_size=16,
+        cpu_gemm="onednn",
+    )
+    tuned = [m for m in runner.model.modules() if isinstance(m, TunedLinear)]
+    assert tuned and all(set(t.plan.libraries) == {"onednn"} for t in tuned)

@@ -26,6 +26,12 @@ sides use ``--threads`` torch threads (default 1, the engine's own default:
 on a shared machine more threads make both sides erratic); ``--repeats``
 alternates runs and keeps each side's best. Prints both rates and
 engine/static per size, and writes JSON and a PNG plot under ``results/``.
+
+The engine's linear layers run on the library it measured fastest on this
+CPU (``--cpu-gemm``, default auto: the BLAS or prepacked oneDNN), while
+``generate`` uses plain ``F.linear`` as users run it. ``--static-gemm same``
+gives the static side the engine's linear layers too, so that the ratio
+shows batching alone; ``--cpu-gemm blas`` does the same the other way round.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import torch
 
 from benchmarks._results import result_stem, write_json
 from tserve.gpu._engine import EngineCore
+from tserve.gpu._gemm import tune_linears
 from tserve.gpu._models import build_tiny_model, default_model_dir, load_model
 from tserve.protocol import AddRequest, EngineConfig, SamplingParams
 
@@ -140,7 +147,12 @@ def run_static(model: Any, pad_id: int, requests: list[Request], batch_size: int
 
 
 def make_core(
-    model_dir: Path, requests: list[Request], size: int, threads: int, batch_tokens: int
+    model_dir: Path,
+    requests: list[Request],
+    size: int,
+    threads: int,
+    batch_tokens: int,
+    cpu_gemm: str = "auto",
 ) -> EngineCore:
     """A core whose KV budget holds ``size`` of the largest requests (no preemption)."""
     peak = max(len(r.prompt) + r.max_tokens for r in requests)
@@ -152,6 +164,7 @@ def make_core(
         threads=threads,
         device="cpu",
         dtype="float32",
+        cpu_gemm=cpu_gemm,  # type: ignore[arg-type]
     )
     return EngineCore(config, progress=lambda _: None)
 
@@ -170,6 +183,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each; the best counts")
     parser.add_argument("--batch-tokens", type=int, default=512, help="engine tokens per step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cpu-gemm", choices=["auto", "blas", "onednn"], default="auto", help="the engine's"
+    )
+    parser.add_argument(
+        "--static-gemm",
+        choices=["blas", "same"],
+        default="blas",
+        help="generate's linear layers: plain F.linear, or the same as the engine's",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -180,7 +202,12 @@ def main() -> int:
     model, tokenizer = load_model(model_dir, device="cpu", dtype=torch.float32)
     vocab = int(model.config.vocab_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    print(f"model {model_dir.name}, {args.threads} threads, sizes {args.sizes}")
+    if args.static_gemm == "same" and args.cpu_gemm != "blas":
+        tune_linears(model, library=None if args.cpu_gemm == "auto" else args.cpu_gemm)
+    print(
+        f"model {model_dir.name}, {args.threads} threads, sizes {args.sizes}, "
+        f"engine gemm {args.cpu_gemm}, static gemm {args.static_gemm}"
+    )
 
     rows: list[dict[str, Any]] = []
     print(
@@ -193,7 +220,9 @@ def main() -> int:
             requests = workload(
                 kind, n, vocab=vocab, prompt_len=args.prompt_len, tokens=args.tokens, seed=args.seed
             )
-            core = make_core(model_dir, requests, size, args.threads, args.batch_tokens)
+            core = make_core(
+                model_dir, requests, size, args.threads, args.batch_tokens, args.cpu_gemm
+            )
             warm = requests[: min(size, 4)]
             run_engine(core, [Request(r.prompt, 2) for r in warm], size)
             run_static(model, pad_id, [Request(r.prompt, 2) for r in warm], size)
@@ -238,6 +267,8 @@ def _write(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]]
         "tokens": args.tokens,
         "prompt_len": args.prompt_len,
         "batch_tokens": args.batch_tokens,
+        "cpu_gemm": args.cpu_gemm,
+        "static_gemm": args.static_gemm,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -276,7 +307,8 @@ def _plot(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     threads = f"{meta['threads']} thread{'s' if meta['threads'] != 1 else ''}"
-    fig.suptitle(f"{meta['model']} on CPU, {threads} (fp32)")
+    gemm = f"engine gemm {meta['cpu_gemm']}, generate gemm {meta['static_gemm']}"
+    fig.suptitle(f"{meta['model']} on CPU, {threads} (fp32); {gemm}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from tserve.gpu._engine import ForwardFault, _fault_step_from_env, resolve_device
+from tserve.gpu._gemm import tune_linears
 from tserve.gpu._models import (
     DEFAULT_EMBEDDING_MODEL_NAME,
     ProgressCallback,
@@ -87,6 +88,9 @@ class EmbedCore:
             self.model_name = path.name
         progress(f"loading the encoder {path} on {device} ({dtype})")
         self.model = load_encoder(path, device=device, dtype=dtype)
+        if device.type == "cpu" and config.cpu_gemm != "blas":
+            # The encoder's linear layers on the library measured fastest (_gemm).
+            tune_linears(self.model, library=None if config.cpu_gemm == "auto" else "onednn")
         self.model_path = path.resolve()
         model_config = self.model.config
         self.vocab_size = int(model_config.vocab_size)

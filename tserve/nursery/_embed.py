@@ -67,7 +67,7 @@ EmbeddingInput = str | Sequence[str] | Sequence[Sequence[int]]
 EMBED_MAX_NUM_SEQS: Final = 64
 EMBED_MAX_NUM_BATCHED_TOKENS: Final = 4096
 # Options an embedding engine takes over from the generation engine's.
-_SHARED_OPTIONS: Final = ("threads", "device", "heartbeat_interval")
+_SHARED_OPTIONS: Final = ("threads", "device", "cpu_gemm", "heartbeat_interval")
 _PARAMS: Final = SamplingParams(max_tokens=1)  # the engine ignores them
 
 
@@ -96,8 +96,8 @@ class EmbeddingResult:
 
 
 def embedding_config(model: str, engine_options: Mapping[str, Any]) -> EngineConfig:
-    """The embedding engine's config: ``threads``, ``device`` and ``heartbeat_interval``
-    from the generation engine's options, batch bounds of its own."""
+    """The embedding engine's config: ``threads``, ``device``, ``cpu_gemm`` and
+    ``heartbeat_interval`` from the generation engine's options, batch bounds of its own."""
     shared = {k: engine_options[k] for k in _SHARED_OPTIONS if k in engine_options}
     return EngineConfig(
         model=model,

@@ -291,13 +291,13 @@ def _plot(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         sizes = [r["size"] for r in mine]
         ax.plot(sizes, [r["engine_tokens_per_s"] for r in mine], "o-", label="engine (continuous)")
         ax.plot(sizes, [r["static_tokens_per_s"] for r in mine], "s--", label="generate (static)")
-        for r in mine:
+        for i, r in enumerate(mine):
             ax.annotate(
                 f"x{r['ratio']:.2f} (cpu x{r['cpu_ratio']:.2f})",
                 (r["size"], r["engine_tokens_per_s"]),
                 textcoords="offset points",
-                xytext=(0, 8),
-                ha="center",
+                xytext=(4 if i == 0 else 0, 8),
+                ha="left" if i == 0 else "center",  # the first clear of the y axis
             )
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])

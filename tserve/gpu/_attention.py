@@ -18,10 +18,10 @@ Per layer, :func:`paged_attention_forward`:
    new K/V when every sequence in the group starts at position 0);
 3. runs ONE ``scaled_dot_product_attention`` per group with a ``[B, 1, Qmax,
    Kmax]`` boolean mask (causal within the sequence, nothing past its length),
-   or none when nothing is padded. The decodes of two or more sequences on
-   CPU in fp32 run as two batched matrix products and a softmax instead
-   (:func:`_attend_decode`): for one query per sequence that is about 1.5x
-   faster than SDPA's CPU kernel, and equal to it up to float rounding;
+   or none when nothing is padded. Decodes on CPU in fp32 run as two batched
+   matrix products and a softmax instead (:func:`_attend_decode`): for one
+   query per sequence that is about 1.5x faster than SDPA's CPU kernel, and
+   equal to it up to float rounding;
 4. scatters the real (non-padding) rows back into packed order.
 
 Decodes and prefill chunks are grouped apart so that a long chunk does not pad
@@ -84,9 +84,6 @@ class AttentionGroup:
     * ``fresh``: every sequence starts at position 0, so its keys and values
       are exactly this step's new ones for its query tokens: they are taken
       like the queries, not gathered from the pool (``kv_slots`` is unused);
-    * ``kv_span``: one sequence whose blocks are consecutive in the pool (a
-      lone request usually gets them so): its keys are a view of the pool's
-      slots ``[start, stop)``, not a gather (``kv_slots`` is unused);
     * ``mask`` None: no padding at all: every key is visible, or, with
       ``is_causal``, every query starts at position 0 so SDPA's own causal
       mask is exact.
@@ -105,7 +102,6 @@ class AttentionGroup:
     packed: tuple[int, int] | None = None  # queries are packed tokens [start, stop)
     is_causal: bool = False  # only with mask None: Qmax == Kmax, all sequences unpadded
     fresh: bool = False  # every sequence starts at 0: keys/values are this step's
-    kv_span: tuple[int, int] | None = None  # one sequence, keys in pool slots [start, stop)
 
     def to(self, device: torch.device) -> AttentionGroup:
         if self.kv_slots.device == device:
@@ -197,8 +193,7 @@ def _group(
 
     fresh = not any(starts)  # keys are the queries' own tokens: no pool gather
     kv_slots = torch.empty(0, dtype=torch.long)
-    kv_span = None if fresh or batch > 1 else _kv_span(chunks[members[0]], kv_max, block_size)
-    if not fresh and kv_span is None:
+    if not fresh:
         kv_slots = _kv_slots(members, chunks, kv_lens, kv_max, block_size)
 
     mask = None
@@ -227,17 +222,7 @@ def _group(
         packed=packed,
         is_causal=is_causal,
         fresh=fresh,
-        kv_span=kv_span,
     )
-
-
-def _kv_span(chunk: ScheduledChunk, kv_len: int, block_size: int) -> tuple[int, int] | None:
-    """Pool slots ``[start, stop)`` of the first ``kv_len`` positions, if consecutive."""
-    table = chunk.seq.block_table[: -(-kv_len // block_size)]
-    first = table[0]
-    if any(block != first + i for i, block in enumerate(table)):
-        return None
-    return first * block_size, first * block_size + kv_len
 
 
 def _kv_slots(
@@ -321,14 +306,14 @@ def _attend(
     scaling: float | None,
 ) -> torch.Tensor:
     """Attention for one group; returns ``[B * Qmax, H, D]`` (rows in ``[B, Qmax]`` order)."""
-    batch, q_max, _ = group.shape
+    batch, q_max, kv_max = group.shape
     q = _take(new.q, group)
     if group.fresh:  # the keys of these queries are their own tokens: [B, KVH, Qmax, D]
         k, v = _take(new.k, group).transpose(1, 2), _take(new.v, group).transpose(1, 2)
     else:  # [KVH, B, Kmax, D]
-        k, v = _keys(k_pool, group), _keys(v_pool, group)
-        # One query each, several sequences: products beat SDPA on CPU (not for one).
-        if q_max == 1 and batch > 1 and q.device.type == "cpu" and q.dtype == torch.float32:
+        k = k_pool.index_select(1, group.kv_slots).view(-1, batch, kv_max, k_pool.shape[-1])
+        v = v_pool.index_select(1, group.kv_slots).view(-1, batch, kv_max, v_pool.shape[-1])
+        if q_max == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
             return _attend_decode(q, k, v, group.key_bias, scaling)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     o = F.scaled_dot_product_attention(
@@ -341,15 +326,6 @@ def _attend(
         enable_gqa=True,
     )
     return o.transpose(1, 2).flatten(0, 1)
-
-
-def _keys(pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """The group's keys (or values) from one layer's pool: ``[KVH, B, Kmax, D]``."""
-    if group.kv_span is not None:  # one sequence, consecutive slots: a view
-        start, stop = group.kv_span
-        return pool[:, start:stop].unsqueeze(1)
-    batch, _, kv_max = group.shape
-    return pool.index_select(1, group.kv_slots).view(-1, batch, kv_max, pool.shape[-1])
 
 
 def _attend_decode(

@@ -280,6 +280,44 @@ def test_killing_the_parent_makes_the_engine_exit(
             os.kill(engine_pid, signal.SIGKILL)
 
 
+def test_killing_the_parent_while_the_model_loads_stops_the_load(tmp_path: Path) -> None:
+    """The first start converts the default model (many seconds); the API process
+    dies meanwhile. The engine stops converting, leaves no half-written model
+    behind, and exits, instead of finishing the load for nobody."""
+    cache = tmp_path / "cache"
+    config = _config(Path("default"), cache_dir=str(cache))  # "default": SmolLM2
+    address = f"ipc://{tmp_path}/engine.sock"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, *_engine_argv(address, config, parent_pid=None)],
+        cwd=REPO_ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+    )
+    engine_pid = 0
+    try:
+        assert launcher.stdout is not None
+        engine_pid = int(launcher.stdout.readline())
+        deadline = time.monotonic() + HANG_GUARD
+        while not list(cache.glob(".converting-*")):
+            assert time.monotonic() < deadline, "the engine never started converting"
+            assert not _is_gone(engine_pid), "the engine died before converting"
+            time.sleep(0.05)
+
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(HANG_GUARD)
+        deadline = time.monotonic() + HANG_GUARD
+        while not _is_gone(engine_pid):
+            assert time.monotonic() < deadline, "the engine outlived its parent while loading"
+            time.sleep(0.05)
+        assert list(cache.iterdir()) == [], "the conversion went on, or left its staging behind"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if engine_pid and not _is_gone(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+
+
 def test_a_fatal_forward_error_sends_engine_dead_and_exits_1(
     tmp_path: Path, tiny_model_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:

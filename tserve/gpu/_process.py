@@ -13,7 +13,8 @@ Plain blocking pyzmq; no trio, anyio or quart. The main loop, in steps:
 The process exits 0 on Shutdown (after sending every live request's final
 ABORT output), and also when its parent (the API process that started it) is
 gone: it checks on every iteration, so it notices within one heartbeat
-interval or one step. Any exception out of the batch (the model, the device)
+interval or one step (while the model loads, a watcher thread checks every
+heartbeat interval and interrupts the load). Any exception out of the batch (the model, the device)
 is fatal: every peer gets EngineDead with the reason and the process exits 1.
 Errors that concern one request never get here; the core ends that request
 alone.
@@ -21,10 +22,12 @@ alone.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -61,6 +64,9 @@ MAX_FRAMES_PER_DRAIN = 256
 BACKLOG_RETRY = 0.01
 # How long a dying engine keeps trying to hand EngineDead to a peer at its HWM.
 DEAD_SEND_TIMEOUT = 1.0
+# How long a load whose parent is gone may take to unwind before the process
+# just ends (a main thread stuck in a C call never sees the interrupt).
+LOAD_EXIT_GRACE = 5.0
 
 
 # The step loop behind the socket: generation, or embeddings (``config.task``).
@@ -87,17 +93,62 @@ def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
     outbox = Outbox(sock)
     try:
         try:
-            core: Core = (EmbedCore if config.task == "embed" else EngineCore)(
-                config, progress=log.info
-            )
+            core = _load(config, parent_alive)
         except Exception as exc:
             log.exception("engine failed to start")
             _report_death(sock, outbox, f"engine failed to start: {exc}", wait_for_peers=True)
             return 1
+        if core is None:
+            return 0
         return _serve(core, sock, outbox, config.heartbeat_interval, parent_alive)
+    except _ParentGone:  # the watcher's interrupt landed just after loading finished
+        return 0
     finally:
         sock.close()
         ctx.term()
+
+
+class _ParentGone(BaseException):
+    """Raised in the main thread while the model loads, when the parent is gone.
+
+    A BaseException so that no ``except Exception`` in loading code stops it.
+    """
+
+
+def _load(config: EngineConfig, parent_alive: Callable[[], bool]) -> Core | None:
+    """Build the core; None when the parent went away meanwhile.
+
+    Loading can take long (the first conversion of the default model, a large
+    model, a slow disk). A watcher thread checks the parent every heartbeat
+    interval; when it is gone it interrupts the main thread, which unwinds
+    (a half-written conversion is removed on the way), and should the main
+    thread be stuck in a call that cannot be interrupted, it ends the process
+    after :data:`LOAD_EXIT_GRACE` seconds.
+    """
+    loaded = threading.Event()
+
+    def watch() -> None:
+        while not loaded.wait(config.heartbeat_interval):
+            if not parent_alive():
+                log.warning("the API process that started the engine is gone; engine exits")
+                _thread.interrupt_main(signal.SIGINT)
+                if not loaded.wait(LOAD_EXIT_GRACE):
+                    os._exit(0)
+                return
+
+    def interrupted(signum: int, frame: object) -> None:
+        if not parent_alive():  # the watcher's interrupt, not a stray SIGINT
+            raise _ParentGone
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    threading.Thread(target=watch, name="tserve-parent-watch", daemon=True).start()
+    try:
+        return (EmbedCore if config.task == "embed" else EngineCore)(config, progress=log.info)
+    except _ParentGone:
+        return None
+    finally:
+        loaded.set()
+        signal.signal(signal.SIGINT, previous)
 
 
 def _serve(

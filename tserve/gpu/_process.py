@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -64,6 +65,15 @@ MAX_FRAMES_PER_DRAIN = 256
 BACKLOG_RETRY = 0.01
 # How long a dying engine keeps trying to hand EngineDead to a peer at its HWM.
 DEAD_SEND_TIMEOUT = 1.0
+# glibc's malloc maps large blocks (a step's activations, logits, gathered K/V)
+# fresh from the kernel and unmaps them on free, and gives freed heap back once
+# 128 KiB sit free at its top: every step then faults its memory back in page
+# by page, zeroed by the kernel. Measured on SmolLM2 (64 requests of 64 tokens
+# through open_llm): 13 of the engine's 39 s were system time; with blocks up
+# to MALLOC_MMAP_THRESHOLD kept in the heap and up to MALLOC_TRIM_THRESHOLD of
+# freed heap kept, 24 s, system time 0.
+MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
+MALLOC_TRIM_THRESHOLD = 1 << 30
 # How long a load whose parent is gone may take to unwind before the process
 # just ends (a main thread stuck in a C call never sees the interrupt).
 LOAD_EXIT_GRACE = 5.0
@@ -82,6 +92,7 @@ def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the API process
     # decides what happens and tells us with Shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _keep_freed_heap()
     parent_alive = _parent_watch(parent_pid)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -106,6 +117,19 @@ def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
     finally:
         sock.close()
         ctx.term()
+
+
+def _keep_freed_heap() -> None:
+    """Tell glibc's malloc to keep a step's memory (see MALLOC_MMAP_THRESHOLD); no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc: its own policy stands
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    ok = mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
+    if not (ok and mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD)):
+        log.warning("mallopt refused the heap settings; the engine may spend time in page faults")
 
 
 class _ParentGone(BaseException):

@@ -246,38 +246,49 @@ def _is_gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
+class _Orphanable:
+    """An engine started by a launcher process of its own, so that a test can
+    kill the engine's parent; ``orphan()`` does, and waits for the engine to go."""
+
+    def __init__(self, address: str, config: p.EngineConfig) -> None:
+        self.launcher = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, *_engine_argv(address, config, parent_pid=None)],
+            cwd=REPO_ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+        )
+        assert self.launcher.stdout is not None
+        self.engine_pid = int(self.launcher.stdout.readline())
+
+    def orphan(self, what: str) -> None:
+        self.launcher.send_signal(signal.SIGKILL)
+        self.launcher.wait(HANG_GUARD)
+        deadline = time.monotonic() + HANG_GUARD
+        while not _is_gone(self.engine_pid):
+            assert time.monotonic() < deadline, f"the engine outlived its parent {what}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.launcher.poll() is None:
+            self.launcher.kill()
+            self.launcher.wait()
+        if not _is_gone(self.engine_pid):
+            os.kill(self.engine_pid, signal.SIGKILL)
+
+
 def test_killing_the_parent_makes_the_engine_exit(
     tmp_path: Path, tiny_model_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
     address = f"ipc://{tmp_path}/engine.sock"
-    config = _config(tiny_model_dir)
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, *_engine_argv(address, config, parent_pid=None)],
-        cwd=REPO_ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-    )
-    engine_pid = 0
+    engine = _Orphanable(address, _config(tiny_model_dir))
     try:
-        assert launcher.stdout is not None
-        engine_pid = int(launcher.stdout.readline())
         api = _Peer(ctx, address)
-        assert api.hello().pid == engine_pid
+        assert api.hello().pid == engine.engine_pid
         api.send(p.EngineInput(adds=[p.AddRequest("r", [1, 2, 3], _params(500))]))
         assert isinstance(api.recv(), p.StepOutputs)
-
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(HANG_GUARD)
-        deadline = time.monotonic() + HANG_GUARD
-        while not _is_gone(engine_pid):
-            assert time.monotonic() < deadline, "the engine outlived its parent"
-            time.sleep(0.05)
+        engine.orphan("while generating")
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        if engine_pid and not _is_gone(engine_pid):
-            os.kill(engine_pid, signal.SIGKILL)
+        engine.close()
 
 
 def test_killing_the_parent_while_the_model_loads_stops_the_load(tmp_path: Path) -> None:
@@ -286,36 +297,17 @@ def test_killing_the_parent_while_the_model_loads_stops_the_load(tmp_path: Path)
     behind, and exits, instead of finishing the load for nobody."""
     cache = tmp_path / "cache"
     config = _config(Path("default"), cache_dir=str(cache))  # "default": SmolLM2
-    address = f"ipc://{tmp_path}/engine.sock"
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, *_engine_argv(address, config, parent_pid=None)],
-        cwd=REPO_ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-    )
-    engine_pid = 0
+    engine = _Orphanable(f"ipc://{tmp_path}/engine.sock", config)
     try:
-        assert launcher.stdout is not None
-        engine_pid = int(launcher.stdout.readline())
         deadline = time.monotonic() + HANG_GUARD
         while not list(cache.glob(".converting-*")):
             assert time.monotonic() < deadline, "the engine never started converting"
-            assert not _is_gone(engine_pid), "the engine died before converting"
+            assert not _is_gone(engine.engine_pid), "the engine died before converting"
             time.sleep(0.05)
-
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(HANG_GUARD)
-        deadline = time.monotonic() + HANG_GUARD
-        while not _is_gone(engine_pid):
-            assert time.monotonic() < deadline, "the engine outlived its parent while loading"
-            time.sleep(0.05)
+        engine.orphan("while loading")
         assert list(cache.iterdir()) == [], "the conversion went on, or left its staging behind"
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        if engine_pid and not _is_gone(engine_pid):
-            os.kill(engine_pid, signal.SIGKILL)
+        engine.close()
 
 
 def test_a_fatal_forward_error_sends_engine_dead_and_exits_1(

@@ -9,14 +9,14 @@ MKL streams a weight that does not fit in the caches once PER ROW when the
 rows are few (SmolLM2's 113 MB output head: 2 rows take twice as long as 1).
 Measured there, one thread, fp32, ``F.linear`` vs prepacked oneDNN:
 
-=================  ========  ========  ========  ========
-weight             1 row     8 rows    64 rows   512 rows
-=================  ========  ========  ========  ========
-1536 x 576         47 us     207 us    1076 us   8.3 ms
-                   49 us     78 us     449 us    3.5 ms
-49152 x 576        6.8 ms    14.2 ms   43.9 ms
-                   2.8 ms    4.4 ms    16.6 ms
-=================  ========  ========  ========  ========
+===========  ========  ======  =======  =======  ========
+weight       library   1 row   8 rows   64 rows  512 rows
+===========  ========  ======  =======  =======  ========
+1536 x 576   F.linear  47 us   207 us   1076 us  8.3 ms
+1536 x 576   oneDNN    49 us   78 us    449 us   3.5 ms
+49152 x 576  F.linear  6.8 ms  14.2 ms  43.9 ms
+49152 x 576  oneDNN    2.8 ms  4.4 ms   16.6 ms
+===========  ========  ======  =======  =======  ========
 
 Which one wins depends on the CPU, the BLAS and the row count (one row of a
 small weight: the BLAS), so it is measured once per weight shape when the
@@ -43,7 +43,7 @@ from typing import Final, Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["TUNED_ROWS", "Plan", "TunedLinear", "measure", "tune_linears"]
+__all__ = ["TUNED_ROWS", "Plan", "TunedLinear", "measure", "onednn_available", "tune_linears"]
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tserve.__main__ import main
+from tserve.__main__ import main, parse_args
 
 
 def test_help_lists_serve_and_bench(capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,3 +35,13 @@ def test_bench_help_is_the_benchmarks_own(capsys: pytest.CaptureFixture[str]) ->
         main(["bench", "--help"])
     assert info.value.code == 0
     assert "--base-url" in capsys.readouterr().out
+
+
+def test_cpu_gemm_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_args([]).cpu_gemm == "auto"
+    assert parse_args(["serve", "--cpu-gemm", "onednn"]).cpu_gemm == "onednn"
+    monkeypatch.setenv("TSERVE_CPU_GEMM", "blas")
+    assert parse_args([]).cpu_gemm == "blas"
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--cpu-gemm", "fastest"])
+    assert info.value.code == 2

@@ -202,8 +202,8 @@ def main() -> int:
     model, tokenizer = load_model(model_dir, device="cpu", dtype=torch.float32)
     vocab = int(model.config.vocab_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if args.static_gemm == "same" and args.cpu_gemm != "blas":
-        tune_linears(model, library=None if args.cpu_gemm == "auto" else args.cpu_gemm)
+    if args.static_gemm == "same":
+        tune_linears(model, args.cpu_gemm)
     print(
         f"model {model_dir.name}, {args.threads} threads, sizes {args.sizes}, "
         f"engine gemm {args.cpu_gemm}, static gemm {args.static_gemm}"

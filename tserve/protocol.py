@@ -131,6 +131,10 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True):
     deadline: float | None = None
 
 
+CpuGemm: TypeAlias = Literal["auto", "blas", "onednn"]
+"""The library behind linear layers on CPU: measured per layer, or forced."""
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to start an engine process; handed to it as JSON on its command line.
 
@@ -163,7 +167,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     heartbeat_interval: float = 0.5
     cache_dir: str | None = None
     task: Literal["generate", "embed"] = "generate"
-    cpu_gemm: Literal["auto", "blas", "onednn"] = "auto"
+    cpu_gemm: CpuGemm = "auto"
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):

@@ -69,9 +69,9 @@ def test_measure_returns_a_library_per_row_count() -> None:
     assert set(plan.libraries) <= {"blas", "onednn"}
 
 
-@pytest.mark.parametrize("library", [None, "onednn"])
+@pytest.mark.parametrize("cpu_gemm", ["auto", "onednn"])
 def test_tuning_a_model_keeps_its_logits_and_tied_weights(
-    tiny_model_dir: Path, library: Any
+    tiny_model_dir: Path, cpu_gemm: Any
 ) -> None:
     model, _ = load_model(tiny_model_dir, device="cpu", dtype=torch.float32)
     model.config.tie_word_embeddings = True
@@ -81,14 +81,14 @@ def test_tuning_a_model_keeps_its_logits_and_tied_weights(
         before = model(ids).logits
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
 
-    plans = tune_linears(model, library=library)
+    plans = tune_linears(model, cpu_gemm)
 
     assert len(plans) == linears  # every linear layer, the output head included
     tuned = [m for m in model.modules() if isinstance(m, TunedLinear)]
     assert len(tuned) == linears
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert tune_linears(model, library=library) == {}  # already tuned: left alone
-    if library == "onednn":
+    assert tune_linears(model, cpu_gemm) == {}  # already tuned: left alone
+    if cpu_gemm == "onednn":
         assert all(t.packed is not None for t in tuned)
     with torch.inference_mode():
         after = model(ids).logits

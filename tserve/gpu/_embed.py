@@ -88,9 +88,7 @@ class EmbedCore:
             self.model_name = path.name
         progress(f"loading the encoder {path} on {device} ({dtype})")
         self.model = load_encoder(path, device=device, dtype=dtype)
-        if device.type == "cpu" and config.cpu_gemm != "blas":
-            # The encoder's linear layers on the library measured fastest (_gemm).
-            tune_linears(self.model, library=None if config.cpu_gemm == "auto" else "onednn")
+        tune_linears(self.model, config.cpu_gemm)  # on CPU: the library measured fastest
         self.model_path = path.resolve()
         model_config = self.model.config
         self.vocab_size = int(model_config.vocab_size)

@@ -43,6 +43,8 @@ from typing import Final, Literal
 import torch
 import torch.nn.functional as F
 
+from tserve.protocol import CpuGemm
+
 __all__ = ["TUNED_ROWS", "Plan", "TunedLinear", "measure", "onednn_available", "tune_linears"]
 
 log = logging.getLogger(__name__)
@@ -137,18 +139,21 @@ def _product(
 
 def tune_linears(
     model: torch.nn.Module,
+    cpu_gemm: CpuGemm = "auto",
     *,
-    library: Library | None = None,
     timer: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Plan]:
     """Replace every CPU ``nn.Linear`` of ``model`` with a :class:`TunedLinear`.
 
-    ``library`` None measures: blocks while it does (SmolLM2: about a
+    ``cpu_gemm`` "auto" measures: blocks while it does (SmolLM2: about a
     second, mostly its output head); weights of one shape and dtype are
-    measured once. A ``library`` is used at every row count instead. Does
-    nothing when oneDNN cannot run here (logged when it was asked for).
-    Returns the plan of each replaced module.
+    measured once. "onednn" is used at every row count instead; "blas"
+    leaves the model alone. Layers on another device are left alone, and
+    so is everything when oneDNN cannot run here (logged when it was asked
+    for). Returns the plan of each replaced module.
     """
+    if cpu_gemm == "blas":
+        return {}
     linears = [
         (name, module)
         for name, module in model.named_modules()
@@ -157,15 +162,15 @@ def tune_linears(
         and module.weight.device.type == "cpu"
     ]
     if not linears or not onednn_available(linears[0][1].weight.dtype):
-        if library == "onednn":
+        if cpu_gemm == "onednn":
             log.warning("oneDNN cannot run linear layers here; they stay on the BLAS")
         return {}
     by_shape: dict[tuple[object, ...], Plan] = {}
     plans: dict[str, Plan] = {}
     for name, linear in linears:
         key = (*linear.weight.shape, linear.weight.dtype, linear.bias is not None)
-        if key not in by_shape and library is not None:
-            by_shape[key] = Plan(TUNED_ROWS, (library,) * len(TUNED_ROWS))
+        if key not in by_shape and cpu_gemm == "onednn":
+            by_shape[key] = Plan((1,), ("onednn",))  # from one row up
         elif key not in by_shape:
             by_shape[key] = measure(linear, TUNED_ROWS, timer)
             log.info("%s %s: %s", name, tuple(linear.weight.shape), by_shape[key].describe())

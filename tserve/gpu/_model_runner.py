@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -28,6 +28,7 @@ from tserve.gpu._attention import (
 from tserve.gpu._gemm import tune_linears
 from tserve.gpu._models import ModelLoadError
 from tserve.gpu._sequence import ScheduledChunk
+from tserve.protocol import CpuGemm
 
 __all__ = ["ModelRunner", "default_device", "kv_bytes_per_token"]
 
@@ -76,7 +77,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        cpu_gemm: Literal["auto", "blas", "onednn"] = "auto",
+        cpu_gemm: CpuGemm = "auto",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -85,8 +86,7 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else model.device
         self.dtype = dtype if dtype is not None else model.dtype
         self.model = _take_over(model, self.device, self.dtype)
-        if self.device.type == "cpu" and cpu_gemm != "blas":
-            tune_linears(self.model, library=None if cpu_gemm == "auto" else cpu_gemm)
+        tune_linears(self.model, cpu_gemm)
         self.vocab_size: int = self.model.config.get_text_config().vocab_size
         layers, kv_heads, head_dim = _kv_shape(self.model.config)
         shape = (layers, kv_heads, num_blocks * block_size, head_dim)

@@ -97,10 +97,11 @@ def test_a_frame_of_one_kind_does_not_decode_as_another() -> None:
         p.decode(frame)
 
 
-def test_protocol_is_a_leaf() -> None:
-    """The wire module pulls in neither torch, zmq, trio, anyio nor quart."""
+@pytest.mark.parametrize("module", ["tserve.protocol", "tserve.validity"])
+def test_protocol_is_a_leaf(module: str) -> None:
+    """The wire and its validity rule pull in neither torch, zmq, trio, anyio nor quart."""
     code = (
-        "import sys, tserve.protocol; "
+        f"import sys, {module}; "
         "bad = {'torch', 'zmq', 'trio', 'anyio', 'quart', 'transformers', 'numpy'}"
         " & set(sys.modules); print(sorted(bad))"
     )

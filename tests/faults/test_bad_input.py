@@ -99,8 +99,8 @@ def _bypass_cases() -> list[tuple[str, list[int], Any, str, type[Exception]]]:
     """(case, prompt, params, a word of the engine's error, what ``llm.complete`` raises).
 
     ``llm.complete`` raises InvalidRequest where the API process checks the
-    case itself, and RequestFailed where it leaves it to the engine (or the
-    mux finds the request cannot cross the wire).
+    case itself (``tserve.validity``: every field with a range), and
+    RequestFailed where the mux finds the request cannot cross the wire.
     """
     ok = [5, 6, 7]
     p = SamplingParams
@@ -111,12 +111,12 @@ def _bypass_cases() -> list[tuple[str, list[int], Any, str, type[Exception]]]:
         ("empty prompt", [], p(max_tokens=4), "empty", invalid),
         ("prompt at the context", [5] * CONTEXT, p(max_tokens=1), "context", invalid),
         ("max_tokens past the context", ok, p(max_tokens=CONTEXT), "context", invalid),
-        ("NaN temperature", ok, p(max_tokens=4, temperature=math.nan), "temperature", failed),
-        ("negative temperature", ok, p(max_tokens=4, temperature=-1.0), "temperature", failed),
-        ("infinite temperature", ok, p(max_tokens=4, temperature=math.inf), "temperature", failed),
-        ("top_p 0", ok, p(max_tokens=4, top_p=0.0), "top_p", failed),
-        ("NaN top_p", ok, p(max_tokens=4, top_p=math.nan), "top_p", failed),
-        ("top_k -2", ok, p(max_tokens=4, top_k=-2), "top_k", failed),
+        ("NaN temperature", ok, p(max_tokens=4, temperature=math.nan), "temperature", invalid),
+        ("negative temperature", ok, p(max_tokens=4, temperature=-1.0), "temperature", invalid),
+        ("infinite temperature", ok, p(max_tokens=4, temperature=math.inf), "temperature", invalid),
+        ("top_p 0", ok, p(max_tokens=4, top_p=0.0), "top_p", invalid),
+        ("NaN top_p", ok, p(max_tokens=4, top_p=math.nan), "top_p", invalid),
+        ("top_k -2", ok, p(max_tokens=4, top_k=-2), "top_k", invalid),
         ("max_tokens 0", ok, p(max_tokens=0), "max_tokens", invalid),
         ("negative max_tokens", ok, p(max_tokens=-5), "max_tokens", invalid),
         (
@@ -124,15 +124,21 @@ def _bypass_cases() -> list[tuple[str, list[int], Any, str, type[Exception]]]:
             ok,
             p(max_tokens=4, stop_token_ids=(VOCAB,)),
             "stop_token_ids",
-            failed,
+            invalid,
         ),
-        ("negative stop id", ok, p(max_tokens=4, stop_token_ids=(-1,)), "stop_token_ids", failed),
-        ("huge logprobs", ok, p(max_tokens=4, logprobs=10**6), "logprobs", failed),
-        ("negative logprobs", ok, p(max_tokens=4, logprobs=-1), "logprobs", failed),
-        ("NaN penalty", ok, p(max_tokens=4, presence_penalty=math.nan), "presence_penalty", failed),
+        ("negative stop id", ok, p(max_tokens=4, stop_token_ids=(-1,)), "stop_token_ids", invalid),
+        ("huge logprobs", ok, p(max_tokens=4, logprobs=10**6), "logprobs", invalid),
+        ("negative logprobs", ok, p(max_tokens=4, logprobs=-1), "logprobs", invalid),
+        (
+            "NaN penalty",
+            ok,
+            p(max_tokens=4, presence_penalty=math.nan),
+            "presence_penalty",
+            invalid,
+        ),
         # msgpack holds ints in [-2**63, 2**64 - 1]: these never leave the API process
         ("seed 2**64", ok, p(max_tokens=4, seed=2**64), "cannot be sent", failed),
-        ("logprobs 2**70", ok, p(max_tokens=4, logprobs=2**70), "cannot be sent", failed),
+        ("logprobs 2**70", ok, p(max_tokens=4, logprobs=2**70), "cannot be sent", invalid),
         ("id 2**64", [5, 2**64], p(max_tokens=4), "cannot be sent", invalid),
         # wrong types (a caller without a type checker): the engine could not decode them
         ("float id", [5, 6.5], p(max_tokens=4), "cannot be sent", failed),  # type: ignore[list-item]

@@ -34,7 +34,16 @@ def test_greedy_is_argmax() -> None:
     assert _tokens(Sampler().sample(logits, seqs)) == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}, {"temperature": 1e-6}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"top_k": 1},
+        {"top_p": 1e-6},
+        {"temperature": 1e-6},
+        {"temperature": 1e-300},  # underflows to 0 in float32: greedy, not NaNs
+        {"temperature": 5e-324},
+    ],
+)
 def test_degenerate_filters_are_greedy(params: dict[str, object]) -> None:
     logits = _logits(8, seed=1)
     seqs = [_seq(f"s{i}", seed=i, **params) for i in range(8)]

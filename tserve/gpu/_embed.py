@@ -57,6 +57,7 @@ from tserve.protocol import (
     FinishReason,
     RequestOutput,
 )
+from tserve.validity import embedding_problem
 
 __all__ = ["EmbedCore", "mean_pool"]
 
@@ -245,14 +246,8 @@ class EmbedCore:
 
     def _check(self, ids: list[int]) -> str | None:
         """Why this input cannot be embedded, or None (the API process checks first)."""
-        if not ids:
-            return "input is empty"
-        if len(ids) > self.max_model_len:
-            return f"input is {len(ids)} tokens; this model takes at most {self.max_model_len}"
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return f"input token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
-        return None
+        problem = embedding_problem(ids, vocab_size=self.vocab_size, max_len=self.max_model_len)
+        return None if problem is None else problem.message
 
     def _ended(self, requests: list[_Waiting], reason: FinishReason) -> None:
         self._pending += [(w.peer, RequestOutput(w.request_id, [], reason)) for w in requests]

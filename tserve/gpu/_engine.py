@@ -19,7 +19,6 @@ that arrives over HTTP or the wire can set it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -42,9 +41,9 @@ from tserve.protocol import (
     EngineStats,
     FinishReason,
     RequestOutput,
-    SamplingParams,
     TokenLogprob,
 )
+from tserve.validity import generation_problem
 
 __all__ = ["FORWARD_FAULT_ENV", "EngineCore", "ForwardFault", "resolve_device"]
 
@@ -269,14 +268,14 @@ class EngineCore:
     # -- internals -------------------------------------------------------------
 
     def _check(self, request: AddRequest) -> str | None:
-        """The per-request validation the API process may have skipped."""
-        ids = request.prompt_token_ids
-        if not ids:
-            return "prompt is empty"
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
-        return check_params(request.params, self.vocab_size)
+        """The request's problem by the rule the API process applies first (``tserve.validity``)."""
+        problem = generation_problem(
+            request.prompt_token_ids,
+            request.params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        return None if problem is None else problem.message
 
     def _finished(self, seq: Sequence) -> None:
         """Report a sequence that ended outside update() (abort, expiry, error)."""
@@ -293,36 +292,6 @@ class EngineCore:
             self._logprobs.pop(seq.request_id, None)
             self.sampler.release(seq.request_id)
         return RequestOutput(seq.request_id, new, seq.finish_reason, logprobs, seq.error)
-
-
-def check_params(params: SamplingParams, vocab_size: int) -> str | None:
-    """Why ``params`` is invalid, or None. Names the offending field."""
-    checks: list[tuple[bool, str]] = [
-        (params.max_tokens >= 1, "max_tokens must be at least 1"),
-        (
-            math.isfinite(params.temperature) and params.temperature >= 0,
-            "temperature must be >= 0",
-        ),
-        (math.isfinite(params.top_p) and 0 < params.top_p <= 1, "top_p must be in (0, 1]"),
-        (params.top_k >= -1, "top_k must be -1, 0 or positive"),
-        (
-            params.logprobs is None or 0 <= params.logprobs <= 20,
-            "logprobs must be between 0 and 20",
-        ),
-        (
-            math.isfinite(params.presence_penalty) and -2 <= params.presence_penalty <= 2,
-            "presence_penalty must be in [-2, 2]",
-        ),
-        (
-            math.isfinite(params.frequency_penalty) and -2 <= params.frequency_penalty <= 2,
-            "frequency_penalty must be in [-2, 2]",
-        ),
-        (
-            all(0 <= t < vocab_size for t in params.stop_token_ids),
-            "stop_token_ids must be inside the vocabulary",
-        ),
-    ]
-    return next((message for ok, message in checks if not ok), None)
 
 
 def _fault_step_from_env() -> int | None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import re
 from collections.abc import Sequence as SequenceOf
@@ -41,13 +40,13 @@ import torch
 
 from tserve.gpu._sequence import Sequence
 from tserve.protocol import SamplingParams, TokenLogprob
+from tserve.validity import GREEDY_BELOW, params_problem
 
 __all__ = ["FAULT_ENV", "SampleResult", "Sampler", "SamplingFault"]
 
 log = logging.getLogger(__name__)
 
 FAULT_ENV: Final = "TSERVE_TEST_FAULT_SAMPLER"
-MAX_LOGPROBS: Final = 20
 # A top-k/top-p row draws from its top 512 tokens, or 4096, or a full sort.
 _CANDIDATE_WIDTHS: Final = (512, 4096)
 
@@ -201,7 +200,7 @@ class Sampler:
 
 
 def _is_greedy(params: SamplingParams) -> bool:
-    return params.temperature == 0 or params.top_k == 1
+    return params.temperature < GREEDY_BELOW or params.top_k == 1
 
 
 def _usable_rows(logits: torch.Tensor) -> list[bool]:
@@ -212,16 +211,8 @@ def _usable_rows(logits: torch.Tensor) -> list[bool]:
 def _check(params: SamplingParams, vocab: int, finite: bool) -> str | None:
     if not finite:
         return "the model produced non-finite logits for this request"
-    if not (math.isfinite(params.temperature) and params.temperature >= 0):
-        return f"temperature must be >= 0, got {params.temperature}"
-    if not (0 < params.top_p <= 1):
-        return f"top_p must be in (0, 1], got {params.top_p}"
-    if params.logprobs is not None and not 0 <= params.logprobs <= min(MAX_LOGPROBS, vocab):
-        return f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}"
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not math.isfinite(getattr(params, name)):
-            return f"{name} must be finite"
-    return None
+    problem = params_problem(params, vocab)
+    return None if problem is None else problem.message
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -45,6 +45,7 @@ from tserve.protocol import (
     RequestOutput,
     SamplingParams,
 )
+from tserve.validity import embedding_problem
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -223,20 +224,13 @@ class Embedder(EngineClient):
 
     def _check(self, ids: list[list[int]]) -> None:
         """Refuse what the engine would refuse, naming the input."""
-        limit, vocab = self.max_input_tokens, self.ready.vocab_size
+        vocab = self.ready.vocab_size
         for i, tokens in enumerate(ids):
-            if not tokens:
-                raise InvalidRequest(f"input[{i}] is empty", param="input")
-            if len(tokens) > limit:
-                raise InvalidRequest(
-                    f"input[{i}] is {len(tokens)} tokens; {self.model} takes at most "
-                    f"{limit} tokens per input",
-                    param="input",
-                )
-            if any(not 0 <= t < vocab for t in tokens):
-                raise InvalidRequest(
-                    f"input[{i}]: token ids must be in [0, {vocab})", param="input"
-                )
+            problem = embedding_problem(
+                tokens, vocab_size=vocab, max_len=self.max_input_tokens, label=f"input[{i}]"
+            )
+            if problem is not None:
+                raise InvalidRequest(problem.message, param=problem.param)
 
 
 def _inputs(inputs: EmbeddingInput) -> list[str] | list[list[int]]:

@@ -35,6 +35,7 @@ from tserve.nursery._gc import serving_gc
 from tserve.nursery._request import Prompt, RequestStream
 from tserve.nursery._results import Completion
 from tserve.protocol import EngineConfig, EngineReady, EngineStats, SamplingParams, TokenLogprob
+from tserve.validity import generation_problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -327,6 +328,25 @@ class LLM(EngineClient):
             raise InvalidRequest(f"messages: {exc}", param="messages") from None
         return self.encode(str(text))
 
+    def check_admission(self, count: int) -> None:
+        """Raise what admitting ``count`` more requests now would raise. Not a checkpoint.
+
+        EngineDeadError, ShuttingDown (closed or draining), InvalidRequest
+        (``param`` "n") when ``count`` exceeds ``max_pending`` itself,
+        Overloaded when fewer than ``count`` slots are free.
+        """
+        self._check_running()
+        if self.draining:
+            raise ShuttingDown("the server is shutting down")
+        if count > self.max_pending:
+            raise InvalidRequest(
+                f"this request needs {count} generations; at most {self.max_pending} "
+                "are admitted at once",
+                param="n",
+            )
+        if self._live + count > self.max_pending:
+            raise Overloaded(f"{self.max_pending} requests are already in flight")
+
     # -- internals -----------------------------------------------------------------
 
     def _admit(
@@ -336,11 +356,7 @@ class LLM(EngineClient):
         request_id: str | None,
         timeout: float | None,
     ) -> RequestStream:
-        self._check_running()
-        if self.draining:
-            raise ShuttingDown("the server is shutting down")
-        if self._live >= self.max_pending:
-            raise Overloaded(f"{self.max_pending} requests are already in flight")
+        self.check_admission(1)
         timeout = self.request_timeout if timeout is None else timeout
         rid = request_id or self._next_request_id()
         stream = RequestStream(self, rid, prompt, params or SamplingParams(), timeout)
@@ -353,22 +369,14 @@ class LLM(EngineClient):
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         """Reject what the engine would reject, with the field it concerns."""
-        limit = self.ready.max_model_len
-        if not prompt:
-            raise InvalidRequest("prompt is empty", param="prompt")
-        if params.max_tokens < 1:
-            # The engine would reject it too, but a negative bound also breaks
-            # the mailbox's (it would fail the request with a MuxError).
-            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        if len(prompt) + params.max_tokens > limit:
-            raise InvalidRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the context length of {limit} tokens",
-                param="max_tokens" if len(prompt) < limit else "prompt",
-            )
-        vocab = self.ready.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        problem = generation_problem(
+            prompt,
+            params,
+            vocab_size=self.ready.vocab_size,
+            max_model_len=self.ready.max_model_len,
+        )
+        if problem is not None:
+            raise InvalidRequest(problem.message, param=problem.param)
 
 
 def _chat_chars(messages: list[Message]) -> int:

@@ -41,7 +41,6 @@ from tserve.nursery import (
     LLM,
     EngineDeadError,
     InvalidRequest,
-    Overloaded,
     RequestStream,
     ShuttingDown,
 )
@@ -223,19 +222,11 @@ class Frontend:
 
     def _precheck(self, count: int) -> None:
         """Refuse at once what admission would refuse, before any tokenizing."""
-        llm = self.llm
-        if not llm.engine_alive:
+        if not self.llm.engine_alive:
             raise EngineDeadError("the engine is not running")
-        if llm.draining or self._aborting is not None:
+        if self._aborting is not None:
             raise ShuttingDown("the server is shutting down")
-        if count > llm.max_pending:
-            raise InvalidRequest(
-                f"this request needs {count} generations; the server admits at most "
-                f"{llm.max_pending} at once",
-                param="n",
-            )
-        if llm.stats.live_requests + count > llm.max_pending:
-            raise Overloaded(f"{llm.max_pending} requests are already in flight")
+        self.llm.check_admission(count)
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -30,6 +30,7 @@ import msgspec
 
 from tserve.nursery import InvalidRequest
 from tserve.protocol import SamplingParams
+from tserve.validity import MAX_LOGPROBS
 
 __all__ = [
     "MAX_CHOICES",
@@ -50,7 +51,6 @@ __all__ = [
 
 MAX_CHOICES = 128  # n * len(prompts) per HTTP request
 MAX_STOP = 16
-MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 256
 MAX_EMBEDDING_INPUTS = 2048
 

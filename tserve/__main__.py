@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tserve._host import configure_logging
 from tserve.protocol import EngineConfig
 
 if TYPE_CHECKING:
@@ -311,11 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_main(words[1:])
     args = parse_args(words)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     try:
         return _serve(args)
     except KeyboardInterrupt:

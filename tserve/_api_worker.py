@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
+from tserve._host import configure_logging
 from tserve.web import ServerConfig
 
 __all__ = ["READY", "WorkerSpec", "Workers", "main"]
@@ -218,11 +219,7 @@ async def _serve_worker(spec: WorkerSpec) -> int:
 def main() -> int:
     """Entry point of a worker: the spec on stdin; exit status as ``python -m tserve``'s."""
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
-    logging.basicConfig(
-        level=spec.log_level.upper(),
-        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(spec.log_level)
     if os.getppid() != spec.parent_pid:
         return 1  # the main process is gone already
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -16,20 +15,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tserve._host import raise_fd_limit
+
 API_KEY = "sk-test-key"
-
-
-def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 class Server:
     """A ``python -m tserve serve`` child process; ``url`` is its base URL."""
 
     def __init__(self, model_dir: Path, *args: str, log: Path) -> None:
-        _raise_fd_limit()
+        raise_fd_limit()
         command = [sys.executable, "-m", "tserve", "serve", str(model_dir), "--port", "0"]
         self.log = log
         self._log_file = log.open("wb")

@@ -7,7 +7,6 @@ import itertools
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import anyio
 import httpx
 
+from tserve._host import raise_fd_limit
 from tserve.bench._client import RunConfig, RunResult, run_benchmark
 from tserve.bench._datasets import (
     SONNET_PATH,
@@ -107,12 +107,6 @@ def parser() -> argparse.ArgumentParser:
         help="measure this client against the trivial echo server and exit",
     )
     return p
-
-
-def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _headers(args: argparse.Namespace) -> dict[str, str]:
@@ -349,7 +343,7 @@ def _self_test(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m tserve bench`` and ``python -m tserve.bench``."""
     args = parser().parse_args(argv)
-    _raise_fd_limit()
+    raise_fd_limit()
     if args.self_test:
         return _self_test(args)
     return _bench(args)

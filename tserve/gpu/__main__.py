@@ -11,12 +11,12 @@ error, which every connected API process first hears about as ``EngineDead``;
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 import msgspec
 
+from tserve._host import configure_logging
 from tserve.protocol import EngineConfig
 
 
@@ -27,11 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=os.getppid())
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s engine %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, who="engine")
     try:
         config = msgspec.json.decode(args.config, type=EngineConfig)
     except msgspec.DecodeError as exc:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import zmq
 
+from tserve._host import pid_alive
 from tserve.gpu._embed import EmbedCore
 from tserve.gpu._engine import EngineCore
 from tserve.gpu._outbox import Outbox
@@ -262,16 +263,7 @@ def _parent_watch(parent_pid: int) -> Callable[[], bool]:
         return lambda: os.getppid() == parent_pid
     log.warning("parent pid %d is not our parent; watching it by pid", parent_pid)
 
-    def alive() -> bool:
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    return alive
+    return lambda: pid_alive(parent_pid)
 
 
 def _report_death(

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
+from tserve._host import pid_alive
 from tserve.mux import EngineDeadError, Mux
 from tserve.nursery._engine_process import EngineProcess, EngineRef, exit_reason, start_engine
 from tserve.nursery._errors import InvalidRequest, Overloaded, ShuttingDown
@@ -815,7 +816,7 @@ async def _watch_shared_engine(engine: EngineRef, mux: Mux, mux_done: anyio.Even
         else:
             while not gone:
                 await anyio.sleep(0.1)
-                gone = not _pid_exists(engine.pid)
+                gone = not pid_alive(engine.pid)
     finally:
         if pidfd is not None:
             os.close(pidfd)
@@ -823,16 +824,6 @@ async def _watch_shared_engine(engine: EngineRef, mux: Mux, mux_done: anyio.Even
         with anyio.move_on_after(_DEATH_MESSAGE_GRACE):
             await mux_done.wait()
     mux.engine_died(f"the engine process (pid {engine.pid}) exited")
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _PROGRESS_INTERVAL = 10.0  # s between "waiting for the engine" log lines

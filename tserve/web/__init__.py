@@ -6,6 +6,6 @@ routes and ``_server`` runs hypercorn's trio worker with graceful shutdown.
 """
 
 from tserve.web._app import AppConfig, Frontend, create_app
-from tserve.web._server import ServerConfig, raise_fd_limit, serve
+from tserve.web._server import ServerConfig, serve
 
-__all__ = ["AppConfig", "Frontend", "ServerConfig", "create_app", "raise_fd_limit", "serve"]
+__all__ = ["AppConfig", "Frontend", "ServerConfig", "create_app", "serve"]

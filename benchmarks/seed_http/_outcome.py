@@ -1,10 +1,11 @@
 """What one streaming completion got back, from its raw response (sans-IO).
 
-The load generator reads a response to its last chunk and hands the bytes
-here once. The HTTP framing is :class:`tserve.bench._http.ResponseParser`'s,
-the events are :class:`tserve.bench._sse.SSEDecoder`'s and each event's JSON
-is read by :class:`tserve.bench._metrics.StreamRecorder`; what this module
-adds is the benchmark's stricter idea of success:
+The load generator feeds a response's bytes to a :class:`ResponseReader` as
+they arrive and asks for its :class:`Outcome` at the end. The HTTP framing is
+:class:`tserve.bench._http.ResponseParser`'s, the events are
+:class:`tserve.bench._sse.SSEDecoder`'s and each event's JSON is read by
+:class:`tserve.bench._metrics.StreamRecorder`; what this module adds is the
+benchmark's stricter idea of success:
 
 * a 200 whose body is complete,
 * whose events carry no ``error`` and no bytes that are not a chunk,
@@ -25,7 +26,7 @@ from tserve.bench._http import ProtocolError, ResponseParser
 from tserve.bench._metrics import StreamRecorder
 from tserve.bench._sse import SSEDecoder
 
-__all__ = ["Outcome", "classify_response"]
+__all__ = ["Outcome", "ResponseReader"]
 
 # StreamRecorder's failure kinds, as this benchmark has always named them.
 _EVENT_ERRORS = {"bad_event": "bad_json", "stream_error": "sse_error_event"}
@@ -40,26 +41,51 @@ class Outcome:
     tokens: int = -1  # usage.completion_tokens; -1 when no usage chunk arrived
 
 
-def classify_response(raw: bytes) -> Outcome:
-    """Classify everything read from one connection (to the last chunk or to EOF)."""
-    if not raw:
-        return Outcome("no_response")
-    parser = ResponseParser()
-    try:
-        body = parser.feed(raw)
-    except ProtocolError:
-        return Outcome("protocol_error")
-    status = parser.status
-    if not status:
-        return Outcome("truncated_head")
-    if status != 200:
-        return Outcome(f"http_{status}", status)
-    try:
-        parser.eof()
-    except ProtocolError:
-        return Outcome("truncated_body", status)
-    decoder = SSEDecoder()
-    return _classify_events([*decoder.feed(body), *decoder.flush()])
+class ResponseReader:
+    """One response as its bytes arrive: :meth:`feed` them, then ask :meth:`outcome`.
+
+    Reading may stop once :attr:`done` is true (the response's framing ended,
+    or it is not HTTP) or at EOF. The body is kept whole until the end: a
+    streamed completion of this benchmark is a few kilobytes.
+    """
+
+    def __init__(self) -> None:
+        self._parser = ResponseParser()
+        self._body = bytearray()
+        self._got_bytes = False
+        self._not_http = False  # the parser raised: nothing more is read into it
+
+    @property
+    def done(self) -> bool:
+        return self._parser.done or self._not_http
+
+    def feed(self, data: bytes) -> None:
+        """Take the next bytes read from the connection."""
+        self._got_bytes = self._got_bytes or bool(data)
+        if self.done:
+            return
+        try:
+            self._body += self._parser.feed(data)
+        except ProtocolError:
+            self._not_http = True
+
+    def outcome(self) -> Outcome:
+        """Classify the response, as far as it got (call at :attr:`done` or at EOF)."""
+        if not self._got_bytes:
+            return Outcome("no_response")
+        if self._not_http:
+            return Outcome("protocol_error")
+        status = self._parser.status
+        if not status:
+            return Outcome("truncated_head")
+        if status != 200:
+            return Outcome(f"http_{status}", status)
+        try:
+            self._parser.eof()  # a no-op once the framing ended
+        except ProtocolError:
+            return Outcome("truncated_body", status)
+        decoder = SSEDecoder()
+        return _classify_events([*decoder.feed(bytes(self._body)), *decoder.flush()])
 
 
 def _classify_events(payloads: list[bytes]) -> Outcome:

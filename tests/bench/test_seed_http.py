@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.seed_http._outcome import Outcome, classify_response
+from benchmarks.seed_http._outcome import Outcome, ResponseReader
 from benchmarks.seed_http._sampler import parse_metrics
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -21,6 +21,17 @@ def _stream(*payloads: bytes, last_chunk: bool = True) -> bytes:
     return out + (b"0\r\n\r\n" if last_chunk else b"")
 
 
+def _outcome(raw: bytes, piece: int) -> Outcome:
+    """Feed ``raw`` in pieces of ``piece`` bytes, as reads would, until the reader is done."""
+    reader = ResponseReader()
+    for start in range(0, len(raw), piece):
+        if reader.done:
+            break
+        reader.feed(raw[start : start + piece])
+    return reader.outcome()
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1 << 20])
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
@@ -36,14 +47,23 @@ def _stream(*payloads: bytes, last_chunk: bool = True) -> bytes:
         (b"SSH-2.0-OpenSSH\r\n\r\n", Outcome("protocol_error")),
     ],
 )
-def test_outcome_of_a_response(raw: bytes, expected: Outcome) -> None:
-    assert classify_response(raw) == expected
+def test_outcome_of_a_response(raw: bytes, expected: Outcome, piece: int) -> None:
+    assert _outcome(raw, piece) == expected
 
 
-def test_an_error_status_is_its_own_kind() -> None:
+def test_an_error_response_ends_with_its_length_not_at_eof() -> None:
     body = b'{"error":{"message":"busy"}}'
     raw = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-    assert classify_response(raw) == Outcome("http_503", 503)
+    reader = ResponseReader()
+    reader.feed(raw)
+    assert reader.done
+    assert reader.outcome() == Outcome("http_503", 503)
+
+
+def test_a_complete_stream_is_done_at_its_last_chunk() -> None:
+    reader = ResponseReader()
+    reader.feed(_stream(TOKEN, USAGE, b"[DONE]"))
+    assert reader.done
 
 
 def test_metrics_gauges_and_completions_by_status() -> None:

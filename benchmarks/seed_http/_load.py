@@ -126,7 +126,7 @@ async def _exchange(sock: trio.socket.SocketType, request: bytes, record: list[A
 
 
 async def _one_request(state: _ClientState, requests: _Requests, index: int, due: float) -> None:
-    """Send request ``index`` and fill in its record (never raises but Cancelled)."""
+    """Send request ``index`` and fill in its record; a socket error becomes its kind."""
     record: list[Any] = [due, time.monotonic(), None, None, 0, -1, "unfinished"]
     state.records[index] = record
     state.started += 1

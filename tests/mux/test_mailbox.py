@@ -21,9 +21,9 @@ def _mailbox(max_tokens: int = 100) -> tuple[Mailbox, list[Mailbox]]:
 async def test_a_slow_reader_gets_deltas_merged() -> None:
     mailbox, _ = _mailbox()
     two = [TokenLogprob(1, -0.1), TokenLogprob(2, -0.2)]
-    mailbox._put(RequestOutput("r", [1, 2], logprobs=two))
-    mailbox._put(RequestOutput("r", [3], logprobs=[TokenLogprob(3, -0.3)]))
-    mailbox._put(RequestOutput("r", [], FinishReason.STOP, logprobs=[]))
+    mailbox.put(RequestOutput("r", [1, 2], logprobs=two))
+    mailbox.put(RequestOutput("r", [3], logprobs=[TokenLogprob(3, -0.3)]))
+    mailbox.put(RequestOutput("r", [], FinishReason.STOP, logprobs=[]))
     output = await mailbox.get()
     assert output.token_ids == [1, 2, 3]
     assert output.logprobs is not None
@@ -36,8 +36,8 @@ async def test_a_slow_reader_gets_deltas_merged() -> None:
 
 async def test_iteration_ends_after_the_final_output_and_keeps_the_error() -> None:
     mailbox, _ = _mailbox()
-    mailbox._put(RequestOutput("r", [7]))
-    mailbox._put(RequestOutput("r", [], FinishReason.ERROR, error="boom"))
+    mailbox.put(RequestOutput("r", [7]))
+    mailbox.put(RequestOutput("r", [], FinishReason.ERROR, error="boom"))
     outputs = [output async for output in mailbox]
     assert len(outputs) == 1
     assert outputs[0].token_ids == [7]
@@ -46,9 +46,9 @@ async def test_iteration_ends_after_the_final_output_and_keeps_the_error() -> No
 
 async def test_more_tokens_than_max_tokens_fail_instead_of_growing() -> None:
     mailbox, _ = _mailbox(max_tokens=3)
-    mailbox._put(RequestOutput("r", [1, 2]))
-    mailbox._put(RequestOutput("r", [3, 4]))
-    mailbox._put(RequestOutput("r", [5]))
+    mailbox.put(RequestOutput("r", [1, 2]))
+    mailbox.put(RequestOutput("r", [3, 4]))
+    mailbox.put(RequestOutput("r", [5]))
     assert (await mailbox.get()).token_ids == [1, 2]
     with pytest.raises(MuxError, match="more than 3 tokens"):
         await mailbox.get()
@@ -56,8 +56,8 @@ async def test_more_tokens_than_max_tokens_fail_instead_of_growing() -> None:
 
 async def test_a_failure_comes_after_what_was_already_received() -> None:
     mailbox, _ = _mailbox()
-    mailbox._put(RequestOutput("r", [1]))
-    mailbox._fail(EngineDeadError("gone"))
+    mailbox.put(RequestOutput("r", [1]))
+    mailbox.fail(EngineDeadError("gone"))
     assert (await mailbox.get()).token_ids == [1]
     with pytest.raises(EngineDeadError, match="gone"):
         await mailbox.get()
@@ -74,7 +74,7 @@ async def test_a_waiting_reader_is_woken_by_a_failure() -> None:
 
 async def _fail_soon(mailbox: Mailbox) -> None:
     await anyio.sleep(0.01)
-    mailbox._fail(EngineDeadError("gone"))
+    mailbox.fail(EngineDeadError("gone"))
 
 
 async def test_close_is_idempotent_and_sync() -> None:
@@ -98,7 +98,7 @@ async def test_reads_cancelled_at_random_points_lose_and_repeat_nothing(seed: in
         while token < total:
             count = min(rng.randint(1, 5), total - token)
             finish = FinishReason.LENGTH if token + count == total else None
-            mailbox._put(RequestOutput("r", list(range(token, token + count)), finish))
+            mailbox.put(RequestOutput("r", list(range(token, token + count)), finish))
             token += count
             if rng.random() < 0.3:
                 await anyio.lowlevel.checkpoint()

@@ -101,7 +101,7 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> Iterator[Wire]:
             if output.finish_reason is not None:
                 assert output.request_id not in seen.finals, "two finals for one request"
                 seen.finals[output.request_id] = output.finish_reason
-                if output.request_id not in self._mailboxes:
+                if output.request_id not in self._router:
                     seen.late.add(output.request_id)
         route(self, step)
 

@@ -3,6 +3,20 @@
 One task (:meth:`Mux.run`) owns the API process's only ZMQ socket to the
 engine; every request reaches it through a :class:`Mailbox` and the mux's
 synchronous ``submit``/``abort``. Imports only :mod:`tserve.protocol`.
+
+Modules:
+
+* ``_mux.py`` — :class:`Mux`, the task that owns the socket: handshake,
+  sending inputs, receiving outputs, heartbeats, engine death; ``open_mux``.
+* ``_router.py`` — the sans-IO routing table: request id -> mailbox, the
+  inbox of adds and aborts for the next frame, which ids may still be
+  aborted, failing every mailbox at once.
+* ``_mailbox.py`` — :class:`Mailbox`, one request's merged deltas and its
+  reader's side; the request's submission state.
+* ``_parking.py`` — the one-shot waiter a mailbox reader parks on.
+* ``_zmqio.py`` — the non-blocking pyzmq adapter for anyio (one watcher on
+  ``zmq.FD``, no lost message on cancel).
+* ``_errors.py`` — the mux's error types.
 """
 
 from tserve.mux._errors import EngineDeadError, MuxClosedError, MuxError

@@ -2,7 +2,7 @@
 
 Rules:
 
-* ``_put`` (the mux's side) never blocks, never drops and is O(1) per token:
+* ``put`` (the router's side) never blocks, never drops and is O(1) per token:
   it keeps the delta and wakes the reader only if the reader is waiting.
 * When the reader is slower than the engine, deltas are MERGED as they
   arrive (token ids concatenated, logprobs concatenated, the last finish
@@ -14,10 +14,15 @@ Rules:
   ``anyio.EndOfStream``.
 * A failed mailbox (engine dead, mux closed) first hands out what it already
   holds, then raises the failure on every later read.
+* Its request's way to the engine (owned by the router, see ``_router.py``)
+  only moves forward: OPEN -> SUBMITTED (the add is queued) -> ABORTING (the
+  abort is queued). ``mark_submitted`` and ``mark_aborting`` raise MuxError
+  for any other move.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable
 from types import TracebackType
 
@@ -28,7 +33,15 @@ from tserve.mux._errors import MuxError
 from tserve.mux._parking import Waiter, park
 from tserve.protocol import RequestOutput, TokenLogprob
 
-__all__ = ["Mailbox", "deliver"]
+__all__ = ["Mailbox", "Submission", "deliver"]
+
+
+class Submission(enum.Enum):
+    """How far a mailbox's request got towards the engine; see the rules above."""
+
+    OPEN = "open"  # registered; the engine has not heard of it
+    SUBMITTED = "submitted"  # its AddRequest is queued or sent
+    ABORTING = "aborting"  # its abort is queued or sent (after SUBMITTED)
 
 
 class Mailbox:
@@ -41,7 +54,6 @@ class Mailbox:
     """
 
     __slots__ = (
-        "_abort_queued",
         "_error",
         "_finished",
         "_last",
@@ -49,7 +61,7 @@ class Mailbox:
         "_on_close",
         "_pending",
         "_room",
-        "_submitted",
+        "_submission",
         "_token_ids",
         "_waiter",
         "max_tokens",
@@ -67,7 +79,7 @@ class Mailbox:
         # in _last (deliver() skips that for deltas of token ids only, which
         # carry neither). Bound: at most max_tokens token ids (and their
         # logprobs), because the engine sends each token once and nothing
-        # after the finish; a delta past max_tokens fails the mailbox (_put)
+        # after the finish; a delta past max_tokens fails the mailbox (put)
         # instead of growing it. At the bound nothing waits: put never blocks.
         self._pending: RequestOutput | None = None
         self._token_ids: list[int] | None = None  # not None iff merging
@@ -79,17 +91,33 @@ class Mailbox:
         self._waiter: Waiter | None = None
         self._error: BaseException | None = None
         self._finished = False  # the final output was handed to the reader
-        # Owned by the mux: the add / the abort went into its inbox.
-        self._submitted = False
-        self._abort_queued = False
+        # Owned by the router; moves only forward (see Submission).
+        self._submission = Submission.OPEN
         self._on_close = on_close
 
     def __repr__(self) -> str:
         return f"<Mailbox {self.request_id!r} pending={self._pending is not None}>"
 
-    # The mux's side: synchronous, never blocks.
+    # The router's side: synchronous, never blocks.
 
-    def _put(self, output: RequestOutput) -> None:
+    @property
+    def submission(self) -> Submission:
+        """How far the request got towards the engine (see :class:`Submission`)."""
+        return self._submission
+
+    def mark_submitted(self) -> None:
+        """OPEN -> SUBMITTED: the request's add is queued. Raises MuxError otherwise."""
+        if self._submission is not Submission.OPEN:
+            raise MuxError(f"request id {self.request_id!r} was already submitted or aborted")
+        self._submission = Submission.SUBMITTED
+
+    def mark_aborting(self) -> None:
+        """SUBMITTED -> ABORTING: the request's abort is queued. Raises MuxError otherwise."""
+        if self._submission is not Submission.SUBMITTED:
+            raise MuxError(f"request id {self.request_id!r} is not submitted, or already aborted")
+        self._submission = Submission.ABORTING
+
+    def put(self, output: RequestOutput) -> None:
         """Store or merge one delta; wake the reader if it waits. Never blocks.
 
         :func:`deliver` does the common case (one more plain delta onto a
@@ -97,7 +125,7 @@ class Mailbox:
         """
         self._room = room = self._room - len(output.token_ids)
         if room < 0:  # an engine bug: fail, don't grow
-            self._fail(MuxError(f"engine sent more than {self.max_tokens} tokens"))
+            self.fail(MuxError(f"engine sent more than {self.max_tokens} tokens"))
             return
         pending = self._pending
         if pending is None:
@@ -119,7 +147,7 @@ class Mailbox:
             self._waiter = None
             waiter.wake()
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         """End the mailbox with ``error`` (after what it already holds)."""
         if self._error is None:
             self._error = error
@@ -191,7 +219,7 @@ class Mailbox:
         """Stop receiving; abort the request if the engine has not finished it.
 
         Synchronous and idempotent: safe in a ``finally`` with no await.
-        Later deltas for this id are counted by the mux as unknown.
+        Later deltas for this id are counted by the router as unknown.
         """
         self._on_close(self)
 
@@ -212,7 +240,7 @@ def deliver(mailboxes: dict[str, Mailbox], outputs: Iterable[RequestOutput]) -> 
 
     The mux's hot path: one engine step's outputs, a dict lookup and a list
     extend per delta while readers lag (the usual case in a busy step), and
-    :meth:`Mailbox._put` for everything else. A mailbox that receives its
+    :meth:`Mailbox.put` for everything else. A mailbox that receives its
     final output is removed from ``mailboxes``. Synchronous, never blocks.
     """
     get = mailboxes.get
@@ -224,7 +252,7 @@ def deliver(mailboxes: dict[str, Mailbox], outputs: Iterable[RequestOutput]) -> 
             continue
         merged = mailbox._token_ids
         if merged is not None and output.finish_reason is None and output.logprobs is None:
-            # Inlined _put, merge branch: the reader is not waiting (it
+            # Inlined put, merge branch: the reader is not waiting (it
             # would have taken _pending) and the delta carries only tokens.
             token_ids = output.token_ids
             room = mailbox._room - len(token_ids)
@@ -232,7 +260,7 @@ def deliver(mailboxes: dict[str, Mailbox], outputs: Iterable[RequestOutput]) -> 
                 mailbox._room = room
                 merged += token_ids
                 continue
-        mailbox._put(output)
+        mailbox.put(output)
         if output.finish_reason is not None:
             del mailboxes[output.request_id]
     return unknown

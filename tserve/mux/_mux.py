@@ -4,7 +4,8 @@ Every request in the API process reaches the engine through here:
 
 * The request task opens a :class:`Mailbox` (``open_mailbox``), hands the mux
   an ``AddRequest`` (``submit``), reads its mailbox, and on any way out calls
-  ``abort`` / ``Mailbox.close``. All of these are synchronous and never block.
+  ``abort`` / ``Mailbox.close``. All of these are synchronous and never block;
+  the bookkeeping behind them is the sans-IO :class:`Router` (``_router.py``).
 * The mux's sender sends every add and abort pending in its inbox as ONE
   ``EngineInput`` frame; its receiver routes each ``RequestOutput`` of every
   ``StepOutputs`` frame to the mailbox of its request id.
@@ -26,27 +27,23 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Final
 
 import anyio
-import msgspec
 import zmq
 from anyio.abc import TaskStatus
 
 from tserve.mux._errors import EngineDeadError, MuxClosedError, MuxError
-from tserve.mux._mailbox import Mailbox, deliver
+from tserve.mux._mailbox import Mailbox
+from tserve.mux._router import Router
 from tserve.mux._zmqio import ZmqChannel
 from tserve.protocol import (
     AddRequest,
     EngineDead,
-    EngineInput,
     EngineReady,
     EngineStats,
-    FinishReason,
     Heartbeat,
     Hello,
     ProtocolError,
-    RequestOutput,
     Shutdown,
     StepOutputs,
     decode,
@@ -104,20 +101,10 @@ class Mux:
         self._started = False
         self._scope: anyio.CancelScope | None = None
         self._last_received = 0.0  # anyio.current_time() of the last frame
-        # Open mailboxes by request id: removed when the final output is
-        # routed, when closed, and all at once when the engine dies.
-        # Bound: the live requests, which admission control caps.
-        self._mailboxes: dict[str, Mailbox] = {}
-        # The inbox: what the next EngineInput frame will carry.
-        # Bound: each open mailbox puts at most one add (submit checks) and
-        # at most one abort (Mailbox._abort_queued), so together at most
-        # 2 x open mailboxes. Never waits, never rejects for lack of room.
-        self._adds: list[AddRequest] = []
-        self._aborts: list[str] = []
+        # Open mailboxes and the inbox (bounds stated in _router.py).
+        self._router = Router(self._wake_sender)
         self._shutdown: Shutdown | None = None  # sent after the last input
         self._sender_wakeup: anyio.Event | None = None  # set iff the sender waits
-
-    # -- state ----------------------------------------------------------------
 
     @property
     def ready(self) -> EngineReady:
@@ -137,9 +124,7 @@ class Mux:
 
     @property
     def open_mailboxes(self) -> int:
-        return len(self._mailboxes)
-
-    # -- the request side: synchronous, never blocks --------------------------
+        return len(self._router)
 
     def open_mailbox(self, request_id: str, max_tokens: int) -> Mailbox:
         """Register a mailbox for ``request_id``; outputs for it go there.
@@ -148,36 +133,19 @@ class Mux:
         MuxError when the id is already open.
         """
         self._check_usable()
-        if request_id in self._mailboxes:
-            raise MuxError(f"request id {request_id!r} is already open")
-        mailbox = Mailbox(request_id, max_tokens, self._close_mailbox)
-        self._mailboxes[request_id] = mailbox
-        return mailbox
+        return self._router.open(request_id, max_tokens)
 
     def submit(self, request: AddRequest) -> None:
         """Queue ``request`` for the engine; it goes out with the next frame.
 
-        Its mailbox must be open and not yet submitted. Never blocks.
-        Raises EngineDeadError / MuxClosedError when the mux cannot deliver.
-        A request that cannot cross the wire intact (see ``_wire_problem``)
-        is not sent: its mailbox gets one ``FinishReason.ERROR`` output.
+        Its mailbox must be open and not yet submitted (else MuxError).
+        Never blocks. Raises EngineDeadError / MuxClosedError when the mux
+        cannot deliver. A request that cannot cross the wire intact (see
+        ``wire_problem``) is not sent: its mailbox gets one
+        ``FinishReason.ERROR`` output.
         """
         self._check_usable()
-        mailbox = self._mailboxes.get(request.request_id)
-        if mailbox is None:
-            raise MuxError(f"no open mailbox for request id {request.request_id!r}")
-        if mailbox._submitted or mailbox._abort_queued:
-            raise MuxError(f"request id {request.request_id!r} was already submitted or aborted")
-        if request.params.max_tokens > mailbox.max_tokens:
-            raise MuxError("the request's max_tokens exceeds its mailbox's")
-        problem = _wire_problem(request)
-        if problem is not None:  # never sent: it ends here, alone
-            del self._mailboxes[request.request_id]
-            mailbox._put(RequestOutput(request.request_id, [], FinishReason.ERROR, error=problem))
-            return
-        mailbox._submitted = True
-        self._adds.append(request)
-        self._wake_sender()
+        self._router.submit(request)
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to stop ``request_id``; it ends with FinishReason.ABORT.
@@ -186,16 +154,7 @@ class Mux:
         Idempotent; harmless for an id that is unknown, finished, closed, or
         when the engine is dead. A request not yet submitted ends at once.
         """
-        mailbox = self._mailboxes.get(request_id)
-        if mailbox is None or mailbox._abort_queued:
-            return
-        mailbox._abort_queued = True
-        if not mailbox._submitted:  # the engine never heard of it
-            del self._mailboxes[request_id]
-            mailbox._put(RequestOutput(request_id, [], FinishReason.ABORT))
-            return
-        self._aborts.append(request_id)
-        self._wake_sender()
+        self._router.abort(request_id)
 
     def shutdown_engine(self, reason: str = "") -> None:
         """Ask the engine to exit, after the inputs already queued. Never blocks."""
@@ -211,11 +170,7 @@ class Mux:
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
-        mailboxes, self._mailboxes = self._mailboxes, {}
-        for mailbox in mailboxes.values():
-            mailbox._fail(EngineDeadError(reason))
-        self._adds.clear()
-        self._aborts.clear()
+        self._router.fail_all(EngineDeadError(reason), engine_dead=True)
         self._notify_ready_changed()
         if self._scope is not None:
             self._scope.cancel()
@@ -226,20 +181,11 @@ class Mux:
         if self._closed:
             raise MuxClosedError("the mux has stopped")
 
-    def _close_mailbox(self, mailbox: Mailbox) -> None:
-        if self._mailboxes.get(mailbox.request_id) is not mailbox:
-            return  # finished, failed or closed already
-        if mailbox._submitted:
-            self.abort(mailbox.request_id)
-        self._mailboxes.pop(mailbox.request_id, None)
-
     def _wake_sender(self) -> None:
         wakeup = self._sender_wakeup
         if wakeup is not None:
             self._sender_wakeup = None
             wakeup.set()
-
-    # -- the task --------------------------------------------------------------
 
     async def run(
         self, address: str, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -320,17 +266,16 @@ class Mux:
         """The sender: one EngineInput frame per wakeup, holding the whole inbox."""
         stats = self.stats
         while True:
-            if not self._adds and not self._aborts and self._shutdown is None:
+            if not self._router.has_inputs and self._shutdown is None:
                 wakeup = self._sender_wakeup = anyio.Event()
                 await wakeup.wait()
                 continue
-            if self._adds or self._aborts:
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
-                await channel.send(encode(EngineInput(adds, aborts)))
+            inputs = self._router.take_inputs()
+            if inputs is not None:
+                await channel.send(encode(inputs))
                 stats.frames_sent += 1
-                stats.adds_sent += len(adds)
-                stats.aborts_sent += len(aborts)
+                stats.adds_sent += len(inputs.adds)
+                stats.aborts_sent += len(inputs.aborts)
             elif self._shutdown is not None:
                 await channel.send(encode(self._shutdown))
                 stats.frames_sent += 1
@@ -350,10 +295,8 @@ class Mux:
     def _handle(self, frame: bytes) -> bool:
         """Decode one engine frame and act on it; False once the engine is dead.
 
-        A function of its own so that each decoded step is freed as soon as
-        it is routed, before the next one is decoded: fewer live objects when
-        decoding triggers a garbage collection, so fewer survive into the
-        older generations and full collections come less often.
+        A function of its own so that each decoded step is freed once routed,
+        before the next is decoded: fewer live objects for the collector.
         """
         message = self._decode(frame)
         if type(message) is StepOutputs:
@@ -370,7 +313,7 @@ class Mux:
     def _route(self, step: StepOutputs) -> None:
         self.engine_stats = step.stats
         outputs = step.outputs
-        unknown = deliver(self._mailboxes, outputs)
+        unknown = self._router.route(outputs)
         self.stats.unknown_deltas += unknown
         self.stats.deltas_routed += len(outputs) - unknown
 
@@ -400,16 +343,14 @@ class Mux:
         self._closed = True
         self._scope = None
         self._notify_ready_changed()
-        mailboxes, self._mailboxes = self._mailboxes, {}
-        for mailbox in mailboxes.values():
-            mailbox._fail(MuxClosedError("the mux stopped"))
-            if mailbox._submitted and not mailbox._abort_queued:
-                self._aborts.append(mailbox.request_id)
+        if self._dead_reason is None:
+            self._router.fail_all(MuxClosedError("the mux stopped"), engine_dead=False)
+        inputs = self._router.take_inputs()
         if self._dead_reason is None and self._ready is not None:
             # Best effort, without waiting: LINGER gives zmq time to deliver.
             frames = []
-            if self._adds or self._aborts:
-                frames.append(encode(EngineInput(self._adds, self._aborts)))
+            if inputs is not None:
+                frames.append(encode(inputs))
             if self._shutdown is not None:
                 frames.append(encode(self._shutdown))
             for frame in frames:
@@ -417,29 +358,8 @@ class Mux:
                     socket.send(frame, zmq.NOBLOCK)
                 except zmq.ZMQError:
                     break
-        self._adds, self._aborts, self._shutdown = [], [], None
+        self._shutdown = None
         socket.close()
-
-
-_ADD_ENCODER: Final = msgspec.msgpack.Encoder()
-_ADD_DECODER: Final = msgspec.msgpack.Decoder(AddRequest)
-
-
-def _wire_problem(request: AddRequest) -> str | None:
-    """Why ``request`` would not reach the engine intact, or None. About 2 us.
-
-    Adds travel batched, so one bad add must not spoil its frame: an int
-    outside msgpack's range (a seed of 2**64 from an embedding caller) makes
-    encoding the whole EngineInput raise, which would stop the mux, and a
-    value of the wrong type (a float top_k) makes the engine drop the whole
-    frame, losing every other add and abort in it. A round trip through the
-    engine's own decoding finds both.
-    """
-    try:
-        _ADD_DECODER.decode(_ADD_ENCODER.encode(request))
-    except (OverflowError, TypeError, ValueError, msgspec.MsgspecError) as exc:
-        return f"the request cannot be sent to the engine: {exc}"
-    return None
 
 
 @asynccontextmanager

@@ -144,6 +144,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _option(eng, "--cache-dir", str, None, "where converted models are cached")
     _option(
         eng,
+        "--engine-kind",
+        str,
+        d.engine_kind,
+        "'model', or 'echo': no model, every request gets max_tokens tokens echoing its "
+        "prompt (the model directory gives only the tokenizer), to measure the frontend alone",
+        choices=("model", "echo"),
+    )
+    _option(eng, "--echo-step-time", float, d.echo_step_time, "seconds per echo engine step")
+    _option(
+        eng,
         "--embedding-model",
         str,
         "default",
@@ -211,6 +221,8 @@ def _serve(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "cpu_gemm": args.cpu_gemm,
         "cache_dir": args.cache_dir,
+        "engine_kind": args.engine_kind,
+        "echo_step_time": args.echo_step_time,
     }
 
     embedding = args.embedding_model

@@ -147,12 +147,21 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     "auto" measures, per layer shape and row count, whether the BLAS or
     prepacked oneDNN is faster; "blas" and "onednn" force one.
 
-    ``task`` "embed" makes an embedding engine instead (``tserve.gpu._embed``):
+    ``task`` "embed" makes an embedding engine instead (``tserve.gpu._embed_core``):
     ``model`` is then a local encoder directory, or "default" for the packaged
     all-MiniLM-L6-v2; ``max_model_len`` None = the encoder's own maximum (256
     for MiniLM); ``max_num_seqs`` and ``max_num_batched_tokens`` bound one
     forward pass (inputs, and padded tokens); the KV fields are unused, and
     ``dtype`` "auto" is fp32 on every device.
+
+    ``engine_kind`` "echo" runs no model at all (``tserve.gpu._echo_core``), to
+    measure the frontend alone: ``model`` is only where the API process's
+    tokenizer comes from (no weights are loaded); each step, every one of up
+    to ``max_num_seqs`` requests gets one token, echoing its prompt, and a
+    step takes ``echo_step_time`` seconds. ``max_tokens``, stop token ids,
+    deadlines and aborts are honoured as by the real engine; EOS is never
+    echoed, so a request gets exactly ``max_tokens`` tokens unless a stop
+    token id or the context length ends it first.
     """
 
     model: str = "default"
@@ -168,6 +177,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cache_dir: str | None = None
     task: Literal["generate", "embed"] = "generate"
     cpu_gemm: CpuGemm = "auto"
+    engine_kind: Literal["model", "echo"] = "model"
+    echo_step_time: float = 0.01
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from tserve.gpu._engine import FORWARD_FAULT_ENV, EngineCore, ForwardFault
+from tserve.gpu._core import FORWARD_FAULT_ENV, ForwardFault
+from tserve.gpu._engine import EngineCore
 from tserve.gpu._sampler import FAULT_ENV as SAMPLER_FAULT_ENV
 from tserve.protocol import (
     AddRequest,

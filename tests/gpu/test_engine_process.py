@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from tserve import protocol as p
-from tserve.gpu._engine import FORWARD_FAULT_ENV
+from tserve.gpu._core import FORWARD_FAULT_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD = 60.0  # seconds; only ever reached when something is broken

@@ -1,0 +1,30 @@
+"""The engine process: torch, plain blocking pyzmq, no trio. Imports only
+:mod:`tserve.protocol` (and :mod:`tserve.validity`) of the rest of tserve.
+
+Modules:
+
+* ``__main__.py`` — the process's entry point (``python -m tserve.gpu``).
+* ``_process.py`` — the ROUTER socket and the numbered step loop around a core;
+  parent watching, shutdown, engine death.
+* ``_outbox.py`` — per-peer output that never blocks a step (coalesces at HWM).
+* ``_core.py`` — the :class:`Core` protocol the loop drives, and the
+  bookkeeping every core shares: aborts, counters, the test-only forward fault.
+* ``_engine.py`` — :class:`EngineCore`, generation: scheduler + model runner +
+  sampler, one forward pass per step; ``resolve_device``.
+* ``_embed_core.py`` — :class:`EmbedCore`, embeddings: batched encoder passes,
+  mean pooling.
+* ``_echo_core.py`` — :class:`EchoCore`, no model: paced tokens echoing the
+  prompt, to measure the frontend alone.
+* ``_scheduler.py`` — continuous batching: which tokens of which requests run
+  in a step (plain Python).
+* ``_kv.py`` — KV-cache accounting: the paged block allocator (plain Python).
+* ``_sequence.py`` — one record per request and the chunk of work in a step.
+* ``_model_runner.py`` — one forward pass over the scheduled chunks; owns the
+  KV pool.
+* ``_attention.py`` — paged attention over the KV pool, plugged into
+  transformers.
+* ``_gemm.py`` — CPU linear layers on the library measured fastest.
+* ``_sampler.py`` — the next token per request from its logits.
+* ``_models.py`` — finding, converting and loading models and encoders.
+* ``_errors.py`` — the engine's error types.
+"""

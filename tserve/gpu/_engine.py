@@ -8,25 +8,20 @@ sampling it — ends that request alone with ``FinishReason.ERROR`` and frees
 its KV; only an exception out of the batch itself (the forward pass, the
 device) escapes ``step()``, and the process treats that as fatal.
 
-Test-only fault injection: when the environment variable
-``TSERVE_TEST_FAULT_FORWARD`` holds a number N when the core is built, the
-N-th forward pass (counting from 1) raises :class:`ForwardFault` instead of
-running, so tests can show that a fatal error in the model runner reaches
-every API process as ``EngineDead``. It is unset in production and nothing
-that arrives over HTTP or the wire can set it.
+It is a :class:`~tserve.gpu._core.Core`; the bookkeeping it shares with the
+other cores (aborts, counters, the test-only forward fault) is in ``_core.py``.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Final
 
 import torch
 
+from tserve.gpu._core import CoreBookkeeping, PeerOutput
 from tserve.gpu._errors import RequestRejected
 from tserve.gpu._kv import BlockManager
 from tserve.gpu._model_runner import ModelRunner
@@ -39,23 +34,15 @@ from tserve.protocol import (
     EngineConfig,
     EngineReady,
     EngineStats,
-    FinishReason,
     RequestOutput,
     TokenLogprob,
 )
 from tserve.validity import generation_problem
 
-__all__ = ["FORWARD_FAULT_ENV", "EngineCore", "ForwardFault", "resolve_device"]
+__all__ = ["EngineCore", "resolve_device"]
 
-log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
-
-FORWARD_FAULT_ENV: Final = "TSERVE_TEST_FAULT_FORWARD"
-
-
-class ForwardFault(RuntimeError):
-    """Raised on purpose by the test-only forward-pass fault hook."""
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -73,10 +60,11 @@ def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-class EngineCore:
+class EngineCore(CoreBookkeeping[Sequence]):
     """Continuous batching over one model. Not thread-safe; one owner calls it."""
 
     def __init__(self, config: EngineConfig, progress: Progress = print) -> None:
+        super().__init__()
         torch.set_num_threads(max(1, config.threads))
         device, dtype = resolve_device(config)
         if config.model == "default":
@@ -119,15 +107,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
         )
-        # Outputs decided outside a forward pass (rejections, aborts, expiry),
-        # sent with the next step. Bounded by the requests added or aborted
-        # since the previous step.
-        self._pending: list[tuple[bytes, RequestOutput]] = []
         # Logprobs of tokens sampled but not yet reported; one entry per token.
         self._logprobs: dict[str, list[TokenLogprob]] = {}
-        self._steps = 0
-        self._aborts_received = 0
-        self._fault_step = _fault_step_from_env()
         progress(f"engine ready: {self.model_name}, {num_blocks * config.block_size} KV tokens")
 
     # -- requests in ---------------------------------------------------------
@@ -135,14 +116,10 @@ class EngineCore:
     def add(self, request: AddRequest, peer: bytes) -> None:
         """Queue a request; a request that can never run is answered with an error.
 
-        An id already live for the SAME peer is a protocol violation by that
-        peer: the add is logged and dropped, because an error output would end
-        the live request's stream while it goes on. The same id from another
-        peer is rejected to that peer alone.
+        An id already live for the SAME peer is dropped (see ``_core.py``); the
+        same id from another peer is rejected to that peer alone.
         """
-        live = self.scheduler.get(request.request_id)
-        if live is not None and live.peer == peer:
-            log.error("peer %r re-used the live request id %r; add ignored", peer, live.request_id)
+        if self._is_duplicate(request.request_id, peer):
             return
         problem = self._check(request)
         if problem is None:
@@ -158,34 +135,19 @@ class EngineCore:
             except RequestRejected as exc:
                 problem = str(exc)
         if problem is not None:
-            self._pending.append(
-                (peer, RequestOutput(request.request_id, [], FinishReason.ERROR, error=problem))
-            )
+            self._reject(peer, request.request_id, problem)
 
-    def abort(self, request_ids: Iterable[str], peer: bytes | None = None) -> None:
-        """Idempotent: unknown or finished ids are ignored. Frees KV at once.
+    # Aborts (abort, abort_peer, abort_all) are CoreBookkeeping's; they free KV at once.
 
-        With ``peer``, only that peer's requests are touched: another API
-        process may use the same id.
-        """
-        for request_id in request_ids:
-            self._aborts_received += 1
-            seq = self.scheduler.get(request_id)
-            if seq is None or (peer is not None and seq.peer != peer):
-                continue
-            self.scheduler.abort(request_id)
-            self._finished(seq)
+    def _matching(self, request_id: str, peer: bytes | None) -> list[Sequence]:
+        seq = self.scheduler.get(request_id)
+        return [] if seq is None or (peer is not None and seq.peer != peer) else [seq]
 
-    def abort_peer(self, peer: bytes) -> None:
-        """Abort every request of an API process that is gone."""
-        self._abort_all([s for s in self.scheduler.sequences() if s.peer == peer])
+    def _live(self) -> Iterable[Sequence]:
+        return self.scheduler.sequences()
 
-    def abort_all(self) -> None:
-        """Abort every live request (shutdown); their final outputs go out with the next step."""
-        self._abort_all(self.scheduler.sequences())
-
-    def _abort_all(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
+    def _end_aborted(self, records: list[Sequence]) -> None:
+        for seq in records:
             self.scheduler.abort(seq.request_id)
             self._finished(seq)
 
@@ -195,7 +157,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
 
-    def step(self, now: float | None = None) -> list[tuple[bytes, RequestOutput]]:
+    def step(self, now: float | None = None) -> list[PeerOutput]:
         """One step of continuous batching; returns (peer, output) pairs.
 
         At most one output per request: its new tokens (and logprobs), and
@@ -213,15 +175,13 @@ class EngineCore:
             logits = self._forward(chunks)  # 3 ONE forward pass (fatal if it raises)
             sampled, failed = self._sample(chunks, logits)  # 4 sample, per request
             news = failed + self.scheduler.update(chunks, sampled)  # 5 update, free finished
-        outputs, self._pending = self._pending, []
+        outputs = self._take_pending()
         # A sequence is in ``news`` once: failed ones are skipped by update().
         outputs += [(seq.peer, self._output(seq)) for seq in news]  # 6 outputs
         return outputs
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        self._steps += 1
-        if self._steps == self._fault_step:
-            raise ForwardFault(f"injected forward fault at step {self._steps}")
+        self._count_step()
         return self.runner.execute(chunks)
 
     def _sample(
@@ -279,7 +239,7 @@ class EngineCore:
 
     def _finished(self, seq: Sequence) -> None:
         """Report a sequence that ended outside update() (abort, expiry, error)."""
-        self._pending.append((seq.peer, self._output(seq)))
+        self._report(seq.peer, self._output(seq))
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.output_token_ids[seq.num_sent :]
@@ -292,17 +252,6 @@ class EngineCore:
             self._logprobs.pop(seq.request_id, None)
             self.sampler.release(seq.request_id)
         return RequestOutput(seq.request_id, new, seq.finish_reason, logprobs, seq.error)
-
-
-def _fault_step_from_env() -> int | None:
-    """The step number of the test-only forward fault, or None (production)."""
-    value = os.environ.get(FORWARD_FAULT_ENV)
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{FORWARD_FAULT_ENV} must be a step number, got {value!r}") from None
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: object) -> tuple[int, ...]:

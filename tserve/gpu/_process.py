@@ -1,5 +1,7 @@
-"""The engine process: a ROUTER socket around an :class:`EngineCore` (or an
-:class:`EmbedCore` when ``config.task`` is "embed": same loop, same wire).
+"""The engine process: a ROUTER socket around a :class:`~tserve.gpu._core.Core`:
+an :class:`EngineCore`, an :class:`EmbedCore` when ``config.task`` is "embed",
+or an :class:`EchoCore` when ``config.engine_kind`` is "echo" (same loop,
+same wire).
 
 Plain blocking pyzmq; no trio, anyio or quart. The main loop, in steps:
 
@@ -36,8 +38,7 @@ from collections.abc import Callable
 import zmq
 
 from tserve._host import pid_alive
-from tserve.gpu._embed import EmbedCore
-from tserve.gpu._engine import EngineCore
+from tserve.gpu._core import Core
 from tserve.gpu._outbox import Outbox
 from tserve.protocol import (
     EngineConfig,
@@ -78,10 +79,6 @@ MALLOC_TRIM_THRESHOLD = 1 << 30
 # How long a load whose parent is gone may take to unwind before the process
 # just ends (a main thread stuck in a C call never sees the interrupt).
 LOAD_EXIT_GRACE = 5.0
-
-
-# The step loop behind the socket: generation, or embeddings (``config.task``).
-Core = EngineCore | EmbedCore
 
 
 class _Stop(Exception):
@@ -168,12 +165,27 @@ def _load(config: EngineConfig, parent_alive: Callable[[], bool]) -> Core | None
     previous = signal.signal(signal.SIGINT, interrupted)
     threading.Thread(target=watch, name="tserve-parent-watch", daemon=True).start()
     try:
-        return (EmbedCore if config.task == "embed" else EngineCore)(config, progress=log.info)
+        return _build_core(config)
     except _ParentGone:
         return None
     finally:
         loaded.set()
         signal.signal(signal.SIGINT, previous)
+
+
+def _build_core(config: EngineConfig) -> Core:
+    """The core ``config`` asks for; each is imported only when chosen (torch: seconds)."""
+    if config.engine_kind == "echo":
+        from tserve.gpu._echo_core import EchoCore
+
+        return EchoCore(config, progress=log.info)
+    if config.task == "embed":
+        from tserve.gpu._embed_core import EmbedCore
+
+        return EmbedCore(config, progress=log.info)
+    from tserve.gpu._engine import EngineCore
+
+    return EngineCore(config, progress=log.info)
 
 
 def _serve(

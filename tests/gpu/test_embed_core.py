@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tserve.gpu._embed import EmbedCore
+from tserve.gpu._embed_core import EmbedCore
 from tserve.gpu._models import ModelLoadError, default_embedding_model_dir, load_encoder
 from tserve.protocol import AddRequest, EngineConfig, FinishReason, RequestOutput, SamplingParams
 

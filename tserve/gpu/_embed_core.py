@@ -1,9 +1,8 @@
 """The embedding engine's step loop: :class:`EmbedCore`, in process and without sockets.
 
-It has the duck-typed interface ``_process.py`` drives an :class:`EngineCore`
-with (``add``, ``abort``, ``abort_peer``, ``abort_all``, ``has_work``,
-``step``, ``stats``, ``ready_info``), so an embedding engine is the same
-process, socket and wire as a generation engine with another core inside.
+It is a :class:`~tserve.gpu._core.Core` like :class:`EngineCore`, so an
+embedding engine is the same process, socket and wire as a generation engine
+with another core inside; the bookkeeping they share is in ``_core.py``.
 
 Rules:
 
@@ -24,7 +23,7 @@ Rules:
   finds a request still waiting. Only an exception out of the forward pass
   (the batch as a whole) escapes ``step()``: the process treats it as fatal.
 
-The test-only forward fault of ``_engine.py`` (``TSERVE_TEST_FAULT_FORWARD``)
+The test-only forward fault of ``_core.py`` (``TSERVE_TEST_FAULT_FORWARD``)
 applies here too.
 """
 
@@ -41,7 +40,8 @@ from typing import Any
 
 import torch
 
-from tserve.gpu._engine import ForwardFault, _fault_step_from_env, resolve_device
+from tserve.gpu._core import CoreBookkeeping, PeerOutput
+from tserve.gpu._engine import resolve_device
 from tserve.gpu._gemm import tune_linears
 from tserve.gpu._models import (
     DEFAULT_EMBEDDING_MODEL_NAME,
@@ -72,10 +72,11 @@ class _Waiting:
     deadline: float | None
 
 
-class EmbedCore:
+class EmbedCore(CoreBookkeeping[_Waiting]):
     """Batched embedding over one encoder. Not thread-safe; one owner calls it."""
 
     def __init__(self, config: EngineConfig, progress: ProgressCallback = print) -> None:
+        super().__init__()
         torch.set_num_threads(max(1, config.threads))
         device, _ = resolve_device(config)
         # Embeddings are compared by cosine across requests and servers: fp32
@@ -103,12 +104,6 @@ class EmbedCore:
         # (peer, id) because two API processes may use the same id. Bound:
         # the requests the API processes have live (their admission caps them).
         self._waiting: dict[tuple[bytes, str], _Waiting] = {}
-        # Outputs decided outside a forward pass (rejections, aborts, expiry),
-        # sent with the next step. Bound: the adds and aborts since then.
-        self._pending: list[tuple[bytes, RequestOutput]] = []
-        self._steps = 0
-        self._aborts_received = 0
-        self._fault_step = _fault_step_from_env()
         progress(
             f"embedding engine ready: {self.model_name}, {self.embedding_dim} dimensions, "
             f"inputs up to {self.max_model_len} tokens"
@@ -119,45 +114,33 @@ class EmbedCore:
     def add(self, request: AddRequest, peer: bytes) -> None:
         """Queue an input; one that can never be embedded is answered with an error.
 
-        An id already waiting for the SAME peer is that peer's protocol
-        violation: logged and dropped (see ``EngineCore.add``).
+        An id already waiting for the SAME peer is dropped (see ``_core.py``).
         """
-        key = (peer, request.request_id)
-        if key in self._waiting:
-            log.error("peer %r re-used the live request id %r; add ignored", *key)
+        if self._is_duplicate(request.request_id, peer):
             return
         problem = self._check(request.prompt_token_ids)
         if problem is not None:
-            error = RequestOutput(request.request_id, [], FinishReason.ERROR, error=problem)
-            self._pending.append((peer, error))
+            self._reject(peer, request.request_id, problem)
             return
         ids = list(request.prompt_token_ids)
+        key = (peer, request.request_id)
         self._waiting[key] = _Waiting(request.request_id, peer, ids, request.deadline)
 
-    def abort(self, request_ids: Iterable[str], peer: bytes | None = None) -> None:
-        """Idempotent: unknown or finished ids are ignored. With ``peer``, only its requests."""
-        for request_id in request_ids:
-            self._aborts_received += 1
-            if peer is not None:
-                found = self._waiting.pop((peer, request_id), None)
-                gone = [] if found is None else [found]
-            else:
-                gone = [w for w in self._waiting.values() if w.request_id == request_id]
-                for w in gone:
-                    del self._waiting[(w.peer, w.request_id)]
-            self._ended(gone, FinishReason.ABORT)
+    # Aborts (abort, abort_peer, abort_all) are CoreBookkeeping's.
 
-    def abort_peer(self, peer: bytes) -> None:
-        """Abort every request of an API process that is gone."""
-        gone = [w for w in self._waiting.values() if w.peer == peer]
-        for w in gone:
+    def _matching(self, request_id: str, peer: bytes | None) -> list[_Waiting]:
+        if peer is not None:
+            found = self._waiting.get((peer, request_id))
+            return [] if found is None else [found]
+        return [w for w in self._waiting.values() if w.request_id == request_id]
+
+    def _live(self) -> Iterable[_Waiting]:
+        return self._waiting.values()
+
+    def _end_aborted(self, records: list[_Waiting]) -> None:
+        for w in records:
             del self._waiting[(w.peer, w.request_id)]
-        self._ended(gone, FinishReason.ABORT)
-
-    def abort_all(self) -> None:
-        """Abort everything waiting (shutdown); the outputs go out with the next step."""
-        gone, self._waiting = list(self._waiting.values()), {}
-        self._ended(gone, FinishReason.ABORT)
+            self._report(w.peer, RequestOutput(w.request_id, [], FinishReason.ABORT))
 
     # -- the step ----------------------------------------------------------------
 
@@ -165,7 +148,7 @@ class EmbedCore:
     def has_work(self) -> bool:
         return bool(self._waiting) or bool(self._pending)
 
-    def step(self, now: float | None = None) -> list[tuple[bytes, RequestOutput]]:
+    def step(self, now: float | None = None) -> list[PeerOutput]:
         """Embed one batch of waiting inputs; return (peer, output) pairs.
 
         ``now`` (default ``time.time()``) is what deadlines are checked
@@ -174,11 +157,9 @@ class EmbedCore:
         """
         now = time.time() if now is None else now
         expired = [w for w in self._waiting.values() if w.deadline is not None and w.deadline < now]
-        for w in expired:  # 1 end expired requests
-            del self._waiting[(w.peer, w.request_id)]
-        self._ended(expired, FinishReason.ABORT)
+        self._end_aborted(expired)  # 1 end expired requests
         batch = self._schedule()  # 2 take a batch, FCFS
-        outputs, self._pending = self._pending, []
+        outputs = self._take_pending()
         if batch:
             vectors = self._forward([w.token_ids for w in batch])  # 3 ONE forward pass
             outputs += [  # 4 one final output per request
@@ -206,9 +187,7 @@ class EmbedCore:
 
     def _forward(self, inputs: list[list[int]]) -> list[bytes]:
         """Unit-norm vectors of ``inputs`` (one padded forward pass), as float32 LE bytes."""
-        self._steps += 1
-        if self._steps == self._fault_step:
-            raise ForwardFault(f"injected forward fault at step {self._steps}")
+        self._count_step()
         width = max(len(ids) for ids in inputs)
         ids = torch.full((len(inputs), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(inputs), width), dtype=torch.long)
@@ -248,9 +227,6 @@ class EmbedCore:
         """Why this input cannot be embedded, or None (the API process checks first)."""
         problem = embedding_problem(ids, vocab_size=self.vocab_size, max_len=self.max_model_len)
         return None if problem is None else problem.message
-
-    def _ended(self, requests: list[_Waiting], reason: FinishReason) -> None:
-        self._pending += [(w.peer, RequestOutput(w.request_id, [], reason)) for w in requests]
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,194 @@
+"""What the engine process's loop drives: the :class:`Core` protocol and the
+bookkeeping every core shares (:class:`CoreBookkeeping`). No torch.
+
+A core is the step loop of one engine kind, in process and without sockets:
+``_engine.py`` (generation), ``_embed_core.py`` (embeddings) and
+``_echo_core.py`` (a model-free stand-in that measures the frontend alone).
+``_process.py`` drives any of them the same way: ``add`` and ``abort`` as
+frames arrive, ``step`` while ``has_work``, ``stats`` with every frame out.
+
+Rules every core keeps (the shared parts live in :class:`CoreBookkeeping`):
+
+* A request is live from ``add`` until its final output is returned by
+  ``step``; it belongs to the peer (API process) that added it.
+* An add whose id is already live for the SAME peer is that peer's protocol
+  violation: logged and dropped, because an error output would end the live
+  request's stream while it goes on.
+* Aborts are idempotent: unknown or finished ids are ignored; every id
+  received counts in ``EngineStats.aborts_received``. With a peer, only that
+  peer's requests are touched (another API process may use the same id).
+  An aborted request's final ``FinishReason.ABORT`` output goes out with the
+  next step.
+* Outputs decided outside a step (rejections, aborts) wait in one list and go
+  out first in the next ``step``.
+
+Test-only fault injection: when the environment variable
+``TSERVE_TEST_FAULT_FORWARD`` holds a number N when a core is built, its N-th
+step that runs the model (counting from 1) raises :class:`ForwardFault`
+instead, so tests can show that a fatal error reaches every API process as
+``EngineDead``. It is unset in production and nothing that arrives over HTTP
+or the wire can set it.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+from collections.abc import Iterable
+from typing import Final, Generic, Protocol, TypeVar
+
+from tserve.protocol import AddRequest, EngineReady, EngineStats, FinishReason, RequestOutput
+
+__all__ = [
+    "FORWARD_FAULT_ENV",
+    "Core",
+    "CoreBookkeeping",
+    "ForwardFault",
+    "LiveRequest",
+    "PeerOutput",
+]
+
+log = logging.getLogger(__name__)
+
+FORWARD_FAULT_ENV: Final = "TSERVE_TEST_FAULT_FORWARD"
+
+PeerOutput = tuple[bytes, RequestOutput]
+"""An output and the peer (API process) it goes to."""
+
+
+class ForwardFault(RuntimeError):
+    """Raised on purpose by the test-only forward-pass fault hook."""
+
+
+class Core(Protocol):
+    """One engine kind's step loop, as ``_process.py`` drives it. Not thread-safe."""
+
+    def add(self, request: AddRequest, peer: bytes) -> None:
+        """Queue a request; one that can never run is answered with an error. Never blocks."""
+
+    def abort(self, request_ids: Iterable[str], peer: bytes | None = None) -> None:
+        """End live requests with ABORT (idempotent; with ``peer``, only its own)."""
+
+    def abort_peer(self, peer: bytes) -> None:
+        """Abort every request of an API process that is gone."""
+
+    def abort_all(self) -> None:
+        """Abort every live request (shutdown)."""
+
+    @property
+    def has_work(self) -> bool:
+        """True while a step would do something (live requests or pending outputs)."""
+
+    def step(self, now: float | None = None) -> list[PeerOutput]:
+        """One step: at most one output per request. Blocks for one step's work.
+
+        ``now`` (default ``time.time()``) is what deadlines are checked
+        against. Raises only for a failure of the whole step (fatal).
+        """
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the load, sent with every frame."""
+
+    def ready_info(self) -> EngineReady:
+        """What an API process learns in answer to its Hello."""
+
+
+class LiveRequest(Protocol):
+    """What the shared bookkeeping reads of a core's record of one live request."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def peer(self) -> bytes: ...
+
+
+R = TypeVar("R", bound=LiveRequest)
+
+
+class CoreBookkeeping(abc.ABC, Generic[R]):
+    """Counters, pending outputs, the abort fan-out and the fault hook of a core.
+
+    A core subclasses it with its own record type ``R`` and says how to find
+    live records (:meth:`_matching`, :meth:`_live`) and how to end them
+    (:meth:`_end_aborted`); the rules in the module docstring follow.
+    """
+
+    def __init__(self) -> None:
+        # Outputs decided outside a step, sent first with the next one.
+        # Bound: the requests added or aborted since the previous step.
+        self._pending: list[PeerOutput] = []
+        self._steps = 0
+        self._aborts_received = 0
+        self._fault_step = _fault_step_from_env()
+
+    # -- what a core provides -------------------------------------------------------
+
+    @abc.abstractmethod
+    def _matching(self, request_id: str, peer: bytes | None) -> list[R]:
+        """The live records with ``request_id`` (only ``peer``'s, when given)."""
+
+    @abc.abstractmethod
+    def _live(self) -> Iterable[R]:
+        """Every live record."""
+
+    @abc.abstractmethod
+    def _end_aborted(self, records: list[R]) -> None:
+        """End ``records`` (all live) with ABORT, free what they hold, and report them."""
+
+    # -- shared ------------------------------------------------------------------
+
+    def abort(self, request_ids: Iterable[str], peer: bytes | None = None) -> None:
+        """Idempotent: unknown or finished ids are ignored. With ``peer``, only its requests."""
+        for request_id in request_ids:
+            self._aborts_received += 1
+            found = self._matching(request_id, peer)
+            if found:
+                self._end_aborted(found)
+
+    def abort_peer(self, peer: bytes) -> None:
+        """Abort every request of an API process that is gone."""
+        self._end_aborted([r for r in self._live() if r.peer == peer])
+
+    def abort_all(self) -> None:
+        """Abort every live request (shutdown); the outputs go out with the next step."""
+        self._end_aborted(list(self._live()))
+
+    def _is_duplicate(self, request_id: str, peer: bytes) -> bool:
+        """True (and logged) when ``peer`` re-uses one of its live ids: drop the add."""
+        if not self._matching(request_id, peer):
+            return False
+        log.error("peer %r re-used the live request id %r; add ignored", peer, request_id)
+        return True
+
+    def _reject(self, peer: bytes, request_id: str, problem: str) -> None:
+        """Answer a request that can never run with one ERROR output (next step)."""
+        self._pending.append(
+            (peer, RequestOutput(request_id, [], FinishReason.ERROR, error=problem))
+        )
+
+    def _report(self, peer: bytes, output: RequestOutput) -> None:
+        """Send ``output`` with the next step."""
+        self._pending.append((peer, output))
+
+    def _take_pending(self) -> list[PeerOutput]:
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def _count_step(self) -> None:
+        """Count a step that runs the model; the test-only fault hook fires here."""
+        self._steps += 1
+        if self._steps == self._fault_step:
+            raise ForwardFault(f"injected forward fault at step {self._steps}")
+
+
+def _fault_step_from_env() -> int | None:
+    """The step number of the test-only forward fault, or None (production)."""
+    value = os.environ.get(FORWARD_FAULT_ENV)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{FORWARD_FAULT_ENV} must be a step number, got {value!r}") from None

@@ -1,5 +1,7 @@
 """What the engine process's loop drives: the :class:`Core` protocol and the
-bookkeeping every core shares (:class:`CoreBookkeeping`). No torch.
+bookkeeping every core shares (:class:`CoreBookkeeping`: counters, pending
+outputs, aborts, ``ready_info``, the fault hook; :class:`PeerKeyedBookkeeping`
+adds the live-request table of the cores without a scheduler). No torch.
 
 A core is the step loop of one engine kind, in process and without sockets:
 ``_engine.py`` (generation), ``_embed_core.py`` (embeddings) and
@@ -35,10 +37,18 @@ from __future__ import annotations
 import abc
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from pathlib import Path
 from typing import Final, Generic, Protocol, TypeVar
 
-from tserve.protocol import AddRequest, EngineReady, EngineStats, FinishReason, RequestOutput
+from tserve.protocol import (
+    AddRequest,
+    EngineConfig,
+    EngineReady,
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+)
 
 __all__ = [
     "FORWARD_FAULT_ENV",
@@ -46,6 +56,7 @@ __all__ = [
     "CoreBookkeeping",
     "ForwardFault",
     "LiveRequest",
+    "PeerKeyedBookkeeping",
     "PeerOutput",
 ]
 
@@ -103,6 +114,9 @@ class LiveRequest(Protocol):
     @property
     def peer(self) -> bytes: ...
 
+    @property
+    def deadline(self) -> float | None: ...
+
 
 R = TypeVar("R", bound=LiveRequest)
 
@@ -112,8 +126,21 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
 
     A core subclasses it with its own record type ``R`` and says how to find
     live records (:meth:`_matching`, :meth:`_live`) and how to end them
-    (:meth:`_end_aborted`); the rules in the module docstring follow.
+    (:meth:`_end_aborted`); the rules in the module docstring follow. It
+    also sets the attributes below, which :meth:`ready_info` reports.
     """
+
+    # Set by each core's __init__.
+    model_name: str
+    model_path: Path
+    max_model_len: int  # the longest prompt + output (embeddings: input)
+    vocab_size: int
+    config: EngineConfig
+    device: object  # reported as str()
+    # Class defaults a core may override.
+    eos_token_ids: Collection[int] = ()
+    task = "generate"
+    embedding_dim = 0
 
     def __init__(self) -> None:
         # Outputs decided outside a step, sent first with the next one.
@@ -155,6 +182,26 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
         """Abort every live request (shutdown); the outputs go out with the next step."""
         self._end_aborted(list(self._live()))
 
+    def ready_info(self) -> EngineReady:
+        """What an API process learns in answer to its Hello."""
+        return EngineReady(
+            model=self.model_name,
+            model_path=str(self.model_path),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids),
+            max_num_seqs=self.config.max_num_seqs,
+            kv_tokens_total=self._kv_tokens_total(),
+            device=str(self.device),
+            pid=os.getpid(),
+            task=self.task,
+            embedding_dim=self.embedding_dim,
+        )
+
+    def _kv_tokens_total(self) -> int:
+        """The KV budget in tokens; none unless a core keeps a KV cache."""
+        return 0
+
     def _is_duplicate(self, request_id: str, peer: bytes) -> bool:
         """True (and logged) when ``peer`` re-uses one of its live ids: drop the add."""
         if not self._matching(request_id, peer):
@@ -181,6 +228,43 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
         self._steps += 1
         if self._steps == self._fault_step:
             raise ForwardFault(f"injected forward fault at step {self._steps}")
+
+
+class PeerKeyedBookkeeping(CoreBookkeeping[R]):
+    """For a core that keeps its live requests in one dict by (peer, id), first
+    come first served, and ends an aborted or expired one with an empty ABORT
+    output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Live requests, in arrival order; keyed by peer too, because two API
+        # processes may use the same id. Bound: the requests the API
+        # processes have live (their admission caps them).
+        self._requests: dict[tuple[bytes, str], R] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def _matching(self, request_id: str, peer: bytes | None) -> list[R]:
+        if peer is not None:
+            found = self._requests.get((peer, request_id))
+            return [] if found is None else [found]
+        return [r for r in self._requests.values() if r.request_id == request_id]
+
+    def _live(self) -> Iterable[R]:
+        return self._requests.values()
+
+    def _end_aborted(self, records: list[R]) -> None:
+        for r in records:
+            del self._requests[(r.peer, r.request_id)]
+            self._report(r.peer, RequestOutput(r.request_id, [], FinishReason.ABORT))
+
+    def _expire(self, now: float) -> None:
+        """End every request whose deadline is before ``now`` with ABORT."""
+        self._end_aborted(
+            [r for r in self._requests.values() if r.deadline is not None and r.deadline < now]
+        )
 
 
 def _fault_step_from_env() -> int | None:

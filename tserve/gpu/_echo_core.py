@@ -27,17 +27,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tserve.gpu._core import CoreBookkeeping, PeerOutput
+from tserve.gpu._core import PeerKeyedBookkeeping, PeerOutput
 from tserve.protocol import (
     AddRequest,
     EngineConfig,
-    EngineReady,
     EngineStats,
     FinishReason,
     RequestOutput,
@@ -63,7 +61,7 @@ class _Echo:
     sent: int = 0  # tokens given out so far; < params.max_tokens while live
 
 
-class EchoCore(CoreBookkeeping[_Echo]):
+class EchoCore(PeerKeyedBookkeeping[_Echo]):
     """Paced, model-free token streams. Not thread-safe; one owner calls it."""
 
     def __init__(self, config: EngineConfig, progress: Callable[[str], None] = print) -> None:
@@ -85,10 +83,7 @@ class EchoCore(CoreBookkeeping[_Echo]):
         model_len = int(model_config.get("max_position_embeddings") or DEFAULT_CONTEXT)
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.config = config
-        # Live requests by (peer, id), first come first served: the first
-        # max_num_seqs run. Bound: the requests the API processes have live
-        # (their admission caps them).
-        self._requests: dict[tuple[bytes, str], _Echo] = {}
+        self.device = "none (echo)"
         self._last_step = time.monotonic()
         progress(
             f"echo engine ready: {self.model_name}'s tokenizer, no model, "
@@ -113,27 +108,9 @@ class EchoCore(CoreBookkeeping[_Echo]):
         eos = self.eos_token_ids
         tokens = [t for t in request.prompt_token_ids if t not in eos] or [0]
         echo = _Echo(request.request_id, peer, tokens, request.params, request.deadline)
-        self._requests[(peer, request.request_id)] = echo
-
-    def _matching(self, request_id: str, peer: bytes | None) -> list[_Echo]:
-        if peer is not None:
-            found = self._requests.get((peer, request_id))
-            return [] if found is None else [found]
-        return [e for e in self._requests.values() if e.request_id == request_id]
-
-    def _live(self) -> Iterable[_Echo]:
-        return self._requests.values()
-
-    def _end_aborted(self, records: list[_Echo]) -> None:
-        for echo in records:
-            del self._requests[(echo.peer, echo.request_id)]
-            self._report(echo.peer, RequestOutput(echo.request_id, [], FinishReason.ABORT))
+        self._requests[(peer, request.request_id)] = echo  # the first max_num_seqs run
 
     # -- the step ----------------------------------------------------------------
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
 
     def step(self, now: float | None = None) -> list[PeerOutput]:
         """One token for each running request; returns (peer, output) pairs.
@@ -143,10 +120,7 @@ class EchoCore(CoreBookkeeping[_Echo]):
         checked against.
         """
         now = time.time() if now is None else now
-        expired = [
-            e for e in self._requests.values() if e.deadline is not None and e.deadline < now
-        ]
-        self._end_aborted(expired)  # 1 end expired requests
+        self._expire(now)  # 1 end expired requests
         running = list(self._requests.values())[: self.config.max_num_seqs]  # 2 schedule
         outputs = self._take_pending()
         if running:
@@ -185,19 +159,6 @@ class EchoCore(CoreBookkeeping[_Echo]):
             waiting=len(self._requests) - running,
             steps=self._steps,
             aborts_received=self._aborts_received,
-        )
-
-    def ready_info(self) -> EngineReady:
-        return EngineReady(
-            model=self.model_name,
-            model_path=str(self.model_path),
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-            eos_token_ids=list(self.eos_token_ids),
-            max_num_seqs=self.config.max_num_seqs,
-            kv_tokens_total=0,
-            device="none (echo)",
-            pid=os.getpid(),
         )
 
 

@@ -32,15 +32,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tserve.gpu._core import CoreBookkeeping, PeerOutput
+from tserve.gpu._core import PeerKeyedBookkeeping, PeerOutput
 from tserve.gpu._engine import resolve_device
 from tserve.gpu._gemm import tune_linears
 from tserve.gpu._models import (
@@ -52,7 +50,6 @@ from tserve.gpu._models import (
 from tserve.protocol import (
     AddRequest,
     EngineConfig,
-    EngineReady,
     EngineStats,
     FinishReason,
     RequestOutput,
@@ -72,8 +69,11 @@ class _Waiting:
     deadline: float | None
 
 
-class EmbedCore(CoreBookkeeping[_Waiting]):
+class EmbedCore(PeerKeyedBookkeeping[_Waiting]):
     """Batched embedding over one encoder. Not thread-safe; one owner calls it."""
+
+    task = "embed"
+    device: torch.device
 
     def __init__(self, config: EngineConfig, progress: ProgressCallback = print) -> None:
         super().__init__()
@@ -100,10 +100,6 @@ class EmbedCore(CoreBookkeeping[_Waiting]):
         self.device = device
         self.config = config
         _check_pooling(path)
-        # Requests not yet embedded, first come first served; keyed by
-        # (peer, id) because two API processes may use the same id. Bound:
-        # the requests the API processes have live (their admission caps them).
-        self._waiting: dict[tuple[bytes, str], _Waiting] = {}
         progress(
             f"embedding engine ready: {self.model_name}, {self.embedding_dim} dimensions, "
             f"inputs up to {self.max_model_len} tokens"
@@ -124,29 +120,9 @@ class EmbedCore(CoreBookkeeping[_Waiting]):
             return
         ids = list(request.prompt_token_ids)
         key = (peer, request.request_id)
-        self._waiting[key] = _Waiting(request.request_id, peer, ids, request.deadline)
-
-    # Aborts (abort, abort_peer, abort_all) are CoreBookkeeping's.
-
-    def _matching(self, request_id: str, peer: bytes | None) -> list[_Waiting]:
-        if peer is not None:
-            found = self._waiting.get((peer, request_id))
-            return [] if found is None else [found]
-        return [w for w in self._waiting.values() if w.request_id == request_id]
-
-    def _live(self) -> Iterable[_Waiting]:
-        return self._waiting.values()
-
-    def _end_aborted(self, records: list[_Waiting]) -> None:
-        for w in records:
-            del self._waiting[(w.peer, w.request_id)]
-            self._report(w.peer, RequestOutput(w.request_id, [], FinishReason.ABORT))
+        self._requests[key] = _Waiting(request.request_id, peer, ids, request.deadline)
 
     # -- the step ----------------------------------------------------------------
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._waiting) or bool(self._pending)
 
     def step(self, now: float | None = None) -> list[PeerOutput]:
         """Embed one batch of waiting inputs; return (peer, output) pairs.
@@ -156,8 +132,7 @@ class EmbedCore(CoreBookkeeping[_Waiting]):
         the whole batch (the forward pass, the device), which is fatal.
         """
         now = time.time() if now is None else now
-        expired = [w for w in self._waiting.values() if w.deadline is not None and w.deadline < now]
-        self._end_aborted(expired)  # 1 end expired requests
+        self._expire(now)  # 1 end expired requests
         batch = self._schedule()  # 2 take a batch, FCFS
         outputs = self._take_pending()
         if batch:
@@ -172,7 +147,7 @@ class EmbedCore(CoreBookkeeping[_Waiting]):
         """The longest FCFS prefix of the waiting inputs that fits one forward pass."""
         batch: list[_Waiting] = []
         width = 0
-        for w in self._waiting.values():
+        for w in self._requests.values():
             wider = max(width, len(w.token_ids))
             if batch and (
                 len(batch) >= self.config.max_num_seqs
@@ -182,7 +157,7 @@ class EmbedCore(CoreBookkeeping[_Waiting]):
             batch.append(w)
             width = wider
         for w in batch:
-            del self._waiting[(w.peer, w.request_id)]
+            del self._requests[(w.peer, w.request_id)]
         return batch
 
     def _forward(self, inputs: list[list[int]]) -> list[bytes]:
@@ -203,22 +178,7 @@ class EmbedCore(CoreBookkeeping[_Waiting]):
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            waiting=len(self._waiting), steps=self._steps, aborts_received=self._aborts_received
-        )
-
-    def ready_info(self) -> EngineReady:
-        return EngineReady(
-            model=self.model_name,
-            model_path=str(self.model_path),
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-            eos_token_ids=[],
-            max_num_seqs=self.config.max_num_seqs,
-            kv_tokens_total=0,
-            device=str(self.device),
-            pid=os.getpid(),
-            task="embed",
-            embedding_dim=self.embedding_dim,
+            waiting=len(self._requests), steps=self._steps, aborts_received=self._aborts_received
         )
 
     # -- internals -------------------------------------------------------------------

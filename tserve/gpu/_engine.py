@@ -14,7 +14,6 @@ other cores (aborts, counters, the test-only forward fault) is in ``_core.py``.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -32,7 +31,6 @@ from tserve.gpu._sequence import ScheduledChunk, Sequence
 from tserve.protocol import (
     AddRequest,
     EngineConfig,
-    EngineReady,
     EngineStats,
     RequestOutput,
     TokenLogprob,
@@ -62,6 +60,8 @@ def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
 
 class EngineCore(CoreBookkeeping[Sequence]):
     """Continuous batching over one model. Not thread-safe; one owner calls it."""
+
+    eos_token_ids: tuple[int, ...]
 
     def __init__(self, config: EngineConfig, progress: Progress = print) -> None:
         super().__init__()
@@ -212,18 +212,8 @@ class EngineCore(CoreBookkeeping[Sequence]):
             aborts_received=self._aborts_received,
         )
 
-    def ready_info(self) -> EngineReady:
-        return EngineReady(
-            model=self.model_name,
-            model_path=str(self.model_path),
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-            eos_token_ids=list(self.eos_token_ids),
-            max_num_seqs=self.config.max_num_seqs,
-            kv_tokens_total=self.blocks.tokens_total,
-            device=self.device,
-            pid=os.getpid(),
-        )
+    def _kv_tokens_total(self) -> int:
+        return self.blocks.tokens_total
 
     # -- internals -------------------------------------------------------------
 

@@ -72,11 +72,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = Path(path)
-    if not directory.is_dir():
-        raise ModelLoadError(f"model directory {str(directory)!r} does not exist")
-    if not (directory / "config.json").is_file():
-        raise ModelLoadError(f"{str(directory)!r} is not a model directory (no config.json)")
+    directory = _model_directory(path, "model")
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model: Any = AutoModelForCausalLM.from_pretrained(
@@ -85,6 +81,16 @@ def load_model(
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {str(directory)!r}: {exc}") from exc
     return model.to(device).eval(), tokenizer
+
+
+def _model_directory(path: str | os.PathLike[str], kind: str) -> Path:
+    """``path`` as a directory with a config.json; else ModelLoadError naming it."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ModelLoadError(f"{kind} directory {str(directory)!r} does not exist")
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"{str(directory)!r} is not a model directory (no config.json)")
+    return directory
 
 
 def load_encoder(
@@ -97,11 +103,7 @@ def load_encoder(
     """
     from transformers import AutoModel
 
-    directory = Path(path)
-    if not directory.is_dir():
-        raise ModelLoadError(f"embedding model directory {str(directory)!r} does not exist")
-    if not (directory / "config.json").is_file():
-        raise ModelLoadError(f"{str(directory)!r} is not a model directory (no config.json)")
+    directory = _model_directory(path, "embedding model")
     try:
         model: Any = AutoModel.from_pretrained(directory, local_files_only=True, dtype=dtype)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:

@@ -258,7 +258,7 @@ def _print_serving(name: str, url: str) -> None:
 
 
 async def _serve_with_workers(llm: LLM, server: ServerConfig, args: argparse.Namespace) -> int:
-    """Serve from this process and ``--api-processes`` - 1 workers (see tserve._api_worker).
+    """Serve from this process and ``--api-processes`` - 1 workers (see tserve.web._workers).
 
     This process listens first (to learn the port when it is 0), then starts
     the workers, and says "serving" once all of them listen. Each SIGTERM or
@@ -272,8 +272,8 @@ async def _serve_with_workers(llm: LLM, server: ServerConfig, args: argparse.Nam
 
     import trio
 
-    from tserve._api_worker import Workers, WorkerSpec
     from tserve.web import serve
+    from tserve.web._workers import Workers, WorkerSpec
 
     workers = Workers(args.api_processes - 1, stop_grace=server.shutdown_timeout + 10)
     served = trio.Event()

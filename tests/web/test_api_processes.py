@@ -79,7 +79,7 @@ def start(tiny_model_dir: Path, tmp_path: Path) -> tuple[Server, int, int]:
         log=tmp_path / "server.log",
     )
     kids = children(server.process.pid)
-    workers = [pid for pid, cmd in kids.items() if "tserve._api_worker" in cmd]
+    workers = [pid for pid, cmd in kids.items() if "tserve.web._worker_main" in cmd]
     engines = [pid for pid, cmd in kids.items() if "tserve.gpu" in cmd]
     assert len(workers) == 1 and len(engines) == 1, kids
     return server, workers[0], engines[0]

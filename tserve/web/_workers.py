@@ -1,7 +1,7 @@
-"""The extra API processes of ``python -m tserve serve --api-processes N``.
+"""The extra API processes of ``python -m tserve serve --api-processes N``, seen from the main one.
 
 The main process owns the engine(s) and serves HTTP itself; it starts N-1
-workers with :class:`Workers`, each ``python -m tserve._api_worker``: an API
+workers with :class:`Workers`, each ``python -m tserve.web._worker_main``: an API
 process of its own that attaches to the main process's engine with its own
 mux (``attach_llm``, and ``attach_embedder`` when there is an embedding
 engine) and binds the same port with SO_REUSEPORT. The kernel spreads new
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -39,15 +38,13 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
-from tserve._host import configure_logging
-from tserve.web import ServerConfig
+from tserve.web._server import ServerConfig
 
-__all__ = ["READY", "WorkerSpec", "Workers", "main"]
+__all__ = ["READY", "WorkerSpec", "Workers"]
 
 log = logging.getLogger("tserve")
 
 READY = "tserve-worker: ready"
-_PARENT_POLL = 0.2  # s between checks that the main process is still there
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,7 +110,7 @@ class Workers:
 
     async def _start_one(self, spec: WorkerSpec) -> trio.Process:
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "tserve._api_worker"],
+            [sys.executable, "-m", "tserve.web._worker_main"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # signals reach workers through forward() only
@@ -165,68 +162,3 @@ class Workers:
                         with contextlib.suppress(ProcessLookupError):
                             process.send_signal(sig)
                     await process.wait()
-
-
-# -- the worker process ------------------------------------------------------------
-
-
-async def _parent_gone(parent_pid: int) -> None:
-    """Return once the main process is gone (we were reparented)."""
-    while os.getppid() == parent_pid:  # noqa: ASYNC110 (no event for a parent's death)
-        await trio.sleep(_PARENT_POLL)
-    log.warning("the main API process (pid %d) is gone; this worker exits", parent_pid)
-
-
-async def _serve_worker(spec: WorkerSpec) -> int:
-    from tserve.nursery import attach_embedder, attach_llm
-    from tserve.web import serve
-
-    async with contextlib.AsyncExitStack() as stack:
-        embedder = None
-        if spec.embedding_address is not None and spec.embedding_pid is not None:
-            embedder = await stack.enter_async_context(
-                attach_embedder(
-                    spec.embedding_address,
-                    spec.embedding_pid,
-                    max_pending=spec.max_pending,
-                    request_timeout=spec.request_timeout,
-                )
-            )
-        llm = await stack.enter_async_context(
-            attach_llm(
-                spec.engine_address,
-                spec.engine_pid,
-                max_pending=spec.max_pending,
-                request_timeout=spec.request_timeout,
-                embedder=embedder,
-            )
-        )
-        codes: list[int] = []
-
-        async def run_server(task_status: trio.TaskStatus[str]) -> None:
-            trigger = lambda: _parent_gone(spec.parent_pid)  # noqa: E731
-            codes.append(
-                await serve(llm, spec.server, shutdown_trigger=trigger, task_status=task_status)
-            )
-
-        async with trio.open_nursery() as nursery:
-            await nursery.start(run_server)
-            print(READY, flush=True)
-        return codes[0]
-    raise AssertionError("unreachable")
-
-
-def main() -> int:
-    """Entry point of a worker: the spec on stdin; exit status as ``python -m tserve``'s."""
-    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
-    configure_logging(spec.log_level)
-    if os.getppid() != spec.parent_pid:
-        return 1  # the main process is gone already
-    try:
-        return trio.run(_serve_worker, spec)
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

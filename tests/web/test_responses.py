@@ -24,14 +24,12 @@ from tserve.protocol import TokenLogprob
 from tserve.web import _sse
 from tserve.web._errors import ModelNotFound, RequestAborted, Unauthorized, error_reply
 from tserve.web._responses import (
+    CHAT,
+    COMPLETION,
     ChatChoice,
     CompletionChoice,
-    chat_chunk,
-    chat_response,
-    completion_chunk,
-    completion_response,
+    Envelope,
     total_usage,
-    usage_chunk,
 )
 
 TEXTS = {1: "Hel", 2: "lo", 3: "!", 4: "\ufffd"}
@@ -94,24 +92,29 @@ def test_whole_responses_and_usage_counts_each_prompt_once() -> None:
         c.push(Delta("x", [1], None, "length", Usage(5 if i < 2 else 7, 1 + i)))
     usage = total_usage(choices, n=2)
     assert usage == Usage(12, 10)
-    body = completion_response("cmpl-1", 9, "m", choices, usage)
+    body = Envelope("cmpl-1", 9, "m", COMPLETION).response(choices, usage)
     assert body["object"] == "text_completion" and body["model"] == "m"
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert body["usage"] == {"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22}
     chat = ChatChoice(0, text_of, logprobs=False)
     chat.push(Delta("hi", [1], None, "stop", Usage(3, 1)))
-    body = chat_response("chatcmpl-1", 9, "m", [chat], Usage(3, 1))
+    body = Envelope("chatcmpl-1", 9, "m", CHAT).response([chat], Usage(3, 1))
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["content"] == "hi"
 
 
 def test_chunks() -> None:
     choice = {"index": 0, "text": "a", "logprobs": None, "finish_reason": None}
-    chunk = completion_chunk("id", 1, "m", choice, include_usage=False)
+    chunk = Envelope("id", 1, "m", COMPLETION).chunk(choice, include_usage=False)
     assert chunk["object"] == "text_completion" and "usage" not in chunk
-    chunk = chat_chunk("id", 1, "m", choice, include_usage=True)
+    chat = Envelope("id", 1, "m", CHAT)
+    chunk = chat.chunk(choice, include_usage=True)
     assert chunk["object"] == "chat.completion.chunk" and chunk["usage"] is None
-    last = usage_chunk("id", 1, "m", "chat.completion.chunk", Usage(2, 3))
+    assert list(chunk) == [
+        *("id", "object", "created", "model", "system_fingerprint", "choices", "usage")
+    ]
+    last = chat.usage_chunk(Usage(2, 3))
+    assert last["object"] == "chat.completion.chunk"
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
 
 

@@ -1,8 +1,27 @@
 """The OpenAI-compatible HTTP server: a thin quart-trio layer over :class:`tserve.LLM`.
 
-Request/response mapping, SSE and error mapping are sans-IO modules
-(``_requests``, ``_responses``, ``_sse``, ``_errors``); ``_app`` holds the
-routes and ``_server`` runs hypercorn's trio worker with graceful shutdown.
+What each module owns:
+
+* ``_app``: :class:`AppConfig`, :class:`Frontend` (the handlers and live
+  work of one app) with the route table, and :func:`create_app`.
+* ``_routing``: how a request reaches its handler: the API key check,
+  ``X-Request-Id``, errors mapped to replies, one record per request.
+* ``_generation``: ``/v1/completions`` and ``/v1/chat/completions``.
+* ``_embeddings``: ``/v1/embeddings``.
+* ``_tokens``: ``/tokenize``, ``/detokenize`` and the cached text of a token.
+* ``_models``: the served model names and ``/v1/models``.
+* ``_probes``: ``/version``, ``/health``, ``/ready``, ``/metrics``.
+* ``_inflight``: the live requests the shutdown drain waits for and aborts.
+* ``_streaming``: running a request's streams: collected into one body, or
+  pumped into an SSE response body.
+* ``_sse``: the SSE encoder and the order of a stream's events (sans-IO).
+* ``_requests`` / ``_responses``: OpenAI JSON to requests, and deltas to
+  OpenAI JSON (sans-IO).
+* ``_errors``: the one mapping of exceptions to OpenAI error JSON.
+* ``_metrics``: Prometheus metrics and the per-request log line.
+* ``_server``: :func:`serve`, hypercorn's trio worker with graceful shutdown.
+* ``_workers``: the extra API processes of ``--api-processes N`` (main
+  process side); ``_worker_main``: what runs inside one of them.
 """
 
 from tserve.web._app import AppConfig, Frontend, create_app

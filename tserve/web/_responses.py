@@ -2,8 +2,8 @@
 
 A *choice* accumulates the deltas of one generated sequence. ``push(delta)``
 returns that delta as the choice object of a stream chunk; ``final()``
-returns the choice object of the whole (non-streaming) response. The chunk
-and response builders wrap choice objects with the id, model and usage.
+returns the choice object of the whole (non-streaming) response. An
+:class:`Envelope` wraps choice objects with the id, model and usage.
 
 Shapes follow OpenAI's API reference:
 
@@ -24,24 +24,24 @@ little-endian float32 bytes, as OpenAI sends it (the SDK decodes it so).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from tserve.nursery import Delta, EmbeddingResult, Usage
 from tserve.protocol import TokenLogprob
 
 __all__ = [
+    "CHAT",
+    "COMPLETION",
     "ChatChoice",
     "CompletionChoice",
+    "Envelope",
+    "ObjectNames",
     "TokenText",
-    "chat_chunk",
-    "chat_response",
-    "completion_chunk",
-    "completion_response",
     "embedding_response",
     "total_usage",
-    "usage_chunk",
     "usage_dict",
 ]
 
@@ -76,6 +76,10 @@ class _Choice:
         self._logprobs = logprobs
         self._parts: list[str] = []
 
+    def _object(self, key: str, value: Any, logprobs: JSON | None, finish: str | None) -> JSON:
+        """A choice object: ``key`` is "text", "delta" or "message"."""
+        return {"index": self.index, key: value, "logprobs": logprobs, "finish_reason": finish}
+
     def _record(self, delta: Delta) -> None:
         """Keep ``delta``'s text, and its finish if it is the last."""
         self._parts.append(delta.text)
@@ -105,21 +109,12 @@ class CompletionChoice(_Choice):
         lp = self._take_logprobs(delta) if self._logprobs else None
         self._record(delta)
         self._offset += len(delta.text)
-        return {
-            "index": self.index,
-            "text": text,
-            "logprobs": lp,
-            "finish_reason": delta.finish_reason,
-        }
+        return self._object("text", text, lp, delta.finish_reason)
 
     def final(self) -> JSON:
         """The choice object of the whole response."""
-        return {
-            "index": self.index,
-            "text": "".join(self._parts),
-            "logprobs": self._lp if self._logprobs else None,
-            "finish_reason": self.finish_reason,
-        }
+        lp = self._lp if self._logprobs else None
+        return self._object("text", "".join(self._parts), lp, self.finish_reason)
 
     def _take_logprobs(self, delta: Delta) -> JSON:
         out: JSON = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -156,21 +151,13 @@ class ChatChoice(_Choice):
             self._content.extend(entries)
             lp = {"content": entries, "refusal": None}
         self._record(delta)
-        return {
-            "index": self.index,
-            "delta": message,
-            "logprobs": lp,
-            "finish_reason": delta.finish_reason,
-        }
+        return self._object("delta", message, lp, delta.finish_reason)
 
     def final(self) -> JSON:
         """The choice object of the whole response."""
-        return {
-            "index": self.index,
-            "message": {"role": "assistant", "content": "".join(self._parts), "refusal": None},
-            "logprobs": {"content": self._content, "refusal": None} if self._logprobs else None,
-            "finish_reason": self.finish_reason,
-        }
+        message = {"role": "assistant", "content": "".join(self._parts), "refusal": None}
+        lp = {"content": self._content, "refusal": None} if self._logprobs else None
+        return self._object("message", message, lp, self.finish_reason)
 
     def _entry(self, entry: TokenLogprob) -> JSON:
         token = self._token_text(entry.token_id)
@@ -193,55 +180,55 @@ def total_usage(choices: Sequence[CompletionChoice | ChatChoice], n: int) -> Usa
     return Usage(prompt, sum(u.completion_tokens for u in done))
 
 
-def completion_response(
-    rid: str, created: int, model: str, choices: Sequence[CompletionChoice], usage: Usage
-) -> JSON:
-    body = _envelope(rid, created, model, "text_completion", [c.final() for c in choices])
-    body["usage"] = usage_dict(usage)
-    return body
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectNames:
+    """The ``object`` of an endpoint's whole response and of its stream chunks."""
+
+    response: str
+    chunk: str
 
 
-def chat_response(
-    rid: str, created: int, model: str, choices: Sequence[ChatChoice], usage: Usage
-) -> JSON:
-    body = _envelope(rid, created, model, "chat.completion", [c.final() for c in choices])
-    body["usage"] = usage_dict(usage)
-    return body
+COMPLETION: Final = ObjectNames("text_completion", "text_completion")
+CHAT: Final = ObjectNames("chat.completion", "chat.completion.chunk")
 
 
-def completion_chunk(
-    rid: str, created: int, model: str, choice: JSON, *, include_usage: bool
-) -> JSON:
-    chunk = _envelope(rid, created, model, "text_completion", [choice])
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+@dataclasses.dataclass(frozen=True, slots=True)
+class Envelope:
+    """What every response body and stream chunk of one request starts with, up to its choices."""
 
+    rid: str
+    created: int
+    model: str
+    names: ObjectNames
 
-def chat_chunk(rid: str, created: int, model: str, choice: JSON, *, include_usage: bool) -> JSON:
-    chunk = _envelope(rid, created, model, "chat.completion.chunk", [choice])
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+    def response(self, choices: Sequence[CompletionChoice | ChatChoice], usage: Usage) -> JSON:
+        """The whole (non-streaming) response body."""
+        body = self._wrap(self.names.response, [c.final() for c in choices])
+        body["usage"] = usage_dict(usage)
+        return body
 
+    def chunk(self, choice: JSON, *, include_usage: bool) -> JSON:
+        """A stream chunk carrying one choice object (``"usage": null`` when usage comes last)."""
+        chunk = self._wrap(self.names.chunk, [choice])
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, usage: Usage) -> JSON:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
-    chunk = _envelope(rid, created, model, obj, [])
-    chunk["usage"] = usage_dict(usage)
-    return chunk
+    def usage_chunk(self, usage: Usage) -> JSON:
+        """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+        chunk = self._wrap(self.names.chunk, [])
+        chunk["usage"] = usage_dict(usage)
+        return chunk
 
-
-def _envelope(rid: str, created: int, model: str, obj: str, choices: list[JSON]) -> JSON:
-    """What every response body and stream chunk starts with, up to its choices."""
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-    }
+    def _wrap(self, obj: str, choices: list[JSON]) -> JSON:
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
 
 
 def embedding_response(model: str, result: EmbeddingResult, encoding_format: str) -> JSON:

@@ -100,15 +100,14 @@ class _Lifecycle:
 
     def __init__(
         self,
-        llm: LLM,
         frontend: Frontend,
         config: ServerConfig,
         on_signal: Callable[[signal.Signals], None] | None,
     ) -> None:
-        self.llm = llm
-        self.on_signal = on_signal
+        self.llm = frontend.llm
         self.frontend = frontend
         self.config = config
+        self.on_signal = on_signal
         self.exit_code = EXIT_OK
         self.stop_listening = trio.Event()  # hypercorn's shutdown trigger
         # hypercorn waits for idle keep-alive connections; after our drain has
@@ -128,11 +127,13 @@ class _Lifecycle:
         with trio.move_on_after(grace):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_after, self._hurry.wait, nursery.cancel_scope)
-                await self.frontend.wait_idle()
+                await self.frontend.in_flight.wait_idle()
                 nursery.cancel_scope.cancel()
-        self.frontend.abort_all(ShuttingDown("the server shut down before this request finished"))
+        self.frontend.in_flight.abort_all(
+            ShuttingDown("the server shut down before this request finished")
+        )
         with trio.move_on_after(_FLUSH_GRACE):  # aborted streams write their last event
-            await self.frontend.wait_idle()
+            await self.frontend.in_flight.wait_idle()
         self.http_scope.cancel()
 
     async def watch_signals(self, nursery: trio.Nursery) -> None:
@@ -182,7 +183,7 @@ async def serve(
     raise_fd_limit()
     app = create_app(llm, config.app)
     frontend: Frontend = app.extensions["tserve"]
-    life = _Lifecycle(llm, frontend, config, on_signal)
+    life = _Lifecycle(frontend, config, on_signal)
     async with trio.open_nursery() as nursery:
         if config.handle_signals:
             nursery.start_soon(life.watch_signals, nursery)
@@ -201,6 +202,6 @@ async def serve(
             nursery.cancel_scope.cancel()  # the watchers are done too
 
         binds: list[str] = await nursery.start(run_http)
-        frontend.started = True
+        frontend.probes.started = True
         task_status.started(binds[0])
     return life.exit_code

@@ -22,22 +22,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import trio
 from quart.wrappers.response import ResponseBody
 
-from tserve.nursery import Delta, RequestStream, ShuttingDown, Usage
-from tserve.web import _sse
-from tserve.web._errors import RequestAborted, error_reply
+from tserve.nursery import Delta, RequestStream
+from tserve.web._errors import RequestAborted
 from tserve.web._metrics import RequestRecord
-from tserve.web._responses import ChatChoice, CompletionChoice, total_usage
+from tserve.web._responses import ChatChoice, CompletionChoice
+from tserve.web._sse import SSEEvents
 
 __all__ = ["Choice", "SSEBody", "closed_on_error", "collect", "first_deltas"]
 
 Choice = CompletionChoice | ChatChoice
-JSON = dict[str, Any]
 
 
 def _checked(delta: Delta) -> Delta:
@@ -124,36 +122,24 @@ async def collect(
 
 
 class SSEBody(ResponseBody):
-    """The body of a streaming completion: ``data:`` chunks, then ``[DONE]``.
+    """The body of a streaming completion: its events in the order :class:`SSEEvents` keeps.
 
-    ``chunk`` wraps a choice object into a stream chunk; ``usage_chunk`` (when
-    the client asked for usage) makes the last chunk. A failure after the
-    headers ends the stream with one error event, then ``[DONE]``;
-    :meth:`abort` (server shutdown past its timeout) does the same with a
-    ShuttingDown error. ``on_close`` runs once, when quart leaves the body.
+    A failure after the headers ends the stream with one error event, then
+    ``[DONE]``; :meth:`abort` (server shutdown past its timeout) does the
+    same with its reason. ``on_close`` runs once, when quart leaves the body.
     """
 
     def __init__(
         self,
         streams: Sequence[RequestStream],
-        choices: Sequence[Choice],
         firsts: Sequence[Delta],
+        events: SSEEvents,
         *,
-        chunk: Callable[[JSON], JSON],
-        usage_chunk: Callable[[Usage], JSON] | None,
-        n: int,
         record: RequestRecord,
         on_close: Callable[[SSEBody], None],
     ) -> None:
-        self._streams = streams
-        self._choices = choices
-        self._firsts = firsts
-        self._chunk = chunk
-        self._usage_chunk = usage_chunk
-        self._n = n
-        self._record = record
-        self._on_close = on_close
-        self._status = 200  # what the log line says: 200, or the error event's status
+        self._streams, self._firsts, self._sse = streams, firsts, events
+        self._record, self._on_close = record, on_close
         self._abort_reason: Exception | None = None
         self._pumps = trio.CancelScope()
         self._nursery_manager = trio.open_nursery()
@@ -168,19 +154,15 @@ class SSEBody(ResponseBody):
         nursery.start_soon(self._run_pumps)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: Any) -> None:
+        """Cancel the pumps, wait for them, close every stream. A checkpoint."""
         self._pumps.cancel()  # the events may have ended early (an error)
         try:
-            await self._nursery_manager.__aexit__(exc_type, exc, tb)
+            await self._nursery_manager.__aexit__(*exc_info)
         finally:
             for stream in self._streams:
                 stream.close()
-            self._record.done(self._status if exc is None else 499)
+            self._record.done(self._sse.status if exc_info[1] is None else 499)
             self._on_close(self)
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -215,29 +197,23 @@ class SSEBody(ResponseBody):
                 await send.send((i, exc))
 
     async def _events(self) -> AsyncIterator[bytes]:
-        unfinished = len(self._streams)
-        error: Exception | None = None
+        """The firsts, then the pumps' deltas until every choice finished or one
+        failed; the pumps' channel ends early only when :meth:`abort` cut it."""
         for i, delta in enumerate(self._firsts):
-            yield self._event(i, delta)
-            unfinished -= delta.finish_reason is not None
+            yield self._chunk(i, delta)
+        error: Exception | None = None
         async for i, item in self._receive:
             if isinstance(item, Exception):
                 error = item
                 break
-            yield self._event(i, item)
-            unfinished -= item.finish_reason is not None
-            if not unfinished:
+            yield self._chunk(i, item)
+            if not self._sse.unfinished:
                 break
-        if error is None and unfinished:
-            error = self._abort_reason or ShuttingDown("the stream was cut short")
-        if error is not None:
-            reply = error_reply(error, self._record.request_id)
-            self._status = reply.status
-            yield _sse.event(reply.body)
-        elif self._usage_chunk is not None:
-            yield _sse.event(self._usage_chunk(total_usage(self._choices, self._n)))
-        yield _sse.DONE
+        if error is None and self._sse.unfinished:
+            error = self._abort_reason
+        for closing in self._sse.close(error):
+            yield closing
 
-    def _event(self, i: int, delta: Delta) -> bytes:
+    def _chunk(self, i: int, delta: Delta) -> bytes:
         self._record.delta(i, delta)
-        return _sse.event(self._chunk(self._choices[i].push(delta)))
+        return self._sse.chunk(i, delta)

@@ -1,0 +1,153 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``, as JSON or as SSE.
+
+Both go the same way: parse; resolve the model name; refuse at once what
+admission would refuse (before any tokenizing); start ``n`` streams per
+prompt; then either collect them into one JSON body or hand them to an
+:class:`SSEBody`. The whole run is abortable by the drain (:class:`InFlight`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from functools import partial
+
+import msgspec
+import trio
+from quart import Response
+
+from tserve.nursery import LLM, EngineDeadError, RequestStream, ShuttingDown
+from tserve.web._inflight import InFlight
+from tserve.web._metrics import RequestRecord
+from tserve.web._models import ServedModels
+from tserve.web._requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from tserve.web._responses import (
+    CHAT,
+    COMPLETION,
+    ChatChoice,
+    CompletionChoice,
+    Envelope,
+    total_usage,
+)
+from tserve.web._routing import json_response, read_body
+from tserve.web._sse import SSEEvents
+from tserve.web._streaming import Choice, SSEBody, closed_on_error, collect, first_deltas
+from tserve.web._tokens import TokenTexts
+
+__all__ = ["Generation"]
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Generation:
+    """The two generation handlers of one app."""
+
+    def __init__(
+        self, llm: LLM, models: ServedModels, in_flight: InFlight, token_texts: TokenTexts
+    ) -> None:
+        self._llm = llm
+        self._models = models
+        self._in_flight = in_flight
+        self._token_texts = token_texts
+
+    async def completions(self, record: RequestRecord) -> Response:
+        req = parse_completion(await read_body())
+        model = self._models.resolve(req.model)
+        self._precheck(len(req.prompts) * req.n)
+        return await self._in_flight.abortable(partial(self._completions, record, req, model))
+
+    async def chat_completions(self, record: RequestRecord) -> Response:
+        req = parse_chat(await read_body())
+        model = self._models.resolve(req.model)
+        self._precheck(req.n)
+        return await self._in_flight.abortable(partial(self._chat, record, req, model))
+
+    def _precheck(self, count: int) -> None:
+        """Refuse at once what admission would refuse, before any tokenizing."""
+        if not self._llm.engine_alive:
+            raise EngineDeadError("the engine is not running")
+        if self._in_flight.aborting is not None:
+            raise ShuttingDown("the server is shutting down")
+        self._llm.check_admission(count)
+
+    async def _completions(
+        self, record: RequestRecord, req: CompletionRequest, model: str
+    ) -> Response:
+        streams = await self._start_completion(req)
+        prefixes = await self._echo_prefixes(req)
+        logprobs = req.logprobs is not None
+        choices = [
+            CompletionChoice(i, self._token_texts, logprobs=logprobs, prefix=prefixes[i // req.n])
+            for i in range(len(streams))
+        ]
+        envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, COMPLETION)
+        return await self._respond(record, req, envelope, streams, choices)
+
+    async def _chat(self, record: RequestRecord, req: ChatRequest, model: str) -> Response:
+        streams = await self._start_chat(req)
+        logprobs = req.logprobs is not None
+        choices = [ChatChoice(i, self._token_texts, logprobs=logprobs) for i in range(len(streams))]
+        envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, CHAT)
+        return await self._respond(record, req, envelope, streams, choices)
+
+    async def _start_completion(self, req: CompletionRequest) -> list[RequestStream]:
+        """Admit ``n`` streams per prompt; a prompt used ``n > 1`` times is tokenized once."""
+        streams: list[RequestStream] = []
+        with closed_on_error(streams):
+            for prompt in req.prompts:
+                source: str | list[int] = prompt
+                if req.n > 1 and isinstance(prompt, str):
+                    source = await self._llm.tokenize(prompt)
+                streams.extend(self._llm.generate(source, req.params) for _ in range(req.n))
+        return streams
+
+    async def _start_chat(self, req: ChatRequest) -> list[RequestStream]:
+        """Admit ``n`` streams. Without max_tokens, the rest of the context is the limit."""
+        if req.max_tokens is not None and req.n == 1:
+            return [self._llm.chat(req.messages, req.params)]
+        ids = await self._llm.tokenize_chat(req.messages)
+        params = req.params
+        if req.max_tokens is None:
+            room = max(1, self._llm.ready.max_model_len - len(ids))
+            params = msgspec.structs.replace(params, max_tokens=room)
+        streams: list[RequestStream] = []
+        with closed_on_error(streams):
+            streams.extend(self._llm.generate(ids, params) for _ in range(req.n))
+        return streams
+
+    async def _echo_prefixes(self, req: CompletionRequest) -> list[str]:
+        if not req.echo:
+            return [""] * len(req.prompts)
+        out = []
+        for prompt in req.prompts:
+            if isinstance(prompt, str):
+                out.append(prompt)
+            else:
+                out.append(await trio.to_thread.run_sync(self._llm.decode, prompt))
+        return out
+
+    async def _respond(
+        self,
+        record: RequestRecord,
+        req: CompletionRequest | ChatRequest,
+        envelope: Envelope,
+        streams: list[RequestStream],
+        choices: Sequence[Choice],
+    ) -> Response:
+        """Collect ``streams`` into one JSON body, or stream them as SSE."""
+        if not req.stream:
+            await collect(streams, choices, record)
+            return json_response(envelope.response(choices, total_usage(choices, req.n)))
+        firsts = await first_deltas(streams)
+        events = SSEEvents(
+            choices,
+            chunk=partial(envelope.chunk, include_usage=req.include_usage),
+            usage_chunk=envelope.usage_chunk if req.include_usage else None,
+            n=req.n,
+            request_id=record.request_id,
+        )
+        body = SSEBody(streams, firsts, events, record=record, on_close=self._in_flight.body_closed)
+        self._in_flight.add_body(body)
+        record.streaming = True
+        return Response(body, content_type="text/event-stream", headers=dict(_SSE_HEADERS))

@@ -102,9 +102,10 @@ class SSEEvents:
         self._require("a chunk", StreamPhase.STREAMING)
         if not self._running[index]:
             raise SSEOrderError(f"a chunk for choice {index} after its finish")
+        data = event(self._chunk(self._choices[index].push(delta)))
         if delta.finish_reason is not None:
             self._running[index] = False
-        return event(self._chunk(self._choices[index].push(delta)))
+        return data
 
     def error(self, exc: Exception) -> bytes:
         """``exc`` as the stream's error event (its status becomes :attr:`status`)."""

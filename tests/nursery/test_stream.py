@@ -7,9 +7,7 @@ stream gets a real mux through a :class:`RequestSeam`. Token ``i`` is
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import anyio
 import pytest
@@ -48,6 +46,12 @@ class Client:
         self._ids += 1
         return RequestStream(self.seam, f"req-{self._ids}", [ord("A")], params, timeout)
 
+    async def ended(self, stream: RequestStream, state: RequestState, *, aborts: int) -> None:
+        """``stream`` ended in ``state``, released its slot once, and sent ``aborts`` aborts."""
+        assert stream.state is state
+        assert self.released == 1
+        await self.settled(aborts)
+
     async def settled(self, aborts: int) -> None:
         """The fake engine runs nothing and has received exactly ``aborts`` aborts."""
         mux = self.mux
@@ -62,18 +66,9 @@ class Client:
 
 
 @pytest.fixture
-def address() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="tserve-stream-", dir="/tmp")
-    try:
-        yield f"ipc://{directory}/engine.sock"
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture
-async def client(address: str) -> AsyncIterator[Client]:
-    with run_fake_engine(address, step_delay=0.005), anyio.fail_after(HANG_GUARD):
-        async with open_mux(address, ready_timeout=30) as mux:
+async def client(ipc_address: str) -> AsyncIterator[Client]:
+    with run_fake_engine(ipc_address, step_delay=0.005), anyio.fail_after(HANG_GUARD):
+        async with open_mux(ipc_address, ready_timeout=30) as mux:
             yield Client(mux)
 
 
@@ -81,9 +76,7 @@ async def test_to_the_end_sends_no_abort(client: Client) -> None:
     async with client.stream(SamplingParams(max_tokens=5)) as stream:
         text = "".join([delta.text async for delta in stream])
     assert text == "ABCDE"
-    assert stream.state is RequestState.FINISHED
-    assert client.released == 1
-    await client.settled(aborts=0)
+    await client.ended(stream, RequestState.FINISHED, aborts=0)
 
 
 async def test_a_cancel_mid_stream_aborts_once(client: Client) -> None:
@@ -91,9 +84,7 @@ async def test_a_cancel_mid_stream_aborts_once(client: Client) -> None:
     with anyio.CancelScope() as scope:
         async for _ in stream:
             scope.cancel()
-    assert stream.state is RequestState.ABORTED
-    assert client.released == 1
-    await client.settled(aborts=1)
+    await client.ended(stream, RequestState.ABORTED, aborts=1)
     stream.close()  # idempotent
     assert client.released == 1
 
@@ -102,9 +93,7 @@ async def test_break_and_close_abort_once(client: Client) -> None:
     async with client.stream(LONG) as stream:
         async for _ in stream:
             break
-    assert stream.state is RequestState.ABORTED
-    assert client.released == 1
-    await client.settled(aborts=1)
+    await client.ended(stream, RequestState.ABORTED, aborts=1)
 
 
 async def test_a_stop_string_aborts_the_running_request(client: Client) -> None:
@@ -112,9 +101,7 @@ async def test_a_stop_string_aborts_the_running_request(client: Client) -> None:
     deltas = [delta async for delta in stream]
     assert "".join(d.text for d in deltas) == "ABC"
     assert deltas[-1].finish_reason == "stop"
-    assert stream.state is RequestState.ABORTED
-    assert client.released == 1
-    await client.settled(aborts=1)
+    await client.ended(stream, RequestState.ABORTED, aborts=1)
 
 
 async def test_our_deadline_times_out_with_one_abort(client: Client) -> None:
@@ -122,9 +109,7 @@ async def test_our_deadline_times_out_with_one_abort(client: Client) -> None:
     with pytest.raises(RequestTimeout):
         async for _ in stream:
             pass
-    assert stream.state is RequestState.ABORTED
-    assert client.released == 1
-    await client.settled(aborts=1)
+    await client.ended(stream, RequestState.ABORTED, aborts=1)
 
 
 async def test_a_stream_never_read_is_closed_without_an_abort(client: Client) -> None:
@@ -137,9 +122,12 @@ async def test_a_stream_never_read_is_closed_without_an_abort(client: Client) ->
     await client.settled(aborts=0)
 
 
-async def test_engine_death_fails_the_stream_without_an_abort(address: str) -> None:
-    with run_fake_engine(address, die_after_steps=3, send_dead=True), anyio.fail_after(HANG_GUARD):
-        async with open_mux(address, ready_timeout=30) as mux:
+async def test_engine_death_fails_the_stream_without_an_abort(ipc_address: str) -> None:
+    with (
+        run_fake_engine(ipc_address, die_after_steps=3, send_dead=True),
+        anyio.fail_after(HANG_GUARD),
+    ):
+        async with open_mux(ipc_address, ready_timeout=30) as mux:
             client = Client(mux)
             stream = client.stream(LONG)
             with pytest.raises(EngineDeadError):

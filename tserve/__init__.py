@@ -1,6 +1,6 @@
 """tserve: an OpenAI-compatible LLM inference server on structured concurrency.
 
-The embedding API is imported lazily, so that the engine process, which
+The embeddable API is imported lazily, so that the engine process, which
 imports ``tserve.protocol`` and ``tserve.gpu``, never loads anyio, trio or
 the mux.
 """

@@ -19,6 +19,7 @@ import anyio
 import pytest
 
 import tserve.mux._mux as mux_module
+from tests.mux.conftest import ipc_address as ipc_address  # the fake engine tests' fixture
 from tserve import protocol
 from tserve.mux import Mux
 from tserve.nursery import LLM

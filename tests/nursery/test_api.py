@@ -1,4 +1,4 @@
-"""The embedding API against a real engine process with the tiny model, on both backends.
+"""The embeddable API against a real engine process with the tiny model, on both backends.
 
 One engine per backend serves the module; every test leaves it idle.
 """
@@ -24,7 +24,7 @@ from tserve import (
     open_llm,
 )
 from tserve.nursery import RequestState
-from tserve.nursery._llm import INLINE_TOKENIZE_CHARS
+from tserve.nursery._tokenizer import INLINE_TOKENIZE_CHARS
 from tserve.protocol import FinishReason
 
 pytestmark = pytest.mark.anyio
@@ -128,13 +128,13 @@ async def test_short_prompts_tokenize_on_the_loop(
     own thread (cheaper than the hop to a worker), with the same ids."""
     loop_thread = threading.get_ident()
     threads: list[int] = []
-    encode = llm.encode
+    encode = llm._tokens.encode
 
     def recording_encode(text: str) -> list[int]:
         threads.append(threading.get_ident())
         return encode(text)
 
-    monkeypatch.setattr(llm, "encode", recording_encode)
+    monkeypatch.setattr(llm._tokens, "encode", recording_encode)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     short = "ab " * ((INLINE_TOKENIZE_CHARS - 1) // 3)  # fewer tokens than the context
     result = await llm.complete(short, params)
@@ -155,7 +155,7 @@ async def test_long_tokenization_runs_in_a_worker_thread(
     loop_thread = threading.get_ident()
     entered, release = threading.Event(), threading.Event()
     threads: list[int] = []
-    encode = llm.encode
+    encode = llm._tokens.encode
 
     def blocking_encode(text: str) -> list[int]:
         threads.append(threading.get_ident())
@@ -163,7 +163,7 @@ async def test_long_tokenization_runs_in_a_worker_thread(
         release.wait(HANG_GUARD)
         return encode(text)
 
-    monkeypatch.setattr(llm, "encode", blocking_encode)
+    monkeypatch.setattr(llm._tokens, "encode", blocking_encode)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     results: list[str] = []
 

@@ -102,7 +102,7 @@ async def test_admission(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InvalidRequest, match="at most 100") as info:
         await llm.embed(["x"] * 101)
     assert info.value.param == "input"
-    monkeypatch.setattr(embedder, "live", embedder.max_pending)
+    monkeypatch.setattr(embedder, "_live", embedder.max_pending)
     with pytest.raises(Overloaded):
         await llm.embed("x")
     monkeypatch.setattr(llm, "embedder", None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tserve.nursery._llm import _unwrap
+from tserve.nursery._session import unwrap
 from tserve.nursery._state import IllegalTransition, RequestState, needs_abort, transition
 
 S = RequestState
@@ -45,20 +45,20 @@ class Boom(Exception):
 
 def test_unwrap_returns_the_body_exception_through_our_groups() -> None:
     boom = Boom()
-    assert _unwrap(ExceptionGroup("tg", [ExceptionGroup("tg", [boom])]), boom) is boom
+    assert unwrap(ExceptionGroup("tg", [ExceptionGroup("tg", [boom])]), boom) is boom
 
 
 def test_unwrap_keeps_the_body_group_even_when_copied() -> None:
     body = ExceptionGroup("mine", [Boom(), Boom()])
     copied = body.derive(body.exceptions)  # as a cancel scope's split() does
-    assert _unwrap(ExceptionGroup("tg", [copied]), body) is body
+    assert unwrap(ExceptionGroup("tg", [copied]), body) is body
     single = ExceptionGroup("mine", [Boom()])
-    assert _unwrap(ExceptionGroup("tg", [single.derive(single.exceptions)]), single) is single
+    assert unwrap(ExceptionGroup("tg", [single.derive(single.exceptions)]), single) is single
 
 
 def test_unwrap_a_lone_startup_failure_and_keep_real_groups() -> None:
     failure = RuntimeError("engine died")
-    assert _unwrap(ExceptionGroup("a", [ExceptionGroup("b", [failure])]), None) is failure
+    assert unwrap(ExceptionGroup("a", [ExceptionGroup("b", [failure])]), None) is failure
     both = ExceptionGroup("tg", [Boom(), RuntimeError()])
-    assert _unwrap(both, None) is both
-    assert _unwrap(both, both.exceptions[0]) is both
+    assert unwrap(both, None) is both
+    assert unwrap(both, both.exceptions[0]) is both

@@ -1,7 +1,33 @@
-"""Request lifecycle and the embeddable anyio API (see DESIGN.md, "The request lifecycle")."""
+"""Request lifecycle and the embeddable anyio API (see DESIGN.md, "The request lifecycle").
+
+Modules, each with one job (imports run down this list, never up)::
+
+    _open.py            open_llm / attach_llm / open_embedder / attach_embedder:
+                        an engine, its session and a client, for a block
+    _llm.py             LLM: generation requests, admission, LLMStats
+    _embedder.py        Embedder: embedding calls, their inputs and EmbeddingResult
+    _client.py          EngineClient (identity, liveness, ids, admission counts)
+                        and ClientSettings, shared by LLM and Embedder
+    _tokenizer.py       tokenizer policy: inline vs worker thread, fast decoding,
+                        the chat template, loading both models' tokenizers
+    _request.py         RequestStream: the IO shell of one request (submit,
+                        read, abort, close) over a RequestSeam
+    _output.py          sans-IO: an engine output to a Delta or a decision
+                        (abort, time out, fail, finished); mux failures
+    _deadline.py        a deadline on the loop's and the engine's clocks
+    _state.py           the request state machine (legal transitions)
+    _detokenize.py      sans-IO: token ids to text deltas, stop strings
+    _session.py         engine_session: the mux, the progress log, unwrapping
+                        our task groups' exception groups
+    _watch.py           process watchers: an engine's exit becomes engine death
+    _engine_process.py  starting and stopping an engine process
+    _gc.py              cyclic-GC settings while serving
+    _results.py         what a caller gets: Delta, Usage, Completion
+    _errors.py          the error types (LLMError and its subclasses)
+"""
 
 from tserve.mux import EngineDeadError
-from tserve.nursery._embed import Embedder, EmbeddingResult, attach_embedder, open_embedder
+from tserve.nursery._embedder import Embedder, EmbeddingResult
 from tserve.nursery._errors import (
     InvalidRequest,
     LLMError,
@@ -10,7 +36,8 @@ from tserve.nursery._errors import (
     RequestTimeout,
     ShuttingDown,
 )
-from tserve.nursery._llm import LLM, LLMStats, attach_llm, open_llm
+from tserve.nursery._llm import LLM, LLMStats
+from tserve.nursery._open import attach_embedder, attach_llm, open_embedder, open_llm
 from tserve.nursery._request import RequestStream
 from tserve.nursery._results import Completion, Delta, Usage
 from tserve.nursery._state import RequestState

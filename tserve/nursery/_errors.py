@@ -1,4 +1,4 @@
-"""Errors a caller of the embedding API can see.
+"""Errors a caller of the embeddable API can see.
 
 A small, flat hierarchy under :class:`LLMError`, beside the mux's
 :class:`tserve.mux.EngineDeadError`; the web layer maps each class to an
@@ -18,7 +18,7 @@ __all__ = [
 
 
 class LLMError(Exception):
-    """Base of the errors of the embedding API (besides EngineDeadError)."""
+    """Base of the errors of the embeddable API (besides EngineDeadError)."""
 
 
 class Overloaded(LLMError):

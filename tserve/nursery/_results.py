@@ -1,4 +1,4 @@
-"""What a caller of the embedding API gets back."""
+"""What a caller of the embeddable API gets back."""
 
 from __future__ import annotations
 

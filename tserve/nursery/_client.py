@@ -1,0 +1,101 @@
+"""What every client of an engine shares: :class:`EngineClient` and its settings.
+
+A client (``LLM``, ``Embedder``) stands for one engine behind one mux (an
+:class:`~tserve.nursery._session.EngineSession`): its identity (model, pid,
+socket address), whether it is alive, request ids, and admission: the
+refusal of new work once the engine is dead or the client closed, and the
+count of live units (requests, or inputs) against ``max_pending``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from tserve.mux import EngineDeadError
+from tserve.nursery._errors import InvalidRequest, Overloaded, ShuttingDown
+from tserve.nursery._session import EngineSession
+
+__all__ = ["ClientSettings", "EngineClient"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClientSettings:
+    """A client's bounds, as ``open_llm`` and the others take them (see :func:`tserve.open_llm`)."""
+
+    max_pending: int  # live units at once; >= 1
+    request_timeout: float | None  # s; None: no deadline
+    startup_timeout: float  # s the engine gets to become ready
+    heartbeat_timeout: float  # s of engine silence that count as its death
+
+    def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
+
+
+class EngineClient:
+    """One engine behind one mux, for a subclass to serve requests through.
+
+    Each subclass names itself in ``_dead`` and ``_closed``, and admits
+    with :meth:`_check_running` and :meth:`_check_room`.
+    """
+
+    _dead = "the engine is dead"  # EngineDeadError's message when the mux has none
+    _closed = "the engine client is closed"  # ShuttingDown's message once the mux stopped
+
+    def __init__(self, session: EngineSession, settings: ClientSettings, *, id_prefix: str) -> None:
+        self._mux = session.mux
+        self._engine = session.engine
+        self._mux_done = session.done  # set when the mux stopped (engine dead or closed)
+        self.ready = session.mux.ready
+        self.max_pending = settings.max_pending
+        self.request_timeout = settings.request_timeout
+        # Invariant: 0 <= _live <= max_pending: units admitted and not yet
+        # released (a subclass counts them).
+        self._live = 0
+        self._ids = itertools.count()
+        self._id_prefix = id_prefix
+
+    @property
+    def model(self) -> str:
+        return self.ready.model
+
+    @property
+    def engine_alive(self) -> bool:
+        """False once the engine is known to be dead, or the client closed; never True again."""
+        return not (self._mux.dead or self._mux_done.is_set())
+
+    @property
+    def engine_dead_reason(self) -> str | None:
+        return self._mux.dead_reason
+
+    @property
+    def engine_pid(self) -> int:
+        return self._engine.pid
+
+    @property
+    def engine_address(self) -> str:
+        """The engine's socket address: what :func:`attach_llm` (or ``attach_embedder``) takes."""
+        return self._engine.address
+
+    def kill_engine(self) -> None:
+        """SIGKILL the engine process: for fault-injection tests and drills."""
+        self._engine.kill()
+
+    def _check_running(self) -> None:
+        """Raise EngineDeadError if the engine is dead, ShuttingDown if the client is closed."""
+        if self._mux.dead:
+            raise EngineDeadError(self._mux.dead_reason or self._dead)
+        if self._mux_done.is_set():
+            raise ShuttingDown(self._closed)
+
+    def _check_room(self, count: int, *, too_many: str, param: str, busy: str) -> None:
+        """Raise InvalidRequest(``too_many``, ``param``) when ``count`` units exceed
+        ``max_pending`` itself, Overloaded(``busy``) when fewer than ``count`` are free."""
+        if count > self.max_pending:
+            raise InvalidRequest(too_many, param=param)
+        if self._live + count > self.max_pending:
+            raise Overloaded(busy)
+
+    def _next_request_id(self) -> str:
+        return f"{self._id_prefix}-{next(self._ids)}"

@@ -1,0 +1,212 @@
+"""One request's engine outputs to what its caller sees, and the request's state. Sans-IO.
+
+:class:`OutputMapper` owns a request's state (the machine in ``_state.py``)
+and turns each :class:`~tserve.protocol.RequestOutput` of the request, in
+order, into an :class:`Outcome`: a :class:`Delta` to hand out, or nothing
+yet, and what the IO shell (``_request.py``) must do. It never does IO
+itself: the shell sends the Abort an outcome asks for and raises the error
+it carries. The rules, checked in this order for each output:
+
+1. ``FinishReason.ERROR``: FAILED; the outcome is RequestFailed with the
+   engine's reason.
+2. ``FinishReason.ABORT`` on a request with a deadline: we did not abort it
+   (we would not be reading it), so the engine's copy of the deadline
+   expired first (``_deadline.py``): FINISHED; the outcome is RequestTimeout.
+3. The text reaches a stop string: the final delta, reason "stop". If the
+   engine still runs the request (no finish reason yet) ABORTED, and the
+   outcome asks for the one Abort; else FINISHED.
+4. Any other finish reason: the final delta with the held-back text and the
+   engine's reason; FINISHED.
+5. No tokens and no text: nothing to tell yet; read again.
+
+The other ways out: :meth:`OutputMapper.close` (the caller leaves, or our
+deadline passed) says whether an Abort is due; :meth:`OutputMapper.fail`
+(the mux failed: the engine died, or the mux closed at shutdown) moves to
+FAILED and names the error. The moves that send an Abort are exactly the
+moves to ABORTED, and a terminal state has no way out, so a request is
+aborted at most once.
+
+:func:`finish_error` and :func:`mux_error` are the rules 1-2 and the mux
+failure mapping on their own, for the embeddings (``_embedder.py``), which
+read one final output per input and no text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+
+from tserve.mux import EngineDeadError, MuxClosedError
+from tserve.nursery._detokenize import IncrementalDetokenizer, StopMatcher
+from tserve.nursery._errors import LLMError, RequestFailed, RequestTimeout, ShuttingDown
+from tserve.nursery._results import Delta, Usage
+from tserve.nursery._state import RequestState, needs_abort, transition
+from tserve.protocol import FinishReason, RequestOutput
+
+__all__ = ["Decision", "Outcome", "OutputMapper", "finish_error", "mux_error"]
+
+
+class Decision(enum.Enum):
+    """What the shell does with one output."""
+
+    WAIT = "wait"  # nothing to tell yet: read the mailbox again
+    DELTA = "delta"  # hand out the delta; the request goes on
+    FINISHED = "finished"  # hand out the final delta; the engine is done with it
+    STOPPED = "stopped"  # hand out the final delta and send Abort: a stop string hit
+    FAILED = "failed"  # raise the error: the engine failed the request
+    TIMED_OUT = "timed out"  # raise the error: the engine's copy of the deadline expired
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """An output's meaning. ``delta`` is set for DELTA, FINISHED and STOPPED;
+    ``error`` for FAILED and TIMED_OUT."""
+
+    decision: Decision
+    delta: Delta | None = None
+    error: LLMError | None = None
+
+    @property
+    def abort(self) -> bool:
+        """Send one Abort now: the engine still runs a request we are done with."""
+        return self.decision is Decision.STOPPED
+
+    @property
+    def over(self) -> bool:
+        """The request has ended: close it (after the abort, if any)."""
+        return self.decision not in (Decision.WAIT, Decision.DELTA)
+
+
+_WAIT = Outcome(Decision.WAIT)
+
+
+class OutputMapper:
+    """The state and the output rules of one generation request (see the module docstring).
+
+    Synchronous; never blocks. Feed it outputs only between :meth:`submitted`
+    and the first outcome that is ``over``.
+    """
+
+    __slots__ = (
+        "_deadline_message",
+        "_detok",
+        "_has_deadline",
+        "_num_tokens",
+        "_prompt_tokens",
+        "_stop",
+        "state",
+    )
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: Sequence[str],
+        *,
+        has_deadline: bool,
+        request_id: str,
+    ) -> None:
+        """``decode`` turns token ids into text; ``stop`` are the request's stop strings."""
+        self.state = RequestState.ADMITTED
+        self._detok = IncrementalDetokenizer(decode)
+        self._stop = StopMatcher(stop)
+        self._has_deadline = has_deadline
+        # Invariant: the token ids of every output pushed so far; with
+        # _prompt_tokens, the final delta's usage.
+        self._num_tokens = 0
+        self._prompt_tokens = 0
+        self._deadline_message = f"request {request_id} passed its deadline"
+
+    def submitted(self, prompt_tokens: int) -> None:
+        """The request went to the engine with a prompt of ``prompt_tokens`` tokens."""
+        self.state = transition(self.state, RequestState.SUBMITTED)
+        self._prompt_tokens = prompt_tokens
+
+    def push(self, output: RequestOutput) -> Outcome:
+        """The meaning of the request's next output (rules 1-5); moves the state."""
+        if self.state is RequestState.SUBMITTED and output.token_ids:
+            self.state = transition(self.state, RequestState.STREAMING)
+        self._num_tokens += len(output.token_ids)
+        finish = output.finish_reason
+        error = None
+        if finish is not None:
+            error = finish_error(
+                output,
+                has_deadline=self._has_deadline,
+                failed="the engine failed this request",
+                timed_out=self._deadline_message,
+            )
+        if error is not None:
+            failed = isinstance(error, RequestFailed)
+            self.state = transition(
+                self.state, RequestState.FAILED if failed else RequestState.FINISHED
+            )
+            return Outcome(Decision.FAILED if failed else Decision.TIMED_OUT, error=error)
+        text = self._stop.push(self._detok.push(output.token_ids))
+        if self._stop.stopped:
+            decision = Decision.STOPPED if finish is None else Decision.FINISHED
+            reason = "stop"
+        elif finish is not None:
+            text += self._stop.push(self._detok.flush()) + self._stop.flush()
+            decision, reason = Decision.FINISHED, finish.openai
+        elif not text and not output.token_ids:
+            return _WAIT
+        else:
+            return Outcome(Decision.DELTA, Delta(text, output.token_ids, output.logprobs))
+        ending = RequestState.ABORTED if decision is Decision.STOPPED else RequestState.FINISHED
+        self.state = transition(self.state, ending)
+        usage = Usage(self._prompt_tokens, self._num_tokens)
+        return Outcome(decision, Delta(text, output.token_ids, output.logprobs, reason, usage))
+
+    def close(self) -> bool:
+        """The caller is done with the request (any way out); True: send one Abort.
+
+        An Abort is due iff the engine may still run the request (SUBMITTED,
+        STREAMING → ABORTED); a request never submitted is CLOSED; a request
+        already in a terminal state stays there.
+        """
+        if needs_abort(self.state):
+            self.state = transition(self.state, RequestState.ABORTED)
+            return True
+        if self.state is RequestState.ADMITTED:
+            self.state = transition(self.state, RequestState.CLOSED)
+        return False
+
+    def fail(
+        self, error: EngineDeadError | MuxClosedError, closed: str
+    ) -> LLMError | EngineDeadError:
+        """The mux failed the request: FAILED, and the error to raise (see :func:`mux_error`)."""
+        self.state = transition(self.state, RequestState.FAILED)
+        return mux_error(error, closed)
+
+    def timed_out(self) -> RequestTimeout:
+        """The error for our own deadline passing (the caller closes the request: the abort)."""
+        return RequestTimeout(self._deadline_message)
+
+
+def finish_error(
+    output: RequestOutput, *, has_deadline: bool, failed: str, timed_out: str
+) -> LLMError | None:
+    """The error an output ending stands for (rules 1-2), or None.
+
+    ERROR: RequestFailed with the engine's reason, else ``failed``. ABORT on
+    a request with a deadline: RequestTimeout(``timed_out``).
+    """
+    finish = output.finish_reason
+    if finish is FinishReason.ERROR:
+        return RequestFailed(output.error or failed)
+    if finish is FinishReason.ABORT and has_deadline:
+        return RequestTimeout(timed_out)
+    return None
+
+
+def mux_error(error: EngineDeadError | MuxClosedError, closed: str) -> LLMError | EngineDeadError:
+    """What a caller sees when the mux fails its request.
+
+    EngineDeadError as it is (the engine died: every request fails with it);
+    MuxClosedError as ShuttingDown(``closed``): the client is being left, and
+    the mux itself queued the abort of what the engine still runs.
+    """
+    if isinstance(error, MuxClosedError):
+        return ShuttingDown(closed)
+    return error

@@ -1,0 +1,142 @@
+"""The shape of the source tree: module size, import cycles, and the layering.
+
+Read from the source with ``ast``, so imports inside functions and under
+``TYPE_CHECKING`` count as much as those at the top of a module.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "tserve"
+MAX_LINES = 400
+
+# Which packages each package may import (besides the standard library,
+# third-party code, and its own modules). STYLE.md: web → nursery → mux →
+# protocol ← gpu; the leaves (protocol, validity, _host) import no package.
+LAYERS: dict[str, set[str]] = {
+    "web": {"nursery", "mux", "protocol", "validity", "_host"},
+    "nursery": {"mux", "protocol", "validity", "_host"},
+    "mux": {"protocol", "validity", "_host"},
+    "gpu": {"protocol", "validity", "_host"},
+    "bench": {"_host"},
+    "protocol": set(),
+    "validity": {"protocol"},
+    "_host": set(),
+}
+
+
+def _modules() -> Iterator[Path]:
+    yield from sorted(ROOT.rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    """``tserve.nursery._llm`` for tserve/nursery/_llm.py; a package for its __init__."""
+    parts = ("tserve", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The ``tserve`` modules ``path`` imports, wherever the import statement is.
+
+    ``from a.b import c`` imports module ``a.b.c`` when there is one, else
+    the name ``c`` from module ``a.b``.
+    """
+    found: set[str] = set()
+    package = _name(path) if path.name == "__init__.py" else _name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in modules else base)
+    return found & modules
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_name(p): p for p in _modules()}
+    return {name: _imports(path, set(paths)) - {name} for name, path in paths.items()}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_module_is_over_the_size_limit() -> None:
+    sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in _modules()}
+    assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_no_import_cycle_inside_a_package() -> None:
+    graph = _graph()
+    cycles: list[list[str]] = []
+    for package in {_package(m) for m in graph}:
+        inside = {m: {t for t in ts if _package(t) == package} for m, ts in graph.items()}
+        inside = {m: ts for m, ts in inside.items() if _package(m) == package}
+        cycles += _cycles(inside)
+    assert cycles == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component: list[str] = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_imports_run_one_way(package: str) -> None:
+    graph = _graph()
+    allowed = LAYERS[package] | {package}
+    wrong = {
+        (module, target)
+        for module, targets in graph.items()
+        if _package(module) == package
+        for target in targets
+        if _package(target) not in allowed and _package(target) != ""
+    }
+    assert wrong == set()

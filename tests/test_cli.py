@@ -45,3 +45,12 @@ def test_cpu_gemm_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPat
     with pytest.raises(SystemExit) as info:
         parse_args(["--cpu-gemm", "fastest"])
     assert info.value.code == 2
+
+
+def test_prefix_caching_is_on_unless_the_flag_or_the_environment_says_no(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse_args([]).no_prefix_caching is False
+    assert parse_args(["serve", "--no-prefix-caching"]).no_prefix_caching is True
+    monkeypatch.setenv("TSERVE_NO_PREFIX_CACHING", "1")
+    assert parse_args([]).no_prefix_caching is True

@@ -58,6 +58,7 @@ MESSAGES: list[p.Message] = [
         p.EngineStats(running=3, waiting=1, kv_tokens_used=100, kv_tokens_total=4096, steps=9),
     ),
     p.Heartbeat(p.EngineStats(aborts_received=4)),
+    p.Heartbeat(p.EngineStats(steps=2, prefix_cache_queries=1500, prefix_cache_hits=1488)),
     p.EngineDead("CUDA error: device-side assert"),
 ]
 
@@ -121,6 +122,10 @@ def test_frames_from_before_the_embedding_fields_still_decode() -> None:
     decoded = p.decode(bytes([p.Kind.READY]) + msgspec.msgpack.encode(ready))
     assert isinstance(decoded, p.EngineReady)
     assert (decoded.task, decoded.embedding_dim) == ("generate", 0)
+    stats = msgspec.msgpack.encode([1, 0, 16, 64, 5, 0])  # before the prefix-cache counters
+    beat = p.decode(bytes([p.Kind.HEARTBEAT]) + msgspec.msgpack.encode([msgspec.Raw(stats)]))
+    assert isinstance(beat, p.Heartbeat)
+    assert beat.stats == p.EngineStats(1, 0, 16, 64, 5, 0, prefix_cache_queries=0)
 
 
 def test_merge_keeps_the_embedding() -> None:

@@ -141,6 +141,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "startup), 'blas' or 'onednn'",
         choices=("auto", "blas", "onednn"),
     )
+    _flag(
+        eng,
+        "--no-prefix-caching",
+        "compute every prompt in full: do not share the KV of a prefix that an earlier "
+        "request computed",
+    )
     _option(eng, "--cache-dir", str, None, "where converted models are cached")
     _option(
         eng,
@@ -220,6 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "cpu_gemm": args.cpu_gemm,
+        "enable_prefix_caching": not args.no_prefix_caching,
         "cache_dir": args.cache_dir,
         "engine_kind": args.engine_kind,
         "echo_step_time": args.echo_step_time,

@@ -146,6 +146,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     with fp32. ``cpu_gemm`` picks the library behind linear layers on CPU:
     "auto" measures, per layer shape and row count, whether the BLAS or
     prepacked oneDNN is faster; "blas" and "onednn" force one.
+    ``enable_prefix_caching`` keeps the K/V of full blocks of tokens after
+    their request ends and lets a request whose prompt starts with the same
+    tokens share them instead of computing them again.
 
     ``task`` "embed" makes an embedding engine instead (``tserve.gpu._embed_core``):
     ``model`` is then a local encoder directory, or "default" for the packaged
@@ -179,6 +182,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cpu_gemm: CpuGemm = "auto"
     engine_kind: Literal["model", "echo"] = "model"
     echo_step_time: float = 0.01
+    enable_prefix_caching: bool = True
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
@@ -252,7 +256,15 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 
 
 class EngineStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """A snapshot of the engine's load, sent with every step and heartbeat."""
+    """A snapshot of the engine's load, sent with every step and heartbeat.
+
+    ``kv_tokens_used`` counts blocks held by requests, not the free ones that
+    still hold a cached prefix. The prefix-cache counters are totals since
+    start, in tokens: ``prefix_cache_queries`` every known token of each
+    admitted request (its prompt, plus its outputs when it is recomputed after
+    a preemption), ``prefix_cache_hits`` those found in the cache; both 0 with
+    caching off. Trailing and defaulted, so frames from before them decode.
+    """
 
     running: int = 0
     waiting: int = 0
@@ -260,6 +272,8 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     kv_tokens_total: int = 0
     steps: int = 0
     aborts_received: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class StepOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False):

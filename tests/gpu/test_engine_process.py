@@ -185,7 +185,10 @@ def test_200_requests_half_aborted_then_shutdown(
             kv_tokens_total=kv_tokens,
             steps=stats.steps,
             aborts_received=len(aborts_sent),
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
         )
+        assert stats.prefix_cache_queries > 0  # the cache is on by default
 
         # Shutdown with a request still generating: it ends with ABORT, exit 0.
         api.send(p.EngineInput(adds=[p.AddRequest("last", [1, 2, 3], _params(400))]))

@@ -1,10 +1,14 @@
-"""The paged block allocator: sizing, the paired verbs, free, and its invariants."""
+"""The paged block allocator: sizing, the paired verbs, free, sharing by prefix, and its
+invariants."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tserve.gpu._kv import BlockManager
 from tserve.gpu._sequence import Sequence
@@ -106,3 +110,212 @@ def test_check_catches_a_table_the_allocator_does_not_know() -> None:
     b.block_table.append(a.block_table[0])
     with pytest.raises(AssertionError):
         bm.check([a, b])
+
+
+# -- the prefix cache ---------------------------------------------------------------
+
+
+def computed(bm: BlockManager, seq: Sequence, n: int) -> None:
+    """Allocate and compute the next ``n`` tokens of ``seq``, as a step would."""
+    bm.allocate(seq, n)
+    seq.num_computed_tokens += n
+    bm.cache_full_blocks(seq)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    """Share the cached prefix of ``seq``; returns the tokens it skips."""
+    prefix = bm.find_prefix(seq)
+    bm.share(seq, prefix)
+    seq.num_computed_tokens = len(prefix) * bm.block_size
+    return seq.num_computed_tokens
+
+
+def with_prompt(request_id: str, prompt: list[int]) -> Sequence:
+    return Sequence(request_id, list(prompt), SamplingParams())
+
+
+def test_a_repeated_prompt_shares_its_full_blocks_and_computes_the_rest() -> None:
+    bm = BlockManager(16, block_size=4)
+    prompt = list(range(1, 11))  # 2 full blocks + 2 tokens
+    a = with_prompt("a", prompt)
+    assert admit(bm, a) == 0
+    computed(bm, a, 10)
+    assert bm.num_cached_blocks == 2  # the partial third block is not cached
+    b = with_prompt("b", [*prompt, 99])
+    assert admit(bm, b) == 8
+    assert b.block_table == a.block_table[:2]
+    assert [bm.ref_count(x) for x in a.block_table] == [2, 2, 1]
+    computed(bm, b, 3)
+    assert b.block_table[2] != a.block_table[2]
+    bm.check([a, b])
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10 + 11, 8)
+
+
+def test_the_last_token_is_always_computed() -> None:
+    bm = BlockManager(16, block_size=4)
+    a = with_prompt("a", list(range(1, 9)))  # exactly two full blocks
+    admit(bm, a)
+    computed(bm, a, 8)
+    b = with_prompt("b", list(range(1, 9)))
+    assert admit(bm, b) == 4  # the second block is recomputed, into a block of its own
+    assert bm.num_allocatable_tokens(b) >= 4
+    computed(bm, b, 4)
+    assert b.block_table[1] != a.block_table[1] and not bm.is_cached(b.block_table[1])
+    bm.check([a, b])
+
+
+def test_a_different_earlier_block_means_no_hit() -> None:
+    """The key chains the blocks before it: equal tokens after a different prefix miss."""
+    bm = BlockManager(16, block_size=4)
+    a = with_prompt("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(bm, a)
+    computed(bm, a, 9)
+    b = with_prompt("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert admit(bm, b) == 0
+
+
+def test_freed_blocks_stay_cached_until_evicted_oldest_first() -> None:
+    bm = BlockManager(6, block_size=2)
+    a = with_prompt("a", [1, 2, 3, 4, 5])
+    admit(bm, a)
+    computed(bm, a, 5)  # blocks: [1,2] [3,4] cached, [5] private
+    bm.free(a)
+    assert (bm.num_free_blocks, bm.num_used_blocks, bm.num_cached_blocks) == (6, 0, 2)
+    assert bm.tokens_used == 0
+    # A new sequence takes plain free blocks first: both cached ones survive.
+    c = with_prompt("c", [7, 7, 7, 7, 7, 7, 7])
+    admit(bm, c)
+    bm.allocate(c, 8)  # 4 blocks: the 4 plain ones
+    assert bm.num_cached_blocks == 2
+    b = with_prompt("b", [1, 2, 3, 4, 9])
+    assert bm.find_prefix(b) != []
+    bm.allocate(c, 10)  # one more: evicts a's LATER block first
+    assert len(bm.find_prefix(b)) == 1
+    bm.allocate(c, 12)
+    assert bm.find_prefix(b) == [] and bm.num_cached_blocks == 0
+    bm.check([c])
+
+
+def test_sizing_counts_the_shared_blocks_that_are_free() -> None:
+    bm = BlockManager(4, block_size=2)
+    a = with_prompt("a", [1, 2, 3, 4, 5])
+    admit(bm, a)
+    computed(bm, a, 5)
+    bm.free(a)
+    b = with_prompt("b", [1, 2, 3, 4, 6, 6, 6])
+    prefix = bm.find_prefix(b)
+    assert len(prefix) == 2
+    # 4 free blocks, 2 of them are b's prefix: 2 blocks = 4 tokens past it.
+    assert bm.num_allocatable_tokens(b, prefix) == 4
+    bm.share(b, prefix)
+    b.num_computed_tokens = 4
+    assert bm.num_allocatable_tokens(b) == 4 and bm.can_allocate(b, 3)
+
+
+def test_with_caching_off_nothing_is_shared_or_counted() -> None:
+    bm = BlockManager(8, block_size=2, enable_prefix_caching=False)
+    a, b = with_prompt("a", [1, 2, 3, 4, 5]), with_prompt("b", [1, 2, 3, 4, 5])
+    admit(bm, a)
+    computed(bm, a, 5)
+    assert admit(bm, b) == 0
+    assert (bm.num_cached_blocks, bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0, 0)
+    bm.check([a, b])
+
+
+class SharedBlocks(RuleBasedStateMachine):
+    """Sequences from a few shared stems are admitted, computed, preempted,
+    aborted and finished in any order, against a shadow of the pool's slots.
+
+    Every computed position of a live sequence must still hold what that
+    sequence wrote there (or what an earlier sequence with the same tokens up
+    to there wrote): a block freed or overwritten while referenced fails it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(12, block_size=2)
+        self.stems = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5]]
+        self.live: list[Sequence] = []  # holding blocks (running)
+        self.waiting: list[Sequence] = []  # preempted: computed nothing, hold nothing
+        self.slots: dict[int, tuple[int, ...]] = {}  # slot -> the tokens up to its position
+        self.n = 0
+
+    def _write(self, seq: Sequence, n: int) -> None:
+        bs = self.bm.block_size
+        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            block = seq.block_table[p // bs]
+            assert self.bm.ref_count(block) == 1 and not self.bm.is_cached(block)
+            self.slots[block * bs + p % bs] = tuple(seq.token_slice(0, p + 1))
+
+    @rule(stem=st.integers(0, 2), cut=st.integers(1, 8), tail=st.integers(0, 3))
+    def add(self, stem: int, cut: int, tail: int) -> None:
+        self.n += 1
+        prompt = self.stems[stem][:cut] + [100 + self.n] * tail
+        self.waiting.append(with_prompt(f"s{self.n}", prompt))
+
+    @precondition(lambda self: self.waiting)
+    @rule(i=st.integers(0, 99), data=st.data())
+    def admit(self, i: int, data: st.DataObject) -> None:
+        seq = self.waiting[i % len(self.waiting)]
+        prefix = self.bm.find_prefix(seq)
+        room = min(
+            self.bm.num_allocatable_tokens(seq, prefix),
+            seq.num_tokens - len(prefix) * self.bm.block_size,
+        )
+        if room < 1:
+            return
+        self.waiting.remove(seq)
+        self.bm.share(seq, prefix)
+        seq.num_computed_tokens = len(prefix) * self.bm.block_size
+        self.live.append(seq)
+        self._compute(seq, data.draw(st.integers(1, room)))
+
+    def _compute(self, seq: Sequence, n: int) -> None:
+        assert self.bm.can_allocate(seq, n)
+        self.bm.allocate(seq, n)
+        self._write(seq, n)
+        seq.num_computed_tokens += n
+        self.bm.cache_full_blocks(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), n=st.integers(1, 5), decode=st.booleans())
+    def compute(self, i: int, n: int, decode: bool) -> None:
+        seq = self.live[i % len(self.live)]
+        if decode and seq.num_uncomputed_tokens == 0:
+            seq.output_token_ids.append(200 + len(seq.output_token_ids) % 3)
+        n = min(n, seq.num_uncomputed_tokens, self.bm.num_allocatable_tokens(seq))
+        if n:
+            self._compute(seq, n)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), how=st.sampled_from(["finish", "abort", "preempt"]))
+    def release(self, i: int, how: str) -> None:
+        seq = self.live.pop(i % len(self.live))
+        self.bm.free(seq)
+        self.bm.free(seq)  # idempotent
+        if how == "preempt":
+            seq.num_computed_tokens = 0
+            self.waiting.append(seq)
+
+    @invariant()
+    def pool_holds_what_each_sequence_computed(self) -> None:
+        self.bm.check(self.live)
+        bs = self.bm.block_size
+        for seq in self.live:
+            for p in range(seq.num_computed_tokens):
+                slot = seq.block_table[p // bs] * bs + p % bs
+                assert self.slots[slot] == tuple(seq.token_slice(0, p + 1)), (seq, p)
+        held = {b for s in self.live for b in s.block_table}
+        assert self.bm.num_used_blocks == len(held)
+        assert self.bm.num_free_blocks == self.bm.num_blocks - len(held)
+
+    def teardown(self) -> None:
+        for seq in self.live:
+            self.bm.free(seq)
+        self.bm.check([])
+        assert (self.bm.num_used_blocks, self.bm.num_free_blocks) == (0, self.bm.num_blocks)
+        assert self.bm.tokens_used == 0
+
+
+TestSharedBlocks = SharedBlocks.TestCase
+TestSharedBlocks.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)

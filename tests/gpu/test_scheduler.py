@@ -1,11 +1,14 @@
 """The continuous-batching scheduler, driven by a fake model with a real paged KV pool.
 
 No processes, no torch: ``PagedFakeModel`` stands in for the model runner and
-sampler. It writes every scheduled token into the slot its block table names and,
-to sample, reads back every earlier position of that sequence from the pool, so a
-wrong block table, a skipped position or a block shared by two sequences fails
-loudly. Its next token is a hash of the tokens it read back, so a sequence that is
-preempted and recomputed must produce exactly the tokens of an uninterrupted run.
+sampler. It writes every scheduled token into the slot its block table names,
+with a digest of every token up to it (as real K/V depends on the whole prefix),
+and, to sample, reads back every earlier position of that sequence from the pool,
+so a wrong block table, a skipped position, a block shared between sequences
+whose prefixes differ or a shared block overwritten fails loudly. Its next token
+is a hash of the tokens it read back, so a sequence that is preempted and
+recomputed, or that skips a cached prefix, must produce exactly the tokens of an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -47,13 +50,27 @@ def reference_output(seq: Sequence, vocab: int, eos: frozenset[int]) -> list[int
     return out
 
 
-class PagedFakeModel:
-    """A deterministic model runner + sampler over a paged KV pool (see module docstring)."""
+def prefix_digests(tokens: list[int]) -> list[tuple[int, int, int]]:
+    """``(position, token, digest of tokens[: position + 1])`` for every position."""
+    out, crc = [], 0
+    for p, token in enumerate(tokens):
+        crc = zlib.crc32(token.to_bytes(8, "little", signed=True), crc)
+        out.append((p, token, crc))
+    return out
 
-    def __init__(self, block_size: int, vocab: int = 64) -> None:
+
+class PagedFakeModel:
+    """A deterministic model runner + sampler over a paged KV pool (see module docstring).
+
+    With ``blocks``, every write is also checked to land in a block that only
+    its sequence holds and that is not in the prefix cache.
+    """
+
+    def __init__(self, block_size: int, vocab: int = 64, blocks: BlockManager | None = None):
         self.block_size = block_size
         self.vocab = vocab
-        self.pool: dict[int, tuple[str, int, int]] = {}  # slot -> (request, position, token)
+        self.blocks = blocks
+        self.pool: dict[int, tuple[int, int, int]] = {}  # slot -> (position, token, digest)
 
     def slot(self, seq: Sequence, position: int) -> int:
         bs = self.block_size
@@ -61,15 +78,20 @@ class PagedFakeModel:
 
     def step(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         for c in chunks:
-            for i, token in enumerate(c.token_ids):
-                self.pool[self.slot(c.seq, c.start + i)] = (c.seq.request_id, c.start + i, token)
+            stop = c.start + len(c.token_ids)
+            for p, token, digest in prefix_digests(c.seq.token_slice(0, stop))[c.start :]:
+                if self.blocks is not None:
+                    block = c.seq.block_table[p // self.block_size]
+                    assert self.blocks.ref_count(block) == 1, "a write to a shared block"
+                    assert not self.blocks.is_cached(block), "a write to a cached block"
+                self.pool[self.slot(c.seq, p)] = (p, token, digest)
         return {c.seq.request_id: self.sample(c) for c in chunks if c.sample}
 
     def sample(self, chunk: ScheduledChunk) -> int:
         seq, end = chunk.seq, chunk.start + len(chunk.token_ids)
         cached = [self.pool[self.slot(seq, p)] for p in range(end)]
-        assert cached == [(seq.request_id, p, t) for p, t in enumerate(seq.token_slice(0, end))]
-        return next_token([t for _, _, t in cached], self.vocab)
+        assert cached == prefix_digests(seq.token_slice(0, end)), seq.request_id
+        return next_token([t for _, t, _ in cached], self.vocab)
 
 
 def make(
@@ -95,9 +117,10 @@ def make_scheduler(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 32,
     max_model_len: int = 1024,
+    prefix_caching: bool = True,
 ) -> Scheduler:
     return Scheduler(
-        BlockManager(num_blocks, block_size),
+        BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
@@ -128,7 +151,9 @@ def check_step(sched: Scheduler, chunks: list[ScheduledChunk], preempted: bool) 
             assert budget_left == 0 or bm.num_allocatable_tokens(seq) == 0
     waiting = sched.waiting
     if waiting and not preempted and sched.num_running < sched.max_num_seqs and budget_left:
-        assert bm.num_allocatable_tokens(waiting[0]) == 0, "the head could have been admitted"
+        head = waiting[0]
+        room = bm.num_allocatable_tokens(head, bm.find_prefix(head))
+        assert room == 0, "the head could have been admitted"
 
 
 def step(sched: Scheduler, model: PagedFakeModel) -> tuple[list[ScheduledChunk], list[Sequence]]:
@@ -464,6 +489,76 @@ def test_an_old_long_request_is_not_starved_by_a_stream_of_short_ones() -> None:
     assert sched.num_waiting > 40
 
 
+# -- the prefix cache ------------------------------------------------------------------
+
+
+def test_a_cached_prefix_is_skipped_and_only_the_rest_counts_against_the_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    bm = sched.block_manager
+    model = PagedFakeModel(4, blocks=bm)
+    first = make("first", 22, 3, ignore_eos=True)
+    sched.add(first)
+    run_until_idle(sched, model)
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 6  # 24 computed positions
+    again = make("again", 0, 3, ignore_eos=True)
+    again.prompt_token_ids = [*first.prompt_token_ids, 7, 7]  # 24 tokens
+    other = make("other", 6, 3, ignore_eos=True)
+    sched.add(again)
+    sched.add(other)
+    chunks, _ = step(sched, model)
+    # 5 full blocks cached (never the last token's): 4 tokens to compute, and the
+    # budget of 8 leaves room for `other` in the same step.
+    assert [(c.seq.request_id, c.start, len(c.token_ids)) for c in chunks] == [
+        ("again", 20, 4),
+        ("other", 0, 4),
+    ]
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (22 + 24 + 6, 20)
+    run_until_idle(sched, model)
+    for seq in (first, again, other):
+        assert seq.output_token_ids == reference_output(seq, model.vocab, frozenset({EOS}))
+    assert (bm.num_used_blocks, bm.num_free_blocks) == (0, bm.num_blocks)
+
+
+def test_identical_prompts_in_flight_together_share_once_cached() -> None:
+    """Two at once compute their own copies; the third, later, shares the first's."""
+    sched = make_scheduler(max_num_batched_tokens=64)
+    bm = sched.block_manager
+    model = PagedFakeModel(4, blocks=bm)
+    seqs = [make(f"same{i}", 12, 20, ignore_eos=True) for i in range(3)]
+    for seq in seqs[1:]:
+        seq.prompt_token_ids = list(seqs[0].prompt_token_ids)
+    sched.add(seqs[0])
+    sched.add(seqs[1])
+    step(sched, model)
+    assert not set(seqs[0].block_table) & set(seqs[1].block_table)
+    sched.add(seqs[2])
+    chunks, _ = step(sched, model)
+    assert [(c.start, len(c.token_ids)) for c in chunks if c.seq is seqs[2]] == [(8, 4)]
+    assert seqs[2].block_table[:2] == seqs[0].block_table[:2]
+    run_until_idle(sched, model)
+    assert len({tuple(s.output_token_ids) for s in seqs}) == 1
+
+
+def test_a_preempted_request_shares_its_own_blocks_when_readmitted() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    bm = sched.block_manager
+    model = PagedFakeModel(4, blocks=bm)
+    old, new = make("old", 6, 12, ignore_eos=True), make("new", 9, 12, ignore_eos=True)
+    sched.add(old)
+    sched.add(new)
+    restarts: list[int] = []
+    while sched.has_work:
+        before = new.status
+        chunks, _ = step(sched, model)
+        if before is SequenceStatus.WAITING and new.status is SequenceStatus.RUNNING:
+            restarts += [c.start for c in chunks if c.seq is new]
+    assert sched.num_preemptions > 0 and restarts[0] == 0 and max(restarts[1:]) > 0
+    eos = frozenset({EOS})
+    for seq in (old, new):
+        assert seq.output_token_ids == reference_output(seq, model.vocab, eos)
+    assert (bm.num_used_blocks, bm.num_free_blocks) == (0, bm.num_blocks)
+
+
 # -- the randomized simulation -----------------------------------------------------------
 
 
@@ -483,20 +578,28 @@ MIDSIZE = {"block_size": 4, "max_num_seqs": 6, "max_num_batched_tokens": 24, "ma
 
 
 @settings(max_examples=200, deadline=None)
-@given(config=configs(), seed=st.integers(0, 2**32 - 1))
-@example(config={"num_blocks": 20, **MIDSIZE}, seed=3)  # tight KV: many preemptions
-@example(config={"num_blocks": 40, **MIDSIZE}, seed=5)
-def test_random_simulation_keeps_every_invariant(config: dict[str, int], seed: int) -> None:
-    """Random arrivals, lengths, aborts, EOS and deadlines against a small KV cache.
+@given(config=configs(), seed=st.integers(0, 2**32 - 1), prefix_caching=st.booleans())
+@example(config={"num_blocks": 20, **MIDSIZE}, seed=3, prefix_caching=True)  # many preemptions
+@example(config={"num_blocks": 20, **MIDSIZE}, seed=3, prefix_caching=False)
+@example(config={"num_blocks": 40, **MIDSIZE}, seed=5, prefix_caching=True)
+def test_random_simulation_keeps_every_invariant(
+    config: dict[str, int], seed: int, prefix_caching: bool
+) -> None:
+    """Random arrivals, lengths, shared prefixes, aborts, EOS and deadlines against
+    a small KV cache, with the prefix cache on or off.
 
-    After every step: the allocator's invariants, the budget, decodes-always-run and
-    FCFS admission. At the end: nothing left running or held, every request finished
-    with the reason its tokens call for, and every output equals the output of the
-    same request run alone (so preemption and chunking never change a token).
+    After every step: the allocator's invariants (reference counts equal the block
+    tables), the budget, decodes-always-run, FCFS admission, and no write into a
+    shared or cached block. At the end: nothing left running or held (cached free
+    blocks only), every request finished with the reason its tokens call for, and
+    every output equals the output of the same request run alone (so preemption,
+    chunking and prefix sharing never change a token).
     """
     rng = random.Random(seed)
-    sched = make_scheduler(**config)
-    model = PagedFakeModel(config["block_size"], vocab=rng.choice([3, 16, 64]))
+    sched = make_scheduler(**config, prefix_caching=prefix_caching)
+    bm = sched.block_manager
+    model = PagedFakeModel(config["block_size"], vocab=rng.choice([3, 16, 64]), blocks=bm)
+    stems = [[rng.randint(1, 50) for _ in range(sched.max_model_len)] for _ in range(3)]
     eos = frozenset({EOS})
     added: list[Sequence] = []
     aborted: set[str] = set()
@@ -508,7 +611,7 @@ def test_random_simulation_keeps_every_invariant(config: dict[str, int], seed: i
         now += 1.0
         if attempts < 50 and rng.random() < 0.5:
             attempts += 1
-            seq = random_request(rng, f"r{attempts}", now, sched.max_model_len)
+            seq = random_request(rng, f"r{attempts}", now, sched.max_model_len, stems)
             try:
                 sched.add(seq)
             except RequestRejected:
@@ -530,7 +633,10 @@ def test_random_simulation_keeps_every_invariant(config: dict[str, int], seed: i
         if attempts == 50 and not sched.has_work:
             break
     assert not sched.has_work, "the simulation did not drain"
-    assert sched.block_manager.num_free_blocks == config["num_blocks"]
+    assert (bm.num_free_blocks, bm.num_used_blocks, bm.tokens_used) == (bm.num_blocks, 0, 0)
+    bm.check([])
+    if not prefix_caching:
+        assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
     assert first_scheduled == sorted(first_scheduled), "a request overtook an older one"
     for seq in added:
         expected = reference_output(seq, model.vocab, eos)
@@ -545,16 +651,23 @@ def test_random_simulation_keeps_every_invariant(config: dict[str, int], seed: i
             assert seq.finish_reason is (FinishReason.STOP if stopped else FinishReason.LENGTH)
 
 
-def random_request(rng: random.Random, request_id: str, now: float, max_len: int) -> Sequence:
-    """Sized around ``max_len`` so that most, not all, requests are accepted."""
+def random_request(
+    rng: random.Random, request_id: str, now: float, max_len: int, stems: list[list[int]]
+) -> Sequence:
+    """Sized around ``max_len`` so that most, not all, requests are accepted; half of
+    the prompts start with part of one of ``stems`` (a shared system prompt)."""
     deadline = now + rng.randint(1, 60) if rng.random() < 0.1 else None
-    return make(
+    seq = make(
         request_id,
         rng.randint(0, max_len * 2 // 3),
         rng.randint(0, max_len // 2),
         deadline=deadline,
         ignore_eos=rng.random() < 0.5,
     )
+    if rng.random() < 0.5:
+        shared = rng.choice(stems)[: rng.randint(0, len(seq.prompt_token_ids))]
+        seq.prompt_token_ids[: len(shared)] = shared
+    return seq
 
 
 def cannot_run(seq: Sequence, sched: Scheduler) -> bool:

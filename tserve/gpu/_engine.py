@@ -99,7 +99,9 @@ class EngineCore(CoreBookkeeping[Sequence]):
             cpu_gemm=config.cpu_gemm,
         )
         self.sampler = Sampler(device=device)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=config.max_num_seqs,
@@ -210,6 +212,8 @@ class EngineCore(CoreBookkeeping[Sequence]):
             kv_tokens_total=self.blocks.tokens_total,
             steps=self._steps,
             aborts_received=self._aborts_received,
+            prefix_cache_queries=self.blocks.prefix_cache_queries,
+            prefix_cache_hits=self.blocks.prefix_cache_hits,
         )
 
     def _kv_tokens_total(self) -> int:

@@ -13,7 +13,8 @@ tokens and ``max_num_seqs`` running sequences):
    free, the most recently admitted running sequence is PREEMPTED: its blocks
    are freed, ``num_computed_tokens`` drops to 0 and it goes back to the FRONT
    of the waiting queue with its outputs kept, to be recomputed later as a
-   prefill of prompt + outputs. A sequence that is itself the most recent
+   prefill of prompt + outputs (its full blocks stay in the prefix cache until
+   evicted, so the recompute may share them). A sequence that is itself the most recent
    preempts itself. ``max_num_batched_tokens >= max_num_seqs``, so decodes
    always fit the token budget.
 2. **The unfinished prefill next.** A RUNNING sequence admitted with a partial
@@ -22,7 +23,10 @@ tokens and ``max_num_seqs`` running sequences):
 3. **Admissions last, and only in a step that preempted nothing.** The head of
    the waiting queue is admitted while there is a sequence slot, budget and KV
    room; its chunk is cut to fit (CHUNKED prefill). The queue is strictly FCFS:
-   when the head does not fit, nobody behind it runs.
+   when the head does not fit, nobody behind it runs. With the prefix cache,
+   an admitted sequence first shares the cached blocks that hold its leading
+   full blocks (``BlockManager.find_prefix``) and starts computing after them;
+   only the tokens it computes count against the budget.
 
 A chunk samples (``sample=True``) only when it reaches the sequence's last known
 token, so a prefill split over several steps samples once, at its end.
@@ -243,6 +247,7 @@ class Scheduler:
                 continue
             assert seq.status is _RUNNING and chunk.start == seq.num_computed_tokens
             seq.num_computed_tokens += len(chunk.token_ids)
+            self.block_manager.cache_full_blocks(seq)
             if not chunk.sample:
                 continue
             token = sampled.get(seq.request_id)
@@ -296,14 +301,19 @@ class Scheduler:
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         """Pass 3: admit from the head of the waiting queue while it fits (FCFS)."""
         chunks: list[ScheduledChunk] = []
+        bm = self.block_manager
         while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
-            n = self._chunk_size(seq, budget)
+            prefix = bm.find_prefix(seq)
+            cached = len(prefix) * bm.block_size
+            n = min(seq.num_tokens - cached, budget, bm.num_allocatable_tokens(seq, prefix))
             if n == 0:
                 break
             self._waiting.popleft()
             seq.transition(_RUNNING)
             self._running[seq.request_id] = seq
+            bm.share(seq, prefix)
+            seq.num_computed_tokens = cached
             chunks.append(self._chunk(seq, n))
             budget -= n
         return chunks

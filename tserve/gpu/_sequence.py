@@ -49,6 +49,11 @@ class Sequence:
     * ``block_table`` covers at least ``num_computed_tokens`` positions while
       RUNNING, and is empty while WAITING or FINISHED.
     * ``output_token_ids`` only grows; ``num_sent`` of them have been reported.
+    * ``block_hashes[i]`` is the prefix-cache key of the tokens of full block
+      ``i`` and everything before them (see :mod:`tserve.gpu._kv`); the tokens
+      of a position never change, so the list only grows, preemption included.
+    * ``num_cached_blocks <= len(block_table)``: the leading blocks of the table
+      that the block manager has already offered to the prefix cache.
     """
 
     request_id: str
@@ -63,6 +68,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_sent: int = 0
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

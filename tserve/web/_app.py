@@ -49,8 +49,10 @@ class Frontend:
         self.llm = llm
         self.config = config
         self.in_flight = InFlight()  # what serve()'s drain waits for, then aborts
-        self.metrics = Metrics(lambda: llm.stats, lambda: self.in_flight.count)
         self.models = ServedModels(llm, config.served_model_names)
+        self.metrics = Metrics(
+            lambda: llm.stats, lambda: self.in_flight.count, self.models.names[0]
+        )
         self.probes = Probes(llm, self.metrics, self.in_flight)  # serve() sets .started
         self.generation = Generation(llm, self.models, self.in_flight, TokenTexts(llm))
         self.embedding = Embeddings(llm, self.in_flight)

@@ -1,8 +1,11 @@
 """Prometheus metrics of one app, in its own CollectorRegistry (no global state).
 
 Counters and histograms are updated by the request handlers; the engine's
-gauges (live, running, waiting, KV usage, aborts) are read from
-``LLM.stats`` at scrape time by a collector, so nothing polls.
+gauges (live, running, waiting, KV usage, aborts) and counters (steps, prefix
+cache) are read from ``LLM.stats`` at scrape time by a collector, so nothing
+polls. The prefix-cache counters carry vLLM's names and ``model_name`` label
+(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``, in
+tokens), so dashboards built for vLLM read them unchanged.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], LLMStats], in_flight: Callable[[], int]) -> None:
+    def __init__(
+        self, stats: Callable[[], LLMStats], in_flight: Callable[[], int], model_name: str
+    ) -> None:
         self._stats = stats
         self._in_flight = in_flight
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -62,12 +68,33 @@ class _EngineCollector(Collector):
             "tserve_engine_aborts_received", "Aborts the engine received", e.aborts_received
         )
         yield CounterMetricFamily("tserve_engine_steps", "Engine steps", e.steps)
+        for name, text, value in (
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in tokens (each admitted request's known tokens)",
+                e.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in tokens (those found cached)",
+                e.prefix_cache_hits,
+            ),
+        ):
+            counter = CounterMetricFamily(name, text, labels=["model_name"])
+            counter.add_metric([self._model_name], value)
+            yield counter
 
 
 class Metrics:
-    """The app's metrics. Updating them never blocks."""
+    """The app's metrics. Updating them never blocks.
 
-    def __init__(self, stats: Callable[[], LLMStats], in_flight: Callable[[], int]) -> None:
+    ``model_name`` is the label of the metrics that carry one (the first
+    served model name).
+    """
+
+    def __init__(
+        self, stats: Callable[[], LLMStats], in_flight: Callable[[], int], model_name: str
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -92,7 +119,7 @@ class Metrics:
             "tserve_embedding_inputs", "Inputs embedded (their tokens count as prompt tokens)",
             registry=r,
         )  # fmt: skip
-        r.register(_EngineCollector(stats, in_flight))
+        r.register(_EngineCollector(stats, in_flight, model_name))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -128,6 +128,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         d.max_num_batched_tokens,
         "tokens in one engine step at most",
     )
+    _option(
+        eng,
+        "--max-decode-slowdown",
+        float,
+        d.max_decode_slowdown,
+        "while requests decode, a step that also runs prompt tokens may cost at most this "
+        "many times a decode-only step (0: no bound, --max-num-batched-tokens every step)",
+    )
     _option(eng, "--max-model-len", int, None, "context length (default: the model's)")
     _option(eng, "--threads", int, d.threads, "torch CPU threads")
     _option(eng, "--device", str, d.device, "auto, cpu or cuda[:N]")
@@ -221,6 +229,7 @@ def _serve(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "kv_cache_tokens": args.kv_cache_tokens,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_decode_slowdown": args.max_decode_slowdown,
         "max_model_len": args.max_model_len,
         "threads": args.threads,
         "device": args.device,

@@ -149,6 +149,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ``enable_prefix_caching`` keeps the K/V of full blocks of tokens after
     their request ends and lets a request whose prompt starts with the same
     tokens share them instead of computing them again.
+    ``max_decode_slowdown``: while requests decode, a step that also runs
+    prompt tokens may cost at most this many times a decode-only step (in
+    the scheduler's token cost model), so streams never stall behind a long
+    prompt; 0 = no bound (``max_num_batched_tokens`` every step).
 
     ``task`` "embed" makes an embedding engine instead (``tserve.gpu._embed_core``):
     ``model`` is then a local encoder directory, or "default" for the packaged
@@ -183,6 +187,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     engine_kind: Literal["model", "echo"] = "model"
     echo_step_time: float = 0.01
     enable_prefix_caching: bool = True
+    max_decode_slowdown: float = 2.5
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):

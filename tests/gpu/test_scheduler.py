@@ -19,6 +19,7 @@ import subprocess
 import sys
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import example, given, settings
@@ -118,6 +119,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     max_model_len: int = 1024,
     prefix_caching: bool = True,
+    max_decode_slowdown: float = 2.5,
 ) -> Scheduler:
     return Scheduler(
         BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
@@ -125,11 +127,15 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         eos_token_ids=[EOS],
+        max_decode_slowdown=max_decode_slowdown,
     )
 
 
-def check_step(sched: Scheduler, chunks: list[ScheduledChunk], preempted: bool) -> None:
-    """The per-step guarantees of the policy, checked right after ``schedule()``."""
+def check_step(
+    sched: Scheduler, chunks: list[ScheduledChunk], preempted: bool, decoding: set[str]
+) -> None:
+    """The per-step guarantees of the policy, checked right after ``schedule()``;
+    ``decoding`` holds the ids of the running sequences that were decoding before it."""
     bm = sched.block_manager
     by_seq = {c.seq.request_id: c for c in chunks}
     assert len(by_seq) == len(chunks), "a sequence scheduled twice in one step"
@@ -145,8 +151,14 @@ def check_step(sched: Scheduler, chunks: list[ScheduledChunk], preempted: bool) 
         assert seq.num_uncomputed_tokens >= 1
         if seq.num_uncomputed_tokens == 1:
             assert seq.request_id in by_seq, f"decode of {seq.request_id} skipped"
-    budget_left = sched.max_num_batched_tokens - sum(len(c.token_ids) for c in chunks)
-    for seq in sched.running:  # a prefill always gets budget that decodes leave, if KV allows
+    decodes = sum(1 for c in chunks if c.seq.request_id in decoding)
+    prefill = sum(len(c.token_ids) for c in chunks) - decodes
+    assert prefill <= sched.prefill_budget(decodes)
+    if decodes and sched.max_decode_slowdown and prefill > 1:  # rule 4's cost bound
+        overhead = sched.step_overhead_tokens
+        assert overhead + decodes + prefill <= sched.max_decode_slowdown * (overhead + decodes)
+    budget_left = sched.prefill_budget(decodes) - prefill
+    for seq in sched.running:  # a prefill always gets the prefill budget left, if KV allows
         if seq.request_id not in by_seq:
             assert budget_left == 0 or bm.num_allocatable_tokens(seq) == 0
     waiting = sched.waiting
@@ -159,8 +171,9 @@ def check_step(sched: Scheduler, chunks: list[ScheduledChunk], preempted: bool) 
 def step(sched: Scheduler, model: PagedFakeModel) -> tuple[list[ScheduledChunk], list[Sequence]]:
     """One engine step with every invariant checked."""
     before = sched.num_preemptions
+    decoding = {s.request_id for s in sched.running if s.num_uncomputed_tokens == 1}
     chunks = sched.schedule()
-    check_step(sched, chunks, preempted=sched.num_preemptions > before)
+    check_step(sched, chunks, preempted=sched.num_preemptions > before, decoding=decoding)
     news = sched.update(chunks, model.step(chunks))
     sched.check()
     return chunks, news
@@ -489,6 +502,73 @@ def test_an_old_long_request_is_not_starved_by_a_stream_of_short_ones() -> None:
     assert sched.num_waiting > 40
 
 
+# -- the prefill budget (rule 4) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("slowdown", "decodes", "budget"),
+    [
+        (2.5, 0, 512),  # nothing decodes: the whole step budget
+        (2.5, 1, 49),  # 1.5 * (32 + 1)
+        (2.5, 16, 72),  # 1.5 * (32 + 16)
+        (2.5, 64, 144),
+        (2.5, 300, 212),  # capped by max_num_batched_tokens - decodes
+        (1, 16, 1),  # no slowdown allowed: still one token a step, so nothing starves
+        (0, 16, 496),  # the rule off
+    ],
+)
+def test_the_prefill_budget_bounds_a_steps_cost(slowdown: float, decodes: int, budget: int) -> None:
+    sched = make_scheduler(
+        max_num_seqs=300, max_num_batched_tokens=512, max_decode_slowdown=slowdown
+    )
+    assert sched.step_overhead_tokens == 32
+    assert sched.prefill_budget(decodes) == budget
+
+
+@pytest.mark.parametrize("slowdown", [-1.0, 0.5])
+def test_a_slowdown_below_one_is_refused(slowdown: float) -> None:
+    with pytest.raises(ValueError, match="max_decode_slowdown"):
+        make_scheduler(max_decode_slowdown=slowdown)
+
+
+def test_a_long_prompt_arriving_mid_stream_is_spread_over_bounded_steps() -> None:
+    sched = make_scheduler(
+        num_blocks=1024, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048
+    )
+    model = PagedFakeModel(4)
+    streams = [make(f"s{i}", 8, 200, ignore_eos=True) for i in range(16)]
+    for seq in streams:
+        sched.add(seq)
+    chunks, _ = step(sched, model)
+    assert sum(len(c.token_ids) for c in chunks) == 16 * 8  # nobody decodes: all at once
+    long = make("long", 550, 4, ignore_eos=True)
+    sched.add(long)
+    prefill_steps = 0
+    while long.num_output_tokens == 0:
+        chunks, _ = step(sched, model)
+        sizes = tokens_of(chunks)
+        assert all(sizes[s.request_id] == 1 for s in streams), "a stream skipped a step"
+        assert sizes["long"] <= 72  # 1.5 * (32 + 16): at most 2.5x a decode-only step
+        prefill_steps += 1
+    assert prefill_steps == -(-550 // 72)
+
+
+def test_with_the_tightest_bound_a_prompt_still_finishes_behind_endless_decodes() -> None:
+    sched = make_scheduler(max_num_batched_tokens=32, max_decode_slowdown=1)
+    model = PagedFakeModel(4)
+    for i in range(3):
+        sched.add(make(f"s{i}", 2, 50, ignore_eos=True))
+    step(sched, model)
+    late = make("late", 20, 1)
+    sched.add(late)
+    steps = 0
+    while not late.is_finished:
+        chunks, _ = step(sched, model)
+        assert tokens_of(chunks)["late"] == 1
+        steps += 1
+    assert steps == 20
+
+
 # -- the prefix cache ------------------------------------------------------------------
 
 
@@ -563,7 +643,7 @@ def test_a_preempted_request_shares_its_own_blocks_when_readmitted() -> None:
 
 
 @st.composite
-def configs(draw: st.DrawFn) -> dict[str, int]:
+def configs(draw: st.DrawFn) -> dict[str, Any]:
     max_num_seqs = draw(st.integers(1, 8))
     return {
         "num_blocks": draw(st.integers(2, 48)),
@@ -571,6 +651,7 @@ def configs(draw: st.DrawFn) -> dict[str, int]:
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_seqs + draw(st.integers(0, 48)),
         "max_model_len": draw(st.integers(4, 160)),
+        "max_decode_slowdown": draw(st.sampled_from([0, 1, 1.1, 2.5])),
     }
 
 
@@ -583,7 +664,7 @@ MIDSIZE = {"block_size": 4, "max_num_seqs": 6, "max_num_batched_tokens": 24, "ma
 @example(config={"num_blocks": 20, **MIDSIZE}, seed=3, prefix_caching=False)
 @example(config={"num_blocks": 40, **MIDSIZE}, seed=5, prefix_caching=True)
 def test_random_simulation_keeps_every_invariant(
-    config: dict[str, int], seed: int, prefix_caching: bool
+    config: dict[str, Any], seed: int, prefix_caching: bool
 ) -> None:
     """Random arrivals, lengths, shared prefixes, aborts, EOS and deadlines against
     a small KV cache, with the prefix cache on or off.

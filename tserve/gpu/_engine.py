@@ -108,6 +108,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            max_decode_slowdown=config.max_decode_slowdown,
         )
         # Logprobs of tokens sampled but not yet reported; one entry per token.
         self._logprobs: dict[str, list[TokenLogprob]] = {}

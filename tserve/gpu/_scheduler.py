@@ -29,27 +29,24 @@ tokens and ``max_num_seqs`` running sequences; passes 2 and 3 share the
    full blocks (``BlockManager.find_prefix``) and starts computing after them;
    only the tokens it computes count against the budget.
 4. **Prefill never starves decodes.** A step with D decodes gives prefill
-   chunks at most ``prefill_budget(D)`` tokens. Its rule models a step's cost
-   as ``step_overhead_tokens + its tokens`` (a fixed cost per step, in tokens'
-   worth of work, plus a cost per token) and keeps a step that prefills within
-   ``max_decode_slowdown`` times the cost of a decode-only step:
-   ``P <= (max_decode_slowdown - 1) * (step_overhead_tokens + D)``, and at
-   least 1. With no decodes it is the whole ``max_num_batched_tokens``: nobody
-   waits on a step then. So every running stream's next token comes after a
-   step of bounded cost, whatever arrives; a long prompt is spread over more
-   steps instead. The bound grows with D because a bigger decode batch is a
-   costlier step that hides more prefill, so admissions keep pace with a full
-   batch. ``max_decode_slowdown == 0`` turns the rule off.
+   chunks at most ``prefill_budget(D)`` tokens (``_budget.py``). A step's cost
+   is modelled as ``step_overhead_tokens + its tokens``, and a step that
+   prefills may cost ``max_decode_slowdown`` times a decode-only step:
+   ``P <= (max_decode_slowdown - 1) * (step_overhead_tokens + D)``, at least 1.
+   With no decodes it is the whole ``max_num_batched_tokens``: nobody waits on
+   the step then. So a stream's next token always comes after a step of
+   bounded cost; a long prompt is spread over more steps instead. The bound
+   grows with D (a bigger decode batch hides more prefill), so admissions keep
+   pace with a full batch. ``max_decode_slowdown == 0`` turns the rule off.
 
 A chunk samples (``sample=True``) only when it reaches the sequence's last known
 token, so a prefill split over several steps samples once, at its end.
 
 Why nothing starves: decodes run every step; the prefill budget is at least one
-token in every step, and goes to the unfinished prefill and then to the oldest
-waiting request; a preemption victim
-is always the most recently admitted sequence, so the oldest running sequence is
-never preempted by another; and ``add`` admits only requests whose peak KV
-footprint fits the whole cache. Hence the oldest request always progresses.
+token a step and goes to the unfinished prefill, then to the oldest waiting
+request; a preemption victim is always the most recently admitted sequence, so
+the oldest running one is never preempted by another; and ``add`` admits only
+requests whose peak KV fits the whole cache. So the oldest request progresses.
 
 The price, under KV pressure: a request admitted with a partial chunk is the
 first victim when a decode next needs a block, so it may be admitted and
@@ -61,21 +58,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Mapping
 
+from tserve.gpu._budget import STEP_OVERHEAD_TOKENS, check_budget, prefill_budget
 from tserve.gpu._errors import RequestRejected
 from tserve.gpu._kv import BlockManager
 from tserve.gpu._sequence import ScheduledChunk, Sequence, SequenceStatus
 from tserve.protocol import FinishReason
 
-__all__ = ["STEP_OVERHEAD_TOKENS", "Scheduler"]
-
-STEP_OVERHEAD_TOKENS = 32
-"""A step's fixed cost in prompt tokens' worth of work, for rule 4's cost model.
-
-On CPU with SmolLM2-135M and one thread, a step of one decode takes about
-30 ms and each prompt token in a step adds about 1 ms. On a GPU the fixed
-cost is a larger share of a step; a larger ``step_overhead_tokens`` then gives
-prefill the room it costs nothing to take.
-"""
+__all__ = ["Scheduler"]
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
@@ -113,10 +102,7 @@ class Scheduler:
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if not (max_decode_slowdown == 0 or max_decode_slowdown >= 1):
-            raise ValueError(f"max_decode_slowdown must be 0 or >= 1, got {max_decode_slowdown}")
-        if step_overhead_tokens < 0:
-            raise ValueError(f"step_overhead_tokens must be >= 0, got {step_overhead_tokens}")
+        check_budget(max_decode_slowdown, step_overhead_tokens)
         self.max_decode_slowdown = max_decode_slowdown
         self.step_overhead_tokens = step_overhead_tokens
         self.block_manager = block_manager
@@ -293,11 +279,8 @@ class Scheduler:
 
     def prefill_budget(self, num_decodes: int) -> int:
         """Prefill tokens a step with ``num_decodes`` decodes may run (rule 4)."""
-        full = self.max_num_batched_tokens - num_decodes
-        if num_decodes == 0 or self.max_decode_slowdown == 0:
-            return full
-        bounded = (self.max_decode_slowdown - 1) * (self.step_overhead_tokens + num_decodes)
-        return min(full, max(1, int(bounded)))
+        slowdown, overhead = self.max_decode_slowdown, self.step_overhead_tokens
+        return prefill_budget(self.max_num_batched_tokens, num_decodes, slowdown, overhead)
 
     # -- scheduling passes -----------------------------------------------------
 

@@ -32,6 +32,8 @@ CPU (``--cpu-gemm``, default auto: the BLAS or prepacked oneDNN), while
 ``generate`` uses plain ``F.linear`` as users run it. ``--static-gemm same``
 gives the static side the engine's linear layers too, so that the ratio
 shows batching alone; ``--cpu-gemm blas`` does the same the other way round.
+``--model-impl hf`` runs the engine on the transformers modules instead of
+tserve's own forward pass (:mod:`tserve.gpu._llama`) for a Llama-family model.
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ def make_core(
     threads: int,
     batch_tokens: int,
     cpu_gemm: str = "auto",
+    model_impl: str = "auto",
 ) -> EngineCore:
     """A core whose KV budget holds ``size`` of the largest requests (no preemption)."""
     peak = max(len(r.prompt) + r.max_tokens for r in requests)
@@ -165,6 +168,7 @@ def make_core(
         device="cpu",
         dtype="float32",
         cpu_gemm=cpu_gemm,  # type: ignore[arg-type]
+        model_impl=model_impl,  # type: ignore[arg-type]
     )
     return EngineCore(config, progress=lambda _: None)
 
@@ -187,6 +191,12 @@ def main() -> int:
         "--cpu-gemm", choices=["auto", "blas", "onednn"], default="auto", help="the engine's"
     )
     parser.add_argument(
+        "--model-impl",
+        choices=["auto", "hf"],
+        default="auto",
+        help="the engine's forward pass: tserve's own where it covers the model, or transformers'",
+    )
+    parser.add_argument(
         "--static-gemm",
         choices=["blas", "same"],
         default="blas",
@@ -206,7 +216,8 @@ def main() -> int:
         tune_linears(model, args.cpu_gemm)
     print(
         f"model {model_dir.name}, {args.threads} threads, sizes {args.sizes}, "
-        f"engine gemm {args.cpu_gemm}, static gemm {args.static_gemm}"
+        f"engine gemm {args.cpu_gemm}, static gemm {args.static_gemm}, "
+        f"engine model {args.model_impl}"
     )
 
     rows: list[dict[str, Any]] = []
@@ -221,7 +232,13 @@ def main() -> int:
                 kind, n, vocab=vocab, prompt_len=args.prompt_len, tokens=args.tokens, seed=args.seed
             )
             core = make_core(
-                model_dir, requests, size, args.threads, args.batch_tokens, args.cpu_gemm
+                model_dir,
+                requests,
+                size,
+                args.threads,
+                args.batch_tokens,
+                args.cpu_gemm,
+                args.model_impl,
             )
             warm = requests[: min(size, 4)]
             run_engine(core, [Request(r.prompt, 2) for r in warm], size)
@@ -268,6 +285,7 @@ def _write(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]]
         "prompt_len": args.prompt_len,
         "batch_tokens": args.batch_tokens,
         "cpu_gemm": args.cpu_gemm,
+        "model_impl": args.model_impl,
         "static_gemm": args.static_gemm,
         "torch": torch.__version__,
         "python": platform.python_version(),

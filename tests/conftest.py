@@ -23,6 +23,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama in SmolLM2's layout (tied output head, 3:1 GQA), built once."""
+    from tserve.gpu._models import TINY_MODEL_VERSION, build_tiny_model
+
+    directory = tmp_path_factory.mktemp(f"smollm2-tiny-v{TINY_MODEL_VERSION}")
+    return build_tiny_model(directory, smollm2_layout=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of the tiny model, fp32 on CPU, shared by the session.
 

@@ -54,3 +54,13 @@ def test_prefix_caching_is_on_unless_the_flag_or_the_environment_says_no(
     assert parse_args(["serve", "--no-prefix-caching"]).no_prefix_caching is True
     monkeypatch.setenv("TSERVE_NO_PREFIX_CACHING", "1")
     assert parse_args([]).no_prefix_caching is True
+
+
+def test_model_impl_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_args([]).model_impl == "auto"
+    assert parse_args(["serve", "--model-impl", "hf"]).model_impl == "hf"
+    monkeypatch.setenv("TSERVE_MODEL_IMPL", "hf")
+    assert parse_args([]).model_impl == "hf"
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--model-impl", "vllm"])
+    assert info.value.code == 2

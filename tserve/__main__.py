@@ -155,6 +155,15 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "compute every prompt in full: do not share the KV of a prefix that an earlier "
         "request computed",
     )
+    _option(
+        eng,
+        "--model-impl",
+        str,
+        d.model_impl,
+        "'auto' (tserve's own forward pass for Llama, Mistral and Qwen2 models, "
+        "transformers' for the rest) or 'hf' (transformers' for every model)",
+        choices=("auto", "hf"),
+    )
     _option(eng, "--cache-dir", str, None, "where converted models are cached")
     _option(
         eng,
@@ -236,6 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "cpu_gemm": args.cpu_gemm,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "model_impl": args.model_impl,
         "cache_dir": args.cache_dir,
         "engine_kind": args.engine_kind,
         "echo_step_time": args.echo_step_time,

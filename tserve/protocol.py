@@ -134,6 +134,9 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True):
 CpuGemm: TypeAlias = Literal["auto", "blas", "onednn"]
 """The library behind linear layers on CPU: measured per layer, or forced."""
 
+ModelImpl: TypeAlias = Literal["auto", "hf"]
+"""Whose forward pass runs the model: tserve's own where it covers the model, or transformers'."""
+
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to start an engine process; handed to it as JSON on its command line.
@@ -153,6 +156,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     prompt tokens may cost at most this many times a decode-only step (in
     the scheduler's token cost model), so streams never stall behind a long
     prompt; 0 = no bound (``max_num_batched_tokens`` every step).
+    ``model_impl`` "auto" runs Llama-family models (Llama, Mistral, Qwen2) on
+    tserve's own forward pass and every other on its transformers modules;
+    "hf" runs every model on its transformers modules.
 
     ``task`` "embed" makes an embedding engine instead (``tserve.gpu._embed_core``):
     ``model`` is then a local encoder directory, or "default" for the packaged
@@ -188,6 +194,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     echo_step_time: float = 0.01
     enable_prefix_caching: bool = True
     max_decode_slowdown: float = 2.5
+    model_impl: ModelImpl = "auto"
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):

@@ -19,6 +19,7 @@ import torch
 
 from tserve.gpu._core import FORWARD_FAULT_ENV, ForwardFault
 from tserve.gpu._engine import EngineCore
+from tserve.gpu._models import load_model
 from tserve.gpu._sampler import FAULT_ENV as SAMPLER_FAULT_ENV
 from tserve.protocol import (
     AddRequest,
@@ -154,19 +155,41 @@ def _reference(model: Any, prompt: list[int], n: int) -> list[int]:
     ("kv_cache_tokens", "expect_preemption"), [(8192, False), (512, True)], ids=["roomy", "tight"]
 )
 @pytest.mark.parametrize("cpu_gemm", ["auto", "onednn"])
+@pytest.mark.parametrize("model_impl", ["auto", "hf"])
 def test_32_staggered_greedy_requests_match_generate_alone(
     tiny_model_dir: Path,
     tiny_model: tuple[Any, Any],
     kv_cache_tokens: int,
     expect_preemption: bool,
     cpu_gemm: str,
+    model_impl: str,
 ) -> None:
     """Chunked prefills, decodes and admissions share steps; under a tight KV
     budget requests are also preempted and recomputed. Not one token changes,
-    whether the linear layers run on the BLAS generate uses or on oneDNN."""
-    core = _core(tiny_model_dir, kv_cache_tokens=kv_cache_tokens, cpu_gemm=cpu_gemm)
+    whether the linear layers run on the BLAS generate uses or on oneDNN, and
+    whether the model runs on tserve's own forward pass or transformers'."""
+    core = _core(
+        tiny_model_dir, kv_cache_tokens=kv_cache_tokens, cpu_gemm=cpu_gemm, model_impl=model_impl
+    )
+    reference, _ = tiny_model
+    _staggered_requests_match_generate(core, reference, 32, expect_preemption)
+
+
+@pytest.mark.parametrize("model_impl", ["auto", "hf"])
+def test_smollm2_layout_requests_match_generate_alone(
+    smollm2_tiny_dir: Path, model_impl: str
+) -> None:
+    """SmolLM2's layout (tied output head, 3:1 GQA) under a tight KV budget."""
+    core = _core(smollm2_tiny_dir, kv_cache_tokens=512, model_impl=model_impl)
+    reference, _ = load_model(smollm2_tiny_dir, device="cpu", dtype=torch.float32)
+    _staggered_requests_match_generate(core, reference, 32, expect_preemption=True)
+
+
+def _staggered_requests_match_generate(
+    core: EngineCore, reference: Any, count: int, expect_preemption: bool
+) -> None:
     rng = random.Random(0)
-    prompts = _prompts(rng, 32)
+    prompts = _prompts(rng, count)
     max_tokens = [rng.randint(4, 24) for _ in prompts]
     arrivals: dict[int, list[AddRequest]] = {}
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
@@ -178,7 +201,6 @@ def test_32_staggered_greedy_requests_match_generate_alone(
     assert run.added_while_decoding >= 10, "arrivals did not overlap with decoding"
     assert (core.scheduler.num_preemptions > 0) == expect_preemption
     _idle(core)
-    reference, _ = tiny_model
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
         result = run.results[f"r{i}"]
         assert result.finish is FinishReason.LENGTH

@@ -1,5 +1,8 @@
 """The model runner batches for real and changes no token: fp32 CPU, tiny model.
 
+Every test runs on tserve's own Llama forward pass and on the Hugging Face
+modules, with the linear layers on each library.
+
 A minimal in-test loop stands in for the scheduler: requests arrive staggered,
 prompts are prefilled in chunks under a per-step token budget while others
 decode, blocks are handed out in shuffled order and reused as soon as a
@@ -16,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from tserve.gpu._llama import PagedLlama
 from tserve.gpu._model_runner import ModelRunner, kv_bytes_per_token
 from tserve.gpu._models import load_model
 from tserve.gpu._sequence import ScheduledChunk, Sequence
@@ -28,11 +32,27 @@ PREFILL_CHUNK = 24  # longest prefill chunk of one request in one step
 NEW_TOKENS = 12
 
 
-@pytest.fixture(params=["auto", "blas", "onednn"])
+def _runner(model_dir: Path, cpu_gemm: Any, model_impl: Any) -> ModelRunner:
+    model, _ = load_model(model_dir, device="cpu", dtype=torch.float32)
+    runner = ModelRunner(
+        model,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        cpu_gemm=cpu_gemm,
+        model_impl=model_impl,
+    )
+    assert isinstance(runner.model, PagedLlama) == (model_impl == "auto")
+    return runner
+
+
+@pytest.fixture(
+    params=[(gemm, impl) for impl in ("auto", "hf") for gemm in ("auto", "blas", "onednn")],
+    ids=lambda p: f"{p[1]}-{p[0]}",
+)
 def runner(tiny_model_dir: Path, request: pytest.FixtureRequest) -> ModelRunner:
-    """A runner whose linear layers run on the library measured fastest, the BLAS, or oneDNN."""
-    model, _ = load_model(tiny_model_dir, device="cpu", dtype=torch.float32)
-    return ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, cpu_gemm=request.param)
+    """A runner on tserve's own forward pass ("auto") or transformers' ("hf"), whose
+    linear layers run on the library measured fastest, the BLAS, or oneDNN."""
+    return _runner(tiny_model_dir, *request.param)
 
 
 @dataclass
@@ -121,10 +141,26 @@ def test_32_staggered_requests_match_generate(
     runner: ModelRunner, tiny_model: tuple[Any, Any]
 ) -> None:
     reference, _ = tiny_model
+    _staggered_requests_match_generate(runner, reference, 32)
+
+
+@pytest.mark.parametrize("model_impl", ["auto", "hf"])
+def test_smollm2_layout_matches_generate(smollm2_tiny_dir: Path, model_impl: str) -> None:
+    """A tied output head (one weight for the embedding and the head, on its own
+    library each) and 3 query heads per KV head change no token either."""
+    runner = _runner(smollm2_tiny_dir, "auto", model_impl)
+    reference, _ = load_model(smollm2_tiny_dir, device="cpu", dtype=torch.float32)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    if isinstance(runner.model, PagedLlama):
+        assert runner.model.lm_head.weight is runner.model.embed.weight
+    _staggered_requests_match_generate(runner, reference, 16)
+
+
+def _staggered_requests_match_generate(runner: ModelRunner, reference: Any, n: int) -> None:
     rng = random.Random(0)
-    lengths = [rng.choice([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120]) for _ in range(32)]
-    prompts = [[rng.randrange(runner.vocab_size) for _ in range(n)] for n in lengths]
-    arrivals = sorted(rng.randrange(40) for _ in range(32))
+    lengths = [rng.choice([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120]) for _ in range(n)]
+    prompts = [[rng.randrange(runner.vocab_size) for _ in range(k)] for k in lengths]
+    arrivals = sorted(rng.randrange(40) for _ in range(n))
     result = _drive(runner, prompts, arrivals)
     run: _Run = result["run"]
     assert run.max_batch >= 8 and run.mixed_steps >= 5, "the loop did not really batch"

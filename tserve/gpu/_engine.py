@@ -97,6 +97,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
             device=device,
             dtype=dtype,
             cpu_gemm=config.cpu_gemm,
+            model_impl=config.model_impl,
         )
         self.sampler = Sampler(device=device)
         self.blocks = BlockManager(

@@ -1,9 +1,12 @@
 """Runs one step of the model over every scheduled chunk: ONE forward pass.
 
-The runner owns the KV pool (allocated once) and the model it was given: it
-switches the model's attention to tserve's paged attention
-(:mod:`tserve.gpu._attention`), so that model must not be used for anything
-else afterwards. It does not decide who runs; the scheduler does, and hands it
+The runner owns the KV pool (allocated once) and the model it was given. A
+Llama-family model runs on tserve's own forward pass
+(:mod:`tserve.gpu._llama`, ``model_impl="auto"``); any other, or any model
+with ``model_impl="hf"``, runs on its Hugging Face modules with their
+attention switched to tserve's paged attention (:mod:`tserve.gpu._attention`).
+Either way the model must not be used for anything else afterwards. It does
+not decide who runs; the scheduler does, and hands it
 :class:`~tserve.gpu._sequence.ScheduledChunk` s whose block tables it has
 already allocated.
 
@@ -26,9 +29,10 @@ from tserve.gpu._attention import (
     register_paged_attention,
 )
 from tserve.gpu._gemm import tune_linears
+from tserve.gpu._llama import PagedLlama, unsupported_reason
 from tserve.gpu._models import ModelLoadError
 from tserve.gpu._sequence import ScheduledChunk
-from tserve.protocol import CpuGemm
+from tserve.protocol import CpuGemm, ModelImpl
 
 __all__ = ["ModelRunner", "default_device", "kv_bytes_per_token"]
 
@@ -78,6 +82,7 @@ class ModelRunner:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         cpu_gemm: CpuGemm = "auto",
+        model_impl: ModelImpl = "auto",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -85,10 +90,10 @@ class ModelRunner:
             )
         self.device = torch.device(device) if device is not None else model.device
         self.dtype = dtype if dtype is not None else model.dtype
-        self.model = _take_over(model, self.device, self.dtype)
+        self.vocab_size: int = model.config.get_text_config().vocab_size
+        layers, kv_heads, head_dim = _kv_shape(model.config)
+        self.model = _take_over(model, self.device, self.dtype, model_impl)
         tune_linears(self.model, cpu_gemm)
-        self.vocab_size: int = self.model.config.get_text_config().vocab_size
-        layers, kv_heads, head_dim = _kv_shape(self.model.config)
         shape = (layers, kv_heads, num_blocks * block_size, head_dim)
         with torch.inference_mode():
             self.pool = KVPool(
@@ -123,18 +128,26 @@ class ModelRunner:
                 keep.append(end - 1)
         with torch.inference_mode():
             input_ids, position_ids, step = build_step(chunks, self.pool, self.device)
+            rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+            if isinstance(self.model, PagedLlama):
+                logits: torch.Tensor = self.model(input_ids[0], position_ids[0], step, rows)
+                return logits.float()
             out: Any = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                logits_to_keep=rows,
                 use_cache=False,
                 tserve_step=step,
             )
-            logits: torch.Tensor = out.logits[0].float()
-            return logits
+            return out.logits[0].float()  # type: ignore[no-any-return]
 
 
-def _take_over(model: Any, device: torch.device, dtype: torch.dtype) -> Any:
+def _take_over(model: Any, device: torch.device, dtype: torch.dtype, model_impl: ModelImpl) -> Any:
+    """The module the runner calls: tserve's own for the models it covers."""
+    reason = "asked for" if model_impl == "hf" else unsupported_reason(model)
+    if reason is None:
+        return PagedLlama(model.to(device=device, dtype=dtype).eval())
+    log.info("%s runs on its Hugging Face modules (%s)", type(model).__name__, reason)
     text = model.config.get_text_config()
     window = getattr(text, "sliding_window", None)
     if window and getattr(text, "use_sliding_window", True):

@@ -251,7 +251,9 @@ User: tell me a story. Assistant: once upon a time there was a tiny model.
 """
 
 
-def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
+def build_tiny_model(
+    directory: str | os.PathLike[str], *, seed: int = 0, smollm2_layout: bool = False
+) -> Path:
     """Write a tiny random Llama and its tokenizer into ``directory``; return it.
 
     The model has 2 layers, hidden size 64, 4 query and 2 KV heads (GQA), a
@@ -259,7 +261,9 @@ def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0) -> Pat
     ``initializer_range`` so greedy continuations differ between prompts. The
     tokenizer is byte-level BPE (every byte string encodes) with ChatML special
     tokens and chat template; eos is ``<|im_end|>``. Same ``seed``, same files.
-    Takes about a second.
+    ``smollm2_layout`` gives it SmolLM2-135M's layout instead: the output head
+    tied to the embedding, and 6 query heads sharing 2 KV heads (hidden size
+    96). Takes about a second.
     """
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -270,14 +274,14 @@ def build_tiny_model(directory: str | os.PathLike[str], *, seed: int = 0) -> Pat
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = LlamaConfig(
         vocab_size=512,
-        hidden_size=64,
+        hidden_size=96 if smollm2_layout else 64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=6 if smollm2_layout else 4,
         num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=0.5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=smollm2_layout,
         bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=pad_id,

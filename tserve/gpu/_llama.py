@@ -217,7 +217,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm: statistics in fp32, the weight applied in ``x``'s dtype."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    """transformers' Llama RMSNorm: statistics in fp32, the weight applied in ``x``'s dtype.
+
+    In fp32 that is torch's own ``rms_norm`` with the weight (one call, the
+    same values); other dtypes normalize in fp32 and scale after the cast back.
+    """
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)
+    return weight * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)

@@ -20,7 +20,10 @@ Modules:
 * ``_kv.py`` — KV-cache accounting: the paged block allocator (plain Python).
 * ``_sequence.py`` — one record per request and the chunk of work in a step.
 * ``_model_runner.py`` — one forward pass over the scheduled chunks; owns the
-  KV pool.
+  KV pool; picks the model's forward pass (``model_impl``).
+* ``_llama.py`` — :class:`PagedLlama`, tserve's own forward pass for
+  Llama-family models (Llama, Mistral, Qwen2): fused products over the loaded
+  weights, the head on sampled rows only.
 * ``_attention.py`` — paged attention over the KV pool, plugged into
   transformers.
 * ``_gemm.py`` — CPU linear layers on the library measured fastest.

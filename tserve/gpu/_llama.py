@@ -175,21 +175,18 @@ class PagedLlama(torch.nn.Module):
 
 
 def _fuse(*linears: torch.nn.Linear) -> torch.nn.Linear:
-    """One linear layer whose output is the outputs of ``linears``, concatenated."""
+    """One linear layer whose output is the outputs of ``linears``, concatenated.
+
+    Its weight (and bias) is a new tensor; the originals are left as they are.
+    """
     weight = torch.cat([linear.weight.detach() for linear in linears])
-    biases = [linear.bias for linear in linears]
-    fused = torch.nn.Linear(
-        weight.shape[1],
-        weight.shape[0],
-        bias=biases[0] is not None,
-        device=weight.device,
-        dtype=weight.dtype,
-    )
-    with torch.no_grad():
-        fused.weight.copy_(weight)
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([b.detach() for b in biases if b is not None]))
-    return fused.requires_grad_(False)
+    biases = [linear.bias.detach() for linear in linears if linear.bias is not None]
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if biases:
+        assert len(biases) == len(linears), "biases on all of the fused layers or none"
+        fused.bias = torch.nn.Parameter(torch.cat(biases), requires_grad=False)
+    return fused
 
 
 def _rope_table(rotary: Any, positions: int, model: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -144,16 +144,16 @@ class ModelRunner:
 
 def _take_over(model: Any, device: torch.device, dtype: torch.dtype, model_impl: ModelImpl) -> Any:
     """The module the runner calls: tserve's own for the models it covers."""
-    reason = "asked for" if model_impl == "hf" else unsupported_reason(model)
-    if reason is None:
-        return PagedLlama(model.to(device=device, dtype=dtype).eval())
-    log.info("%s runs on its Hugging Face modules (%s)", type(model).__name__, reason)
     text = model.config.get_text_config()
     window = getattr(text, "sliding_window", None)
     if window and getattr(text, "use_sliding_window", True):
         log.warning("sliding-window attention (%s) runs as full attention here", window)
-    register_paged_attention()
     model = model.to(device=device, dtype=dtype).eval()
+    reason = "asked for" if model_impl == "hf" else unsupported_reason(model)
+    if reason is None:
+        return PagedLlama(model)
+    log.info("%s runs on its Hugging Face modules (%s)", type(model).__name__, reason)
+    register_paged_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
         raise ModelLoadError(

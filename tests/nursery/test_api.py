@@ -24,6 +24,7 @@ from tserve import (
     open_llm,
 )
 from tserve.nursery import RequestState
+from tserve.nursery._admission import Overload
 from tserve.nursery._tokenizer import INLINE_TOKENIZE_CHARS
 from tserve.protocol import FinishReason
 
@@ -246,6 +247,7 @@ async def test_over_admission_is_refused_at_once(llm: LLM) -> None:
     with Overloaded by the call itself (no await), the 100 admitted complete."""
     saved = llm.max_pending
     llm.max_pending = 100
+    llm.admission.overload = Overload.RAISE
     go, all_called = anyio.Event(), anyio.Event()
     calls = refused = 0
     completed: list[int] = []
@@ -283,6 +285,7 @@ async def test_over_admission_is_refused_at_once(llm: LLM) -> None:
                 go.set()
     finally:
         llm.max_pending = saved
+        llm.admission.overload = Overload.WAIT
     assert refused == 900
     assert completed == [4] * 100
     await settled(llm)

@@ -17,6 +17,7 @@ import pytest
 from tests.nursery.conftest import ENGINE, eventually, process_gone
 from tserve import LLM, EngineDeadError, InvalidRequest, Overloaded, SamplingParams, open_llm
 from tserve.nursery import Embedder
+from tserve.nursery._admission import Overload
 
 pytestmark = [
     pytest.mark.anyio,
@@ -102,7 +103,8 @@ async def test_admission(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InvalidRequest, match="at most 100") as info:
         await llm.embed(["x"] * 101)
     assert info.value.param == "input"
-    monkeypatch.setattr(embedder, "_live", embedder.max_pending)
+    monkeypatch.setattr(embedder.admission, "running", embedder.max_pending)
+    monkeypatch.setattr(embedder.admission, "overload", Overload.RAISE)
     with pytest.raises(Overloaded):
         await llm.embed("x")
     monkeypatch.setattr(llm, "embedder", None)

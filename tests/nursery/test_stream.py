@@ -16,6 +16,7 @@ from tests.mux.fake_engine import run_fake_engine
 from tests.nursery.conftest import HANG_GUARD, eventually
 from tserve.mux import EngineDeadError, Mux, open_mux
 from tserve.nursery import RequestState, RequestStream, RequestTimeout
+from tserve.nursery._admission import Admission
 from tserve.nursery._request import RequestSeam, loop_caller
 from tserve.protocol import SamplingParams
 
@@ -24,27 +25,42 @@ pytestmark = pytest.mark.anyio
 LONG = SamplingParams(max_tokens=200)  # far more steps than any test reads
 
 
+class CountingAdmission(Admission):
+    """An admission that counts how often a unit left it (once per stream)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_pending=1000)
+        self.left = 0
+
+    def leave(self, count: int = 1, *, held: bool) -> None:
+        self.left += 1
+        super().leave(count, held=held)
+
+
 class Client:
     """The admitting side of a seam: counts releases (one per stream)."""
 
     def __init__(self, mux: Mux) -> None:
         self.mux = mux
-        self.released = 0
+        self.admission = CountingAdmission()
         self.seam = RequestSeam(
             mux,
             lambda ids: "".join(map(chr, ids)),
             lambda prompt, params: None,
-            self._release,
+            self.admission,
             loop_caller(),
         )
         self._ids = 0
 
-    def _release(self) -> None:
-        self.released += 1
+    @property
+    def released(self) -> int:
+        return self.admission.left
 
     def stream(self, params: SamplingParams, timeout: float | None = None) -> RequestStream:
         self._ids += 1
-        return RequestStream(self.seam, f"req-{self._ids}", [ord("A")], params, timeout)
+        held = self.admission.enter()
+        rid = f"req-{self._ids}"
+        return RequestStream(self.seam, rid, [ord("A")], params, timeout, holds_slot=held)
 
     async def ended(self, stream: RequestStream, state: RequestState, *, aborts: int) -> None:
         """``stream`` ended in ``state``, released its slot once, and sent ``aborts`` aborts."""

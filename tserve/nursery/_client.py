@@ -4,7 +4,7 @@ A client (``LLM``, ``Embedder``) stands for one engine behind one mux (an
 :class:`~tserve.nursery._session.EngineSession`): its identity (model, pid,
 socket address), whether it is alive, request ids, and admission: the
 refusal of new work once the engine is dead or the client closed, and the
-count of live units (requests, or inputs) against ``max_pending``.
+client's :class:`~tserve.nursery._admission.Admission` (slots and queue).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import dataclasses
 import itertools
 
 from tserve.mux import EngineDeadError
-from tserve.nursery._errors import InvalidRequest, Overloaded, ShuttingDown
+from tserve.nursery._admission import Admission, Overload
+from tserve.nursery._errors import InvalidRequest, ShuttingDown
 from tserve.nursery._session import EngineSession
 
 __all__ = ["ClientSettings", "EngineClient"]
@@ -23,38 +24,73 @@ __all__ = ["ClientSettings", "EngineClient"]
 class ClientSettings:
     """A client's bounds, as ``open_llm`` and the others take them (see :func:`tserve.open_llm`)."""
 
-    max_pending: int  # live units at once; >= 1
+    max_pending: int  # running units at once; >= 1
     request_timeout: float | None  # s; None: no deadline
     startup_timeout: float  # s the engine gets to become ready
     heartbeat_timeout: float  # s of engine silence that count as its death
+    overload: Overload = Overload.WAIT  # what a unit finding no free slot does
+    max_queued: int = 0  # RAISE mode: units that may wait for a slot
+    max_queued_tokens: int | None = None  # RAISE mode: their prompt tokens; None: no bound
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
             raise ValueError("max_pending must be at least 1")
+        if self.max_queued < 0:
+            raise ValueError("max_queued must not be negative")
+
+    def queueing(
+        self, overload: str, max_queued: int = 0, max_queued_tokens: int | None = None
+    ) -> ClientSettings:
+        """These settings with an ``overload`` mode ("wait" or "raise", else
+        ValueError) and the queue's bounds (see :class:`Admission`)."""
+        return dataclasses.replace(
+            self,
+            overload=Overload(overload),
+            max_queued=max_queued,
+            max_queued_tokens=max_queued_tokens,
+        )
+
+    def admission(self, noun: str) -> Admission:
+        """A new :class:`Admission` with these bounds; ``noun`` names its unit."""
+        return Admission(
+            self.max_pending,
+            self.overload,
+            max_queued=self.max_queued,
+            max_queued_tokens=self.max_queued_tokens,
+            noun=noun,
+        )
 
 
 class EngineClient:
     """One engine behind one mux, for a subclass to serve requests through.
 
-    Each subclass names itself in ``_dead`` and ``_closed``, and admits
-    with :meth:`_check_running` and :meth:`_check_room`.
+    Each subclass names itself in ``_dead`` and ``_closed`` and its unit in
+    ``_noun``, and admits with :meth:`_check_running`, :meth:`_check_room`
+    and ``self.admission``.
     """
 
     _dead = "the engine is dead"  # EngineDeadError's message when the mux has none
     _closed = "the engine client is closed"  # ShuttingDown's message once the mux stopped
+    _noun = "requests"  # what one admitted unit is, for Overloaded's message
 
     def __init__(self, session: EngineSession, settings: ClientSettings, *, id_prefix: str) -> None:
         self._mux = session.mux
         self._engine = session.engine
         self._mux_done = session.done  # set when the mux stopped (engine dead or closed)
         self.ready = session.mux.ready
-        self.max_pending = settings.max_pending
         self.request_timeout = settings.request_timeout
-        # Invariant: 0 <= _live <= max_pending: units admitted and not yet
-        # released (a subclass counts them).
-        self._live = 0
+        self.admission = settings.admission(self._noun)
         self._ids = itertools.count()
         self._id_prefix = id_prefix
+
+    @property
+    def max_pending(self) -> int:
+        """Units that run at once (see :class:`~tserve.nursery._admission.Admission`)."""
+        return self.admission.max_pending
+
+    @max_pending.setter
+    def max_pending(self, value: int) -> None:
+        self.admission.max_pending = value
 
     @property
     def model(self) -> str:
@@ -89,13 +125,12 @@ class EngineClient:
         if self._mux_done.is_set():
             raise ShuttingDown(self._closed)
 
-    def _check_room(self, count: int, *, too_many: str, param: str, busy: str) -> None:
+    def _check_room(self, count: int, *, too_many: str, param: str) -> None:
         """Raise InvalidRequest(``too_many``, ``param``) when ``count`` units exceed
-        ``max_pending`` itself, Overloaded(``busy``) when fewer than ``count`` are free."""
+        ``max_pending`` itself, Overloaded when admission would refuse them now."""
         if count > self.max_pending:
             raise InvalidRequest(too_many, param=param)
-        if self._live + count > self.max_pending:
-            raise Overloaded(busy)
+        self.admission.check(count)
 
     def _next_request_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids)}"

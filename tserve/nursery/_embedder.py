@@ -97,14 +97,16 @@ def embedding_config(model: str, engine_options: Mapping[str, Any]) -> EngineCon
 class Embedder(EngineClient):
     """Embed text with the embedding engine behind one mux. Create with :func:`open_embedder`.
 
-    Admission: at most ``max_pending`` inputs are live at once (each input is
-    one engine request); a call that would go past it raises
-    :class:`Overloaded` at once, and one with more inputs than that raises
+    Admission: at most ``max_pending`` inputs run at once (each input is
+    one engine request); a call that finds too few free waits for them, or
+    raises :class:`Overloaded` (the ``overload`` mode, see ``_admission.py``),
+    and one with more inputs than ``max_pending`` raises
     :class:`InvalidRequest`. Call it from the event loop thread that opened it.
     """
 
     _dead = "the embedding engine is dead"
     _closed = "the embedding model is closed"
+    _noun = "embedding inputs"
 
     def __init__(
         self, session: EngineSession, settings: ClientSettings, tokens: EncoderTokenizer
@@ -115,8 +117,8 @@ class Embedder(EngineClient):
 
     @property
     def live(self) -> int:
-        """Inputs of calls in progress; at most ``max_pending``."""
-        return self._live
+        """Inputs of calls in progress, running or waiting for a slot."""
+        return self.admission.live
 
     @property
     def dimensions(self) -> int:
@@ -134,8 +136,9 @@ class Embedder(EngineClient):
         """Embed every input; return the vectors in input order.
 
         A checkpoint. Raises at once (before any work) InvalidRequest for
-        bad inputs (``param`` "input"), Overloaded, ShuttingDown or
-        EngineDeadError. Texts are tokenized in a worker thread; an input
+        bad inputs (``param`` "input"), Overloaded (RAISE mode), ShuttingDown
+        or EngineDeadError; otherwise waits, within the deadline, for a slot
+        per input. Texts are tokenized in a worker thread; an input
         longer than :attr:`max_input_tokens` is refused (InvalidRequest),
         never truncated. ``request_timeout`` (if set) ends the call with
         RequestTimeout; for a shorter bound, cancel it (``anyio.fail_after``).
@@ -149,18 +152,18 @@ class Embedder(EngineClient):
             count,
             too_many=f"{count} inputs in one request; the server takes at most {self.max_pending}",
             param="input",
-            busy=f"{self.max_pending} embedding inputs are already in flight",
         )
-        self._live += count
+        held = self.admission.enter(count)
+        deadline = Deadline.after(self.request_timeout)
         try:
-            deadline = Deadline.after(self.request_timeout)
-            if not deadline.is_set:
-                return await self._embed(items, deadline)
             with anyio.CancelScope(deadline=deadline.loop):
+                if not held:
+                    await self.admission.wait(count)
+                    held = True  # no checkpoint between the hand-off and this
                 return await self._embed(items, deadline)
             raise RequestTimeout(f"{_TIMED_OUT} ({self.request_timeout:g} s)")
         finally:
-            self._live -= count
+            self.admission.leave(count, held=held)
 
     async def _embed(
         self, items: list[str] | list[list[int]], deadline: Deadline

@@ -1,6 +1,7 @@
 """The embeddable LLM: generation requests through one engine, with admission control.
 
-:class:`LLM` admits requests (at most ``max_pending`` live), builds each
+:class:`LLM` admits requests (at most ``max_pending`` running; the rest wait
+or are refused by its ``overload`` mode, see ``_admission.py``), builds each
 one's :class:`~tserve.nursery.RequestStream`, and serves the tokenizer and
 the embeddings of the engines ``open_llm`` started (``_open.py``).
 
@@ -34,7 +35,9 @@ __all__ = ["LLM", "LLMStats"]
 class LLMStats:
     """Live numbers for /metrics. ``engine`` is the engine's latest report."""
 
-    live_requests: int
+    live_requests: int  # admitted and not closed: running or waiting
+    queued_requests: int  # admitted, waiting for a slot
+    queued_tokens: int  # prompt tokens of the requests waiting for a slot
     aborts_sent: int
     engine: EngineStats
     engine_alive: bool
@@ -43,9 +46,12 @@ class LLMStats:
 class LLM(EngineClient):
     """Generate text with the engine behind one mux. Create with :func:`open_llm`.
 
-    Admission: at most ``max_pending`` requests are live (admitted and not
-    yet closed); one more raises :class:`Overloaded` at once. Nothing waits
-    without bound. Every method is meant to be called from the event loop
+    Admission: at most ``max_pending`` requests run (hold a slot) at once.
+    With ``overload="wait"`` (the default) one more waits for a slot, in
+    arrival order, holding only its own task; with ``overload="raise"`` it
+    waits only while the queue has room (``max_queued`` requests,
+    ``max_queued_tokens`` prompt tokens) and otherwise raises
+    :class:`Overloaded` at once. Every method is meant to be called from the event loop
     thread that entered ``open_llm``, except the blocking tokenizer helpers
     (:meth:`encode`, :meth:`decode`, :meth:`apply_chat_template`), which
     are for worker threads.
@@ -61,10 +67,10 @@ class LLM(EngineClient):
         self._tokens = tokens
         self.tokenizer = tokens.tokenizer
         self.draining = False
-        # What every RequestStream of this LLM uses of it; release() runs
-        # once per admitted stream, by its close().
+        # What every RequestStream of this LLM uses of it; the admission's
+        # leave() runs once per admitted stream, by its close().
         self._seam = RequestSeam(
-            self._mux, tokens.decode, self._check_prompt, self._release, loop_caller()
+            self._mux, tokens.decode, self._check_prompt, self.admission, loop_caller()
         )
         # The embedding model's engine, when open_llm was given one.
         self.embedder: Embedder | None = None
@@ -96,7 +102,9 @@ class LLM(EngineClient):
     @property
     def stats(self) -> LLMStats:
         return LLMStats(
-            live_requests=self._live,
+            live_requests=self.admission.live,
+            queued_requests=self.admission.queued,
+            queued_tokens=self.admission.queued_tokens,
             aborts_sent=self._mux.stats.aborts_sent,
             engine=self._mux.engine_stats,
             engine_alive=self.engine_alive,
@@ -114,13 +122,18 @@ class LLM(EngineClient):
     ) -> RequestStream:
         """Start a request; iterate the result for its deltas.
 
-        Synchronous and immediate: raises Overloaded, ShuttingDown or
-        EngineDeadError before anything is queued. ``prompt`` is text
-        (tokenized on the first ``__anext__``, see :meth:`tokenize`) or
-        token ids. ``timeout`` (seconds, default ``request_timeout``) ends the
-        request with RequestTimeout and aborts it in the engine. Close the
-        stream (``async with``, ``aclose``, or reading it to the end) to free
-        its admission slot; a stream dropped unfinished is closed soon after.
+        Synchronous and immediate: raises Overloaded (``overload="raise"``
+        and the queue full), ShuttingDown or EngineDeadError before anything
+        is queued. ``prompt`` is text (tokenized on the first ``__anext__``,
+        see :meth:`tokenize`) or token ids. Without a free slot, the first
+        ``__anext__`` waits for one after tokenizing (cancellably; RAISE mode
+        may refuse there with Overloaded when the queued prompt tokens are
+        over budget). ``timeout`` (seconds, default ``request_timeout``),
+        counted from this call and the wait included, ends the request with
+        RequestTimeout and aborts it in the engine. Close the stream (``async
+        with``, ``aclose``, or reading it to the end) to free its admission
+        slot or place in the queue; a stream dropped unfinished is closed
+        soon after.
         """
         if isinstance(prompt, str):
             text = prompt
@@ -206,7 +219,8 @@ class LLM(EngineClient):
 
         EngineDeadError, ShuttingDown (closed or draining), InvalidRequest
         (``param`` "n") when ``count`` exceeds ``max_pending`` itself,
-        Overloaded when fewer than ``count`` slots are free.
+        Overloaded when ``overload="raise"`` and neither ``count`` slots
+        nor room in the queue are free (never with ``overload="wait"``).
         """
         self._check_running()
         if self.draining:
@@ -216,7 +230,6 @@ class LLM(EngineClient):
             too_many=f"this request needs {count} generations; at most {self.max_pending} "
             "are admitted at once",
             param="n",
-            busy=f"{self.max_pending} requests are already in flight",
         )
 
     def _admit(
@@ -229,13 +242,9 @@ class LLM(EngineClient):
         self.check_admission(1)
         timeout = self.request_timeout if timeout is None else timeout
         rid = request_id or self._next_request_id()
-        stream = RequestStream(self._seam, rid, prompt, params or SamplingParams(), timeout)
-        self._live += 1
-        return stream
-
-    def _release(self) -> None:
-        """Called once per admitted stream, by its close()."""
-        self._live -= 1
+        params = params or SamplingParams()
+        held = self.admission.enter(1)  # after every check that can raise
+        return RequestStream(self._seam, rid, prompt, params, timeout, holds_slot=held)
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         """Reject what the engine would reject, with the field it concerns."""

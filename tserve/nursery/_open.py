@@ -43,6 +43,9 @@ async def open_llm(
     model: str | os.PathLike[str] = "default",
     *,
     max_pending: int = 1024,
+    overload: str = "wait",
+    max_queued: int = 0,
+    max_queued_tokens: int | None = None,
     request_timeout: float | None = None,
     startup_timeout: float = 600.0,
     heartbeat_timeout: float = 30.0,
@@ -56,6 +59,16 @@ async def open_llm(
 
     ``engine_options`` are fields of :class:`tserve.protocol.EngineConfig`
     (max_num_seqs, kv_cache_tokens, threads, device, dtype, ...).
+
+    Admission: at most ``max_pending`` requests run at once. With
+    ``overload="wait"`` (the default) every further call waits for a slot,
+    in arrival order, cancellably and within its ``timeout``; a waiting call
+    holds only its own task and its prompt. With ``overload="raise"`` a call
+    waits only while at most ``max_queued`` others do and their prompts hold
+    at most ``max_queued_tokens`` tokens (None: no token bound), and raises
+    Overloaded otherwise; ``max_queued=0`` refuses at once exactly the calls
+    beyond ``max_pending`` (the HTTP server's 503 + Retry-After). The
+    embedding engine's inputs are admitted the same way.
 
     Startup: waits for the engine's ready message, at most
     ``startup_timeout`` s; meanwhile the engine logs its loading progress to
@@ -99,6 +112,7 @@ async def open_llm(
     either engine turns ``engine_alive`` False.
     """
     settings = ClientSettings(max_pending, request_timeout, startup_timeout, heartbeat_timeout)
+    settings = settings.queueing(overload, max_queued, max_queued_tokens)
     config = EngineConfig(model=os.fspath(model), **engine_options)  # TypeError: unknown option
     async with (
         start_engine(config, log_level=log_level, stop_grace=shutdown_grace) as engine,
@@ -115,6 +129,9 @@ async def attach_llm(
     engine_pid: int,
     *,
     max_pending: int = 1024,
+    overload: str = "wait",
+    max_queued: int = 0,
+    max_queued_tokens: int | None = None,
     request_timeout: float | None = None,
     startup_timeout: float = 600.0,
     heartbeat_timeout: float = 30.0,
@@ -136,6 +153,7 @@ async def attach_llm(
     EngineDeadError, as with :func:`open_llm`.
     """
     settings = ClientSettings(max_pending, request_timeout, startup_timeout, heartbeat_timeout)
+    settings = settings.queueing(overload, max_queued, max_queued_tokens)
     engine = EngineRef(address, engine_pid)
     what = f"the engine at {address}"
     async with _connect_llm(engine, what, settings, owned=False, freeze_gc=freeze_gc) as llm:
@@ -148,6 +166,7 @@ async def open_embedder(
     config: EngineConfig,
     *,
     max_pending: int = 1024,
+    overload: str = "wait",
     request_timeout: float | None = None,
     startup_timeout: float = 600.0,
     heartbeat_timeout: float = 30.0,
@@ -165,6 +184,7 @@ async def open_embedder(
     propagates unchanged.
     """
     settings = ClientSettings(max_pending, request_timeout, startup_timeout, heartbeat_timeout)
+    settings = settings.queueing(overload)
     async with _start_embedder(config, settings, shutdown_grace, log_level) as embedder:
         yield embedder
 
@@ -175,6 +195,7 @@ async def attach_embedder(
     engine_pid: int,
     *,
     max_pending: int = 1024,
+    overload: str = "wait",
     request_timeout: float | None = None,
     startup_timeout: float = 600.0,
     heartbeat_timeout: float = 30.0,
@@ -183,6 +204,7 @@ async def attach_embedder(
     process owns (see :func:`tserve.nursery.attach_llm`: the same rules; leaving
     the block never stops the engine)."""
     settings = ClientSettings(max_pending, request_timeout, startup_timeout, heartbeat_timeout)
+    settings = settings.queueing(overload)
     engine = EngineRef(address, engine_pid)
     what = f"the embedding engine at {address}"
     async with _connect(engine, what, settings, load_encoder_tokenizer, Embedder) as embedder:

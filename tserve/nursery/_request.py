@@ -15,8 +15,13 @@ web layer, a deadline) cancels the request. Every way out goes through
 * engine death and shutdown fail the mailbox; the mux itself queues the
   abort of a request it cancels at shutdown.
 
+A stream admitted without a free slot holds a ticket instead; its first
+``__anext__`` tokenizes and then waits for a slot (``Admission.wait``)
+before it submits, so a waiting stream holds no mailbox and nothing in
+the engine.
+
 ``close`` is synchronous: it queues at most one Abort with ``mux.abort``
-(never blocks, never awaits) and releases the admission slot, so cleanup
+(never blocks, never awaits) and gives back the admission slot or ticket, so cleanup
 never waits on an unshielded checkpoint and a second cancel cannot skip it.
 Whether an abort is due is decided by :class:`~tserve.nursery._output.OutputMapper`
 (the state machine of ``_state.py``): only a request the engine may still be
@@ -25,7 +30,7 @@ output has already arrived is finished in the engine, so it is not aborted.
 
 The stream reaches its client only through a :class:`RequestSeam`, which
 the client (``LLM``) hands in: the mux, the decoder, the prompt check, the
-release of the admission slot and the event loop's call-soon.
+admission (wait for a slot, give it back) and the event loop's call-soon.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import anyio
 import msgspec
 
 from tserve.mux import EngineDeadError, Mailbox, Mux, MuxClosedError
+from tserve.nursery._admission import Admission
 from tserve.nursery._deadline import Deadline
 from tserve.nursery._output import OutputMapper
 from tserve.nursery._results import Delta
@@ -53,12 +59,14 @@ Prompt = str | list[int]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestSeam:
-    """All a :class:`RequestStream` uses of the client that admitted it. None of these block."""
+    """All a :class:`RequestStream` uses of the client that admitted it.
+
+    Only ``admission.wait`` blocks (see :class:`Admission`)."""
 
     mux: Mux  # open_mailbox, submit and abort (synchronous)
     decode: Callable[[list[int]], str]  # token ids to text, special tokens skipped
     check_prompt: Callable[[list[int], SamplingParams], None]  # raises InvalidRequest
-    release: Callable[[], None]  # frees the admission slot; called once per stream
+    admission: Admission  # wait (a stream holding a ticket), leave (once per stream)
     call_soon: Callable[[Callable[[], object]], None]  # thread-safe; see loop_caller
 
 
@@ -80,6 +88,7 @@ class RequestStream:
         "__weakref__",
         "_deadline",
         "_done",
+        "_holds_slot",
         "_mailbox",
         "_make_prompt",
         "_mapper",
@@ -96,8 +105,12 @@ class RequestStream:
         make_prompt: Callable[[], Awaitable[list[int]]] | list[int],
         params: SamplingParams,
         timeout: float | None,
+        *,
+        holds_slot: bool = True,
     ) -> None:
         self._done = True  # until fully built: __del__ must find nothing to do
+        # True: it holds an admission slot; False: a ticket, until _submit waits.
+        self._holds_slot = holds_slot
         self.request_id = request_id
         self._seam = seam
         # Token ids, or an async function that makes them (LLM.tokenize).
@@ -155,7 +168,7 @@ class RequestStream:
         """End the request now. Synchronous, idempotent, never raises.
 
         Sends one Abort if the engine may still be running the request (see
-        the module docstring), and releases the admission slot.
+        the module docstring), and gives back its admission slot or ticket.
         """
         if self._done:
             return
@@ -164,7 +177,7 @@ class RequestStream:
             self._seam.mux.abort(self.request_id)
         if self._mailbox is not None:
             self._mailbox.close()  # the mux forgets the id; no second abort
-        self._seam.release()
+        self._seam.admission.leave(held=self._holds_slot)
 
     # -- internals ---------------------------------------------------------------
 
@@ -188,6 +201,9 @@ class RequestStream:
         prompt = make if isinstance(make, list) else await make()
         self._seam.check_prompt(prompt, self._params)
         self.prompt_token_ids = prompt
+        if not self._holds_slot:
+            await self._seam.admission.wait(tokens=len(prompt))
+            self._holds_slot = True  # no checkpoint between the hand-off and this
         mux = self._seam.mux
         try:
             self._mailbox = mux.open_mailbox(self.request_id, self._params.max_tokens)

@@ -64,6 +64,12 @@ def _optional_float(text: str) -> float | None:
     return None if text.lower() in ("", "none", "0") else float(text)
 
 
+def _queue_bound(text: str) -> int:
+    from tserve.nursery._admission import queue_bound_from_memory
+
+    return queue_bound_from_memory() if text.strip().lower() == "auto" else int(text)
+
+
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve",
@@ -101,7 +107,22 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _flag(http, "--no-request-log", "do not log one line per request")
 
     front = p.add_argument_group("requests")
-    _option(front, "--max-pending", int, 1024, "live requests at most; more get 503 at once")
+    _option(front, "--max-pending", int, 1024, "requests running at once; more wait in a queue")
+    _option(
+        front,
+        "--max-queued",
+        _queue_bound,
+        "auto",
+        "requests that may wait for a slot before more get 503 + Retry-After "
+        "(auto: from the memory available at start, see README)",
+    )
+    _option(
+        front,
+        "--max-queued-tokens",
+        int,
+        2_000_000,  # tserve.nursery._admission.DEFAULT_MAX_QUEUED_TOKENS
+        "prompt tokens the waiting requests may hold before more get 503",
+    )
     _option(
         front,
         "--request-timeout",
@@ -259,6 +280,9 @@ def _serve(args: argparse.Namespace) -> int:
         async with open_llm(
             args.model,
             max_pending=args.max_pending,
+            overload="raise",  # past the queue's bounds: 503 + Retry-After
+            max_queued=args.max_queued,
+            max_queued_tokens=args.max_queued_tokens,
             request_timeout=args.request_timeout,
             log_level=args.log_level.upper(),
             embedding_model=embedding,
@@ -329,6 +353,8 @@ async def _serve_with_workers(llm: LLM, server: ServerConfig, args: argparse.Nam
             embedding_pid=None if embedder is None else embedder.engine_pid,
             server=dataclasses.replace(server, port=int(url.rsplit(":", 1)[1])),
             max_pending=args.max_pending,
+            max_queued=args.max_queued,
+            max_queued_tokens=args.max_queued_tokens,
             request_timeout=args.request_timeout,
             log_level=args.log_level,
         )

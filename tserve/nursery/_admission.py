@@ -42,7 +42,40 @@ import anyio
 
 from tserve.nursery._errors import Overloaded
 
-__all__ = ["Admission", "Overload"]
+__all__ = [
+    "DEFAULT_MAX_QUEUED_TOKENS",
+    "WAITING_REQUEST_BYTES",
+    "Admission",
+    "Overload",
+    "queue_bound_from_memory",
+]
+
+# What one streamed HTTP request waiting for a slot holds in the API process
+# (its connection, parsed body, task, stream, prompt ids of a short prompt),
+# measured as resident-memory growth per waiting request (README, "Admission").
+WAITING_REQUEST_BYTES = 64 * 1024
+# The HTTP server's bound on the prompt tokens of waiting requests: at about
+# 40 bytes a token as Python ints in a list, some 80 MB.
+DEFAULT_MAX_QUEUED_TOKENS = 2_000_000
+_QUEUE_MEMORY_SHARE = 8  # the queue may take 1/8 of the memory available at start
+_QUEUE_MEMORY_CAP = 2 << 30  # and never more than 2 GiB
+_QUEUE_MIN = 1024  # nor fewer than this many requests
+
+
+def queue_bound_from_memory(bytes_each: int = WAITING_REQUEST_BYTES) -> int:
+    """How many requests of ``bytes_each`` may wait: 1/8 of MemAvailable, at most
+    2 GiB, at least 1,024 requests. Reads /proc/meminfo (Linux; elsewhere 1 GiB
+    is assumed available). Blocking (fast)."""
+    available = 1 << 30
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    budget = min(available // _QUEUE_MEMORY_SHARE, _QUEUE_MEMORY_CAP)
+    return max(_QUEUE_MIN, budget // bytes_each)
 
 
 class Overload(enum.Enum):

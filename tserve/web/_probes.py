@@ -44,7 +44,7 @@ class Probes:
             state = "engine dead"
         elif llm.draining or self._in_flight.aborting is not None:
             state = "draining"
-        elif llm.stats.live_requests >= llm.max_pending:
+        elif llm.admission.saturated:  # a new request would get 503 now
             state = "saturated"
         else:
             return json_response({"status": "ready"})

@@ -35,6 +35,7 @@ class _Limits(TypedDict):
     """What this worker's muxes take from the main process's flags (both the same)."""
 
     max_pending: int
+    overload: str
     request_timeout: float | None
 
 
@@ -50,7 +51,11 @@ async def _serve_worker(spec: WorkerSpec) -> int:
     from tserve.nursery import attach_embedder, attach_llm
     from tserve.web._server import serve
 
-    limits: _Limits = {"max_pending": spec.max_pending, "request_timeout": spec.request_timeout}
+    limits: _Limits = {
+        "max_pending": spec.max_pending,
+        "overload": "raise",  # the HTTP server's 503 past the queue's bounds
+        "request_timeout": spec.request_timeout,
+    }
     async with contextlib.AsyncExitStack() as stack:
         embedder = None
         if spec.embedding_address is not None and spec.embedding_pid is not None:
@@ -58,7 +63,14 @@ async def _serve_worker(spec: WorkerSpec) -> int:
                 attach_embedder(spec.embedding_address, spec.embedding_pid, **limits)
             )
         llm = await stack.enter_async_context(
-            attach_llm(spec.engine_address, spec.engine_pid, embedder=embedder, **limits)
+            attach_llm(
+                spec.engine_address,
+                spec.engine_pid,
+                embedder=embedder,
+                max_queued=spec.max_queued,
+                max_queued_tokens=spec.max_queued_tokens,
+                **limits,
+            )
         )
         codes: list[int] = []
 

@@ -57,6 +57,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     embedding_pid: int | None = None
     server: ServerConfig  # with reuse_port=True and the real port
     max_pending: int
+    max_queued: int = 0
+    max_queued_tokens: int | None = None
     request_timeout: float | None
     log_level: str = "INFO"
 

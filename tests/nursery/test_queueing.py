@@ -1,0 +1,100 @@
+"""Admission that waits, through ``open_llm`` with default options and a real engine.
+
+Many more concurrent ``generate`` calls than ``max_pending`` slots all
+complete with exact token counts (the tiny model for 2,000, the echo engine
+for 20,000), on both backends; a call cancelled while it waits leaves no
+trace in the mux or the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.nursery.conftest import ENGINE, HANG_GUARD, eventually, fd_count, settled
+from tserve import LLM, SamplingParams, open_llm
+
+pytestmark = pytest.mark.anyio
+
+
+async def _run_all(llm: LLM, n_requests: int, n_tokens: int) -> tuple[list[int], int]:
+    """``n_requests`` concurrent generate calls; their token counts and the peak queued."""
+    params = SamplingParams(max_tokens=n_tokens, ignore_eos=True, temperature=0)
+    counts: list[int] = []
+    peak = 0
+
+    async def one(i: int) -> None:
+        nonlocal peak
+        stream = llm.generate([3 + i % 300, 4 + i % 7], params)
+        peak = max(peak, llm.stats.queued_requests)
+        tokens = 0
+        async for delta in stream:
+            tokens += len(delta.token_ids)
+        counts.append(tokens)
+
+    with anyio.fail_after(HANG_GUARD * 5):
+        async with anyio.create_task_group() as tg:
+            for i in range(n_requests):
+                tg.start_soon(one, i)
+    return counts, peak
+
+
+@pytest.fixture(scope="module")
+async def tiny(anyio_backend: str, tiny_model_dir: Path) -> AsyncIterator[LLM]:
+    async with open_llm(tiny_model_dir, **ENGINE) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+async def echo(anyio_backend: str, tiny_model_dir: Path) -> AsyncIterator[LLM]:
+    async with open_llm(tiny_model_dir, engine_kind="echo", echo_step_time=0.001, **ENGINE) as llm:
+        yield llm
+
+
+async def test_two_thousand_generates_wait_their_turn(tiny: LLM) -> None:
+    assert tiny.max_pending == 1024  # the default: fewer slots than calls
+    counts, peak = await _run_all(tiny, 2000, 4)
+    assert counts == [4] * 2000
+    assert peak == 2000 - tiny.max_pending  # every call beyond the slots waited
+    await settled(tiny)
+
+
+async def test_twenty_thousand_generates_on_the_echo_engine(echo: LLM) -> None:
+    baseline = fd_count()
+    counts, peak = await _run_all(echo, 20_000, 3)
+    assert counts == [3] * 20_000
+    assert peak == 20_000 - echo.max_pending
+    assert fd_count() == baseline
+    await settled(echo)
+
+
+async def test_a_cancelled_waiter_releases_nothing_it_never_held(echo: LLM) -> None:
+    await settled(echo)
+    mux = echo._mux
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    holders = [echo.generate([5], long) for _ in range(echo.max_pending)]
+    adds = mux.stats.adds_sent
+    aborts = mux.stats.aborts_sent
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+
+            async def wait_in_vain() -> None:
+                async for _ in echo.generate([6, 7, 8], long):
+                    raise AssertionError("a waiter was given a slot")
+
+            for _ in range(50):
+                tg.start_soon(wait_in_vain)
+            await eventually(lambda: echo.stats.queued_tokens == 150, "all 50 wait")
+            tg.cancel_scope.cancel()
+    stats = echo.stats
+    assert (stats.live_requests, stats.queued_requests, stats.queued_tokens) == (1024, 0, 0)
+    assert echo.admission.running == echo.max_pending  # the holders' slots, untouched
+    assert (mux.stats.adds_sent, mux.stats.aborts_sent) == (adds, aborts)  # nothing on the wire
+    assert mux.open_mailboxes == 0
+    for stream in holders:
+        stream.close()
+    assert echo.stats.live_requests == 0
+    await settled(echo)

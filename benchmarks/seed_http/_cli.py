@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--max-num-seqs", type=int, default=256, help="engine batch size")
     add("--kv-cache-tokens", type=int, default=65536)
     add("--max-num-batched-tokens", type=int, default=4096)
+    add("--engine-kind", default="model", help="model, or echo (no model: the frontend alone)")
+    add(
+        "--server-defaults",
+        action="store_true",
+        help="start the server with its own admission and engine defaults (ignores the four above)",
+    )
     add("--max-seconds", type=float, default=600.0, help="hard cap on the whole run")
     add("--interval", type=float, default=0.05, help="sampling period in seconds")
     add("--tail-seconds", type=float, default=3.0, help="sampling after the load")
@@ -51,10 +57,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.max_pending is None:
         args.max_pending = args.requests + 1000
+    admission = (
+        "the server's default admission"
+        if args.server_defaults
+        else f"--max-pending {args.max_pending} (above the request count: admission refuses none)"
+    )
     print(
         f"seed_http: {args.requests} streaming requests at {args.rate:g}/s, "
-        f"{args.max_tokens} tokens each, model {args.model}, --max-pending {args.max_pending} "
-        f"(above the request count: admission refuses none)",
+        f"{args.max_tokens} tokens each, model {args.model} ({args.engine_kind}), {admission}",
         flush=True,
     )
     stem = result_stem("seed_http", time.strftime("%Y%m%d-%H%M%S"))

@@ -70,17 +70,24 @@ def build_model(spec: str, scratch: Path) -> str:
 
 
 def server_command(args: argparse.Namespace, model: str) -> list[str]:
-    """The server's argv: loopback, any free port, admission above the request count."""
-    return [
+    """The server's argv: loopback, any free port, admission above the request count
+    (or the server's defaults, ``--server-defaults``)."""
+    command = [
         sys.executable, "-m", "tserve", "serve", model,
         "--host", "127.0.0.1", "--port", "0",
         "--served-model-name", MODEL_NAME,
+        "--engine-kind", args.engine_kind,
+        "--shutdown-timeout", "10",
+        "--no-request-log",
+    ]  # fmt: skip
+    if args.server_defaults:
+        return command
+    return [
+        *command,
         "--max-pending", str(args.max_pending),
         "--max-num-seqs", str(args.max_num_seqs),
         "--kv-cache-tokens", str(args.kv_cache_tokens),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--shutdown-timeout", "10",
-        "--no-request-log",
     ]  # fmt: skip
 
 

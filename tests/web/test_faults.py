@@ -63,7 +63,7 @@ def start_streams(
 
 
 def test_overload_gets_503_at_once_and_admitted_complete(start_server: StartServer) -> None:
-    server = start_server("--max-pending", "4", "--max-num-seqs", "1")
+    server = start_server("--max-pending", "4", "--max-queued", "0", "--max-num-seqs", "1")
     threads, out = start_streams(server, 4, LONG)
     with httpx.Client(base_url=server.url, timeout=30) as client:
         burst = [client.post("/v1/completions", json=LONG) for _ in range(40)]
@@ -79,6 +79,23 @@ def test_overload_gets_503_at_once_and_admitted_complete(start_server: StartServ
     for t in threads:
         t.join(120)
     assert [finish_of(events) for events in out] == ["length"] * 4
+    server.wait_for_metric("tserve_requests_live", 0)
+    assert server.client.get("/ready").status_code == 200
+
+
+def test_requests_queue_up_to_the_bound_then_get_503(start_server: StartServer) -> None:
+    """2 running and 3 waiting for a slot fill the queue: the next get 503 at
+    once, /ready says saturated, and all 5 admitted complete."""
+    server = start_server("--max-pending", "2", "--max-queued", "3", "--max-num-seqs", "1")
+    threads, out = start_streams(server, 5, LONG)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        burst = [client.post("/v1/completions", json=LONG) for _ in range(10)]
+        assert client.get("/ready").status_code == 503  # saturated
+    assert {r.status_code for r in burst} == {503}
+    assert {r.json()["error"]["code"] for r in burst} == {"overloaded"}
+    for t in threads:
+        t.join(120)
+    assert [finish_of(events) for events in out] == ["length"] * 5
     server.wait_for_metric("tserve_requests_live", 0)
     assert server.client.get("/ready").status_code == 200
 

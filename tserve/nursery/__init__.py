@@ -6,7 +6,7 @@ Modules, each with one job (imports run down this list, never up)::
                         an engine, its session and a client, for a block
     _llm.py             LLM: generation requests, admission, LLMStats
     _embedder.py        Embedder: embedding calls, their inputs and EmbeddingResult
-    _client.py          EngineClient (identity, liveness, ids, admission counts)
+    _client.py          EngineClient (identity, liveness, ids, its admission)
                         and ClientSettings, shared by LLM and Embedder
     _tokenizer.py       tokenizer policy: inline vs worker thread, fast decoding,
                         the chat template, loading both models' tokenizers
@@ -14,6 +14,8 @@ Modules, each with one job (imports run down this list, never up)::
                         read, abort, close) over a RequestSeam
     _output.py          sans-IO: an engine output to a Delta or a decision
                         (abort, time out, fail, finished); mux failures
+    _admission.py       Admission: slots, the FIFO queue of waiting units, the
+                        overload modes (wait, raise) and the HTTP queue's bounds
     _deadline.py        a deadline on the loop's and the engine's clocks
     _state.py           the request state machine (legal transitions)
     _detokenize.py      sans-IO: token ids to text deltas, stop strings

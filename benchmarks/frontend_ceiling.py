@@ -109,6 +109,9 @@ async def _main(args: argparse.Namespace, model: str) -> dict[str, Any]:
         engine_kind="echo",
         echo_step_time=args.step_time,
         log_level="WARNING",
+        # Scheduling 100,000 tasks can keep the event loop from reading the
+        # socket for longer than the default 30 s on a loaded machine.
+        heartbeat_timeout=600.0,
     ) as llm:
         await llm.complete([5, 6], SamplingParams(max_tokens=2))  # warm: tokenizer, mux
         return await run_ceiling(llm, args.requests, args.max_tokens)

@@ -36,11 +36,11 @@ class LLMStats:
     """Live numbers for /metrics. ``engine`` is the engine's latest report."""
 
     live_requests: int  # admitted and not closed: running or waiting
-    queued_requests: int  # admitted, waiting for a slot
-    queued_tokens: int  # prompt tokens of the requests waiting for a slot
     aborts_sent: int
     engine: EngineStats
     engine_alive: bool
+    queued_requests: int = 0  # admitted, waiting for a slot
+    queued_tokens: int = 0  # prompt tokens of the requests waiting for a slot
 
 
 class LLM(EngineClient):

@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.nursery.conftest import ENGINE, eventually, process_gone
+from tests.nursery.conftest import ENGINE, HANG_GUARD, eventually, process_gone
 from tserve import LLM, EngineDeadError, InvalidRequest, Overloaded, SamplingParams, open_llm
 from tserve.nursery import Embedder
 from tserve.nursery._admission import Overload
@@ -129,14 +129,33 @@ async def test_cancelling_a_call_aborts_every_unanswered_input(llm: LLM) -> None
     assert len((await llm.embed("still works")).raw) == 1
 
 
-async def test_a_dead_embedding_engine_fails_embeddings_not_generation(llm: LLM) -> None:
-    """Last in the module: it kills this backend's embedding engine."""
+async def test_a_dead_embedding_engine_ends_generation_too(llm: LLM) -> None:
+    """Last in the module: it kills this backend's embedding engine. Either
+    engine's death is the LLM's: live generation streams end with
+    EngineDeadError naming the embedding engine, and the generation engine,
+    asked to shut down, exits."""
     embedder = embedder_of(llm)
-    embedder.kill_engine()
-    await eventually(lambda: not llm.engine_alive, "engine_alive turns False")
-    assert "embedding engine" in (llm.engine_dead_reason or "")
+    failures: list[str] = []
+
+    async def stream() -> None:
+        with pytest.raises(EngineDeadError) as caught:
+            async for _ in llm.generate("Hello", SamplingParams(max_tokens=500, ignore_eos=True)):
+                pass
+        failures.append(str(caught.value))
+
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(stream)
+            await eventually(lambda: llm.stats.engine.running == 5, "five streams run")
+            embedder.kill_engine()
+    assert len(failures) == 5
+    assert all(f.startswith("embedding engine: ") and "SIGKILL" in f for f in failures)
+    assert not llm.engine_alive
+    assert (llm.engine_dead_reason or "").startswith("embedding engine: ")
     with pytest.raises(EngineDeadError):
         await llm.embed("x")
-    result = await llm.complete("Hello", SamplingParams(max_tokens=3, ignore_eos=True))
-    assert len(result.token_ids) == 3
-    await eventually(lambda: process_gone(embedder.engine_pid), "the engine is reaped")
+    with pytest.raises(EngineDeadError):
+        await llm.complete("Hello", SamplingParams(max_tokens=3))
+    await eventually(lambda: process_gone(embedder.engine_pid), "the embedding engine is reaped")
+    await eventually(lambda: process_gone(llm.engine_pid), "the generation engine exits")

@@ -7,7 +7,10 @@ synchronous ``submit``/``abort``. Imports only :mod:`tserve.protocol`.
 Modules:
 
 * ``_mux.py`` — :class:`Mux`, the task that owns the socket: handshake,
-  sending inputs, receiving outputs, heartbeats, engine death; ``open_mux``.
+  sending inputs, receiving outputs, engine death; ``open_mux``.
+* ``_heartbeat.py`` — the heartbeat watch: when engine silence is the
+  engine's death and when it is only the event loop's lateness (the
+  sans-IO :class:`SilenceClock` and the task that looks at it).
 * ``_router.py`` — the sans-IO routing table: request id -> mailbox, the
   inbox of adds and aborts for the next frame, which ids may still be
   aborted, failing every mailbox at once.

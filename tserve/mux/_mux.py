@@ -33,6 +33,7 @@ import zmq
 from anyio.abc import TaskStatus
 
 from tserve.mux._errors import EngineDeadError, MuxClosedError, MuxError
+from tserve.mux._heartbeat import SilenceClock, watch_silence
 from tserve.mux._mailbox import Mailbox
 from tserve.mux._router import Router
 from tserve.mux._zmqio import ZmqChannel
@@ -74,7 +75,8 @@ class Mux:
     never block, so a request's ``finally`` can call them without an await.
     ``hwm`` is the socket's SNDHWM and RCVHWM in frames; ``heartbeat_timeout``
     is how long silence from a ready engine may last before it is declared
-    dead; ``ready_timeout`` bounds the wait for ``EngineReady``.
+    dead (the engine's silence, not the event loop's: see ``_heartbeat.py``);
+    ``ready_timeout`` bounds the wait for ``EngineReady``.
     """
 
     def __init__(
@@ -100,7 +102,9 @@ class Mux:
         self._closed = False
         self._started = False
         self._scope: anyio.CancelScope | None = None
-        self._last_received = 0.0  # anyio.current_time() of the last frame
+        # The engine's silence from when it is ready (rules in _heartbeat.py);
+        # its max_lateness and excused say how late the event loop has been.
+        self.silence = SilenceClock(heartbeat_timeout, 0.0)
         # Open mailboxes and the inbox (bounds stated in _router.py).
         self._router = Router(self._wake_sender)
         self._shutdown: Shutdown | None = None  # sent after the last input
@@ -165,7 +169,8 @@ class Mux:
         """Declare the engine dead (e.g. its process exited); see :class:`Mux`.
 
         Synchronous; fails every open mailbox with EngineDeadError(reason) and
-        stops :meth:`run`. Only the first reason is kept.
+        stops :meth:`run`. Only the first reason is kept. A Shutdown asked for
+        before is still sent (best effort), for an engine that runs on.
         """
         if self._dead_reason is not None:
             return
@@ -215,8 +220,8 @@ class Mux:
                 self._scope = tg.cancel_scope
                 tg.start_soon(channel.watch)
                 if await self._handshake(channel):
-                    self._last_received = anyio.current_time()
-                    tg.start_soon(self._watch_heartbeats)
+                    self.silence.heard(anyio.current_time())
+                    tg.start_soon(watch_silence, self.silence, channel, self.engine_died)
                     tg.start_soon(self._send_inputs, channel)
                     task_status.started()
                     await self._route_outputs(channel)
@@ -286,7 +291,7 @@ class Mux:
         stats = self.stats
         while self._dead_reason is None:
             frames = await channel.receive_batch()
-            self._last_received = anyio.current_time()
+            self.silence.heard(anyio.current_time())
             stats.frames_received += len(frames)
             for frame in frames:
                 if not self._handle(frame):
@@ -329,15 +334,6 @@ class Mux:
             return None
         return message
 
-    async def _watch_heartbeats(self) -> None:
-        timeout = self._heartbeat_timeout
-        while True:
-            silent_for = anyio.current_time() - self._last_received
-            if silent_for >= timeout:
-                self.engine_died(f"no message from the engine for {timeout:g} s")
-                return
-            await anyio.sleep(timeout - silent_for)
-
     def _close(self, socket: zmq.Socket[bytes]) -> None:
         """After run: fail what is open, flush what is queued, close the socket."""
         self._closed = True
@@ -346,10 +342,12 @@ class Mux:
         if self._dead_reason is None:
             self._router.fail_all(MuxClosedError("the mux stopped"), engine_dead=False)
         inputs = self._router.take_inputs()
-        if self._dead_reason is None and self._ready is not None:
+        if self._ready is not None:
             # Best effort, without waiting: LINGER gives zmq time to deliver.
+            # Inputs only to a live engine; a requested Shutdown to any (one
+            # declared dead for its peer's death still runs: engine_died).
             frames = []
-            if inputs is not None:
+            if inputs is not None and self._dead_reason is None:
                 frames.append(encode(inputs))
             if self._shutdown is not None:
                 frames.append(encode(self._shutdown))

@@ -128,6 +128,16 @@ class ZmqChannel:
         self._update()
         await cancel_shielded_checkpoint()
 
+    def poll(self) -> bool:
+        """Drain what the socket holds into the buffer; True if a frame waits unread.
+
+        Synchronous, never blocks (rule 1 holds: it re-reads ``zmq.EVENTS``
+        and wakes a waiting receiver). For a watcher that must tell frames
+        the event loop has not read yet from frames that never came.
+        """
+        self._update()
+        return bool(self._received)
+
     async def _wait_received(self) -> None:
         """Return when a frame is buffered; a checkpoint that takes nothing."""
         await checkpoint_if_cancelled()

@@ -21,7 +21,8 @@ Modules, each with one job (imports run down this list, never up)::
     _detokenize.py      sans-IO: token ids to text deltas, stop strings
     _session.py         engine_session: the mux, the progress log, unwrapping
                         our task groups' exception groups
-    _watch.py           process watchers: an engine's exit becomes engine death
+    _watch.py           process watchers: an engine's exit becomes engine death,
+                        the embedding engine's death the generation engine's
     _engine_process.py  starting and stopping an engine process
     _gc.py              cyclic-GC settings while serving
     _results.py         what a caller gets: Delta, Usage, Completion

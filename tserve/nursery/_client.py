@@ -74,6 +74,7 @@ class EngineClient:
     _noun = "requests"  # what one admitted unit is, for Overloaded's message
 
     def __init__(self, session: EngineSession, settings: ClientSettings, *, id_prefix: str) -> None:
+        self.session = session  # what engine_session's depends_on takes
         self._mux = session.mux
         self._engine = session.engine
         self._mux_done = session.done  # set when the mux stopped (engine dead or closed)

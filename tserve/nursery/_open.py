@@ -117,9 +117,8 @@ async def open_llm(
     async with (
         start_engine(config, log_level=log_level, stop_grace=shutdown_grace) as engine,
         _embedder_for(embedding_model, engine_options, settings, shutdown_grace, log_level) as emb,
-        _connect_llm(engine, config.model, settings, owned=True, freeze_gc=freeze_gc) as llm,
+        _connect_llm(engine, config.model, settings, emb, owned=True, freeze_gc=freeze_gc) as llm,
     ):
-        llm.embedder = emb
         yield llm
 
 
@@ -156,8 +155,9 @@ async def attach_llm(
     settings = settings.queueing(overload, max_queued, max_queued_tokens)
     engine = EngineRef(address, engine_pid)
     what = f"the engine at {address}"
-    async with _connect_llm(engine, what, settings, owned=False, freeze_gc=freeze_gc) as llm:
-        llm.embedder = embedder
+    async with _connect_llm(
+        engine, what, settings, embedder, owned=False, freeze_gc=freeze_gc
+    ) as llm:
         yield llm
 
 
@@ -220,16 +220,19 @@ async def _connect(
     make: Callable[[EngineSession, ClientSettings, _Tokens], _Client],
     *,
     owned: bool = False,
+    embedder: Embedder | None = None,
 ) -> AsyncIterator[_Client]:
     """The client ``make`` builds over ``engine``'s session (see
     :func:`~tserve.nursery._session.engine_session`), its tokenizer loaded
-    by ``load`` in a worker thread. Leaving the block sends Shutdown iff ``owned``."""
+    by ``load`` in a worker thread. Leaving the block sends Shutdown iff
+    ``owned``. The death of ``embedder``'s engine is this engine's death."""
     async with engine_session(
         engine,
         owned=owned,
         what=what,
         startup_timeout=settings.startup_timeout,
         heartbeat_timeout=settings.heartbeat_timeout,
+        depends_on=None if embedder is None else embedder.session,
     ) as session:
         tokens = await anyio.to_thread.run_sync(load, session.mux.ready.model_path)
         yield make(session, settings, tokens)
@@ -237,10 +240,22 @@ async def _connect(
 
 @contextlib.asynccontextmanager
 async def _connect_llm(
-    engine: EngineRef, what: str, settings: ClientSettings, *, owned: bool, freeze_gc: bool
+    engine: EngineRef,
+    what: str,
+    settings: ClientSettings,
+    embedder: Embedder | None,
+    *,
+    owned: bool,
+    freeze_gc: bool,
 ) -> AsyncIterator[LLM]:
-    """:func:`_connect` for an LLM, with the serving GC settings (``_gc.py``) when ``freeze_gc``."""
-    async with _connect(engine, what, settings, load_chat_tokenizer, LLM, owned=owned) as llm:
+    """:func:`_connect` for an LLM that serves embeddings with ``embedder`` (its
+    engine's death is the LLM's), with the serving GC settings (``_gc.py``)
+    when ``freeze_gc``."""
+    connect = _connect(
+        engine, what, settings, load_chat_tokenizer, LLM, owned=owned, embedder=embedder
+    )
+    async with connect as llm:
+        llm.embedder = embedder
         with serving_gc() if freeze_gc else contextlib.nullcontext():
             yield llm
 

@@ -20,7 +20,7 @@ import anyio.abc
 
 from tserve.mux import Mux
 from tserve.nursery._engine_process import EngineRef
-from tserve.nursery._watch import watch_engine
+from tserve.nursery._watch import watch_dependency, watch_engine
 from tserve.protocol import EngineReady
 
 __all__ = ["EngineSession", "engine_session", "unwrap"]
@@ -47,6 +47,7 @@ async def engine_session(
     what: str,
     startup_timeout: float,
     heartbeat_timeout: float,
+    depends_on: EngineSession | None = None,
 ) -> AsyncIterator[EngineSession]:
     """Run a mux to ``engine`` and a watcher of its process for the block.
 
@@ -56,7 +57,9 @@ async def engine_session(
     Shutdown first when ``owned`` (the owner stops the process itself; see
     :func:`~tserve.nursery._engine_process.start_engine`), never otherwise,
     and cancels the mux and the watcher. An exception from the block
-    propagates unchanged.
+    propagates unchanged. ``depends_on`` (the embedding engine's session,
+    for a generation engine that serves with one) is watched too: its
+    engine's death is this engine's death (``watch_dependency``).
     """
     body_error: BaseException | None = None
     try:
@@ -65,6 +68,9 @@ async def engine_session(
             session = EngineSession(engine, mux, anyio.Event())
             try:
                 tg.start_soon(watch_engine, engine, mux, session.done)
+                if depends_on is not None:
+                    dependency = (depends_on.mux, depends_on.done, mux, "embedding engine")
+                    tg.start_soon(watch_dependency, *dependency)
                 await _start_mux(tg, session, model=what)
                 try:
                     yield session

@@ -1,12 +1,21 @@
 """Process watchers: an engine process's exit becomes engine death in its mux.
 
 :func:`watch_engine` runs beside the mux for as long as an engine session
-lasts (``_session.py``): for an engine this process started, by waiting on
-the child; for one another API process owns, by a pidfd (or by polling the
-pid where there is none). An engine that exits with an error sends
-EngineDead (with the reason) first, so each watcher gives that message
-``_DEATH_MESSAGE_GRACE`` s to arrive before it declares the death itself:
-the reason is not lost in a race.
+lasts (``_session.py``). A child's exit is an event, never a poll: for an
+engine this process started, by waiting on the child (a pidfd or a waiting
+thread, as the event loop does it); for one another API process owns, by a
+pidfd (polling the pid only where the kernel has none). A kill by a signal
+is declared at once: its exit status says all there is. An engine that
+exits with an error sends EngineDead (with the reason) just before, so
+that exit, and the exit of an engine not our child (no status to read),
+give the message ``_DEATH_MESSAGE_GRACE`` s to arrive first: the reason is
+not lost in a race, and every live request still ends within a fraction
+of a second.
+
+:func:`watch_dependency` makes one engine's death another's: a generation
+engine serving with an embedding engine is declared dead, and asked to
+shut down, when the embedding engine dies, so that its live streams end at
+once too (a server treats either death as fatal).
 """
 
 from __future__ import annotations
@@ -20,11 +29,14 @@ from tserve._host import pid_alive
 from tserve.mux import Mux
 from tserve.nursery._engine_process import EngineProcess, EngineRef, exit_reason
 
-__all__ = ["watch_engine"]
+__all__ = ["watch_dependency", "watch_engine"]
 
 log = logging.getLogger("tserve")
 
-_DEATH_MESSAGE_GRACE = 1.0  # s an exit waits for the engine's EngineDead message
+# s an exit waits for the engine's EngineDead message; one sent before the
+# exit is already in the socket's pipe, so this only covers a thread switch.
+_DEATH_MESSAGE_GRACE = 0.1
+_EXIT_GRACE = 1.0  # s an engine declared dead while it runs gets to exit before a kill
 _POLL_INTERVAL = 0.1  # s between pid probes where there is no pidfd
 
 
@@ -51,7 +63,7 @@ async def _watch_child(engine: EngineProcess, mux: Mux, mux_done: anyio.Event) -
         async def reap_when_dead() -> None:
             await mux_done.wait()
             if mux.dead and engine.returncode is None:
-                with anyio.move_on_after(_DEATH_MESSAGE_GRACE):
+                with anyio.move_on_after(_EXIT_GRACE):
                     await engine.wait()
                 if engine.returncode is None:
                     log.error("killing the engine (pid %d): %s", engine.pid, mux.dead_reason)
@@ -99,3 +111,22 @@ async def _grace(mux_done: anyio.Event) -> None:
     if not mux_done.is_set():
         with anyio.move_on_after(_DEATH_MESSAGE_GRACE):
             await mux_done.wait()
+
+
+async def watch_dependency(
+    dependency: Mux, dependency_done: anyio.Event, mux: Mux, what: str
+) -> None:
+    """When the engine behind ``dependency`` dies, declare ``mux``'s engine dead too. Cancellable.
+
+    ``dependency_done`` is set when ``dependency`` stops; ``what`` names
+    that engine in the reason. A dependency that
+    stopped without dying (its session ended) changes nothing. Otherwise
+    ``mux``'s engine, which still runs, is first asked to shut down (the
+    mux flushes that as it stops), then every request open in ``mux`` fails
+    with EngineDeadError naming the dependency's reason.
+    """
+    await dependency_done.wait()
+    reason = dependency.dead_reason
+    if reason is not None:
+        mux.shutdown_engine(f"{what} died: {reason}")
+        mux.engine_died(f"{what}: {reason}")

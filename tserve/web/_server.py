@@ -12,8 +12,8 @@ socket listens. ``serve`` itself returns an exit code:
   4. once those final events are written, the connections are closed (idle
      keep-alive ones too) and ``serve`` returns.
   A second signal skips step 2.
-* 1 when the engine died: live requests have already failed with it (the mux
-  fails every mailbox at once), ``/health`` is 503; after
+* 1 when an engine (generation or embedding) died: live requests have
+  already failed with it (the mux fails every mailbox at once), ``/health`` is 503; after
   ``engine_death_grace`` seconds the server shuts down as above.
 
 Stopping the engine is the caller's part: leaving ``open_llm``.
@@ -149,9 +149,7 @@ class _Lifecycle:
         await self.drain(self.config.shutdown_timeout)
 
     async def watch_engine(self) -> None:
-        # Liveness is a property of memory (the mux's state); 10 Hz is plenty.
-        while self.llm.engine_alive:  # noqa: ASYNC110 (LLM offers no event for this)
-            await trio.sleep(0.1)
+        await self.llm.wait_engine_dead()  # either engine's death, as an event
         log.error("the engine died: failing live requests and exiting")
         self.exit_code = EXIT_ENGINE_DEAD
         await trio.sleep(self.config.engine_death_grace)

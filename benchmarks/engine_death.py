@@ -1,0 +1,166 @@
+"""How long an engine's death takes to reach the live streams, over real HTTP.
+
+A server of MODEL with an embedding engine (``--embedding-model``) gets
+``--streams`` live streaming completions; once each has had its first
+token, one engine process (generation or embedding) is killed with
+SIGKILL. Reported: the time from the kill to the last stream's error event,
+and how each stream ended. Run one server per engine (the kill ends it)::
+
+    python -m benchmarks.engine_death MODEL [--engine generation|embedding|both]
+
+``measure_engine_death`` is the measurement alone, for a server the caller
+started (tests/web/test_engine_death.py uses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+__all__ = ["DeathTiming", "engine_pids", "main", "measure_engine_death"]
+
+_BODY = {"prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
+_URL = re.compile(r"serving '.*' at (http://\S+)/v1")
+
+
+@dataclass
+class DeathTiming:
+    """What one kill did to the live streams."""
+
+    engine: str  # "generation" or "embedding"
+    streams: int
+    killed_at: float = 0.0  # time.monotonic() of the kill
+    # How each stream ended: "error:<code>", a finish reason, or "status:<n>".
+    endings: list[str] = field(default_factory=list)
+    ended_at: list[float] = field(default_factory=list)  # monotonic, per ending
+
+    @property
+    def last_error_after(self) -> float:
+        """Seconds from the kill to the last stream's end."""
+        return max(self.ended_at) - self.killed_at
+
+    def report(self) -> str:
+        kinds = sorted(set(self.endings))
+        return (
+            f"{self.engine} engine kill -9 with {self.streams} live streams: last error event "
+            f"{self.last_error_after * 1000:.0f} ms after the kill; endings {kinds}"
+        )
+
+
+def engine_pids(api_pid: int) -> dict[str, int]:
+    """The API process's engine children by kind ("generation", "embedding")."""
+    tasks = Path(f"/proc/{api_pid}/task").glob("*/children")
+    pids = [int(p) for children in tasks for p in children.read_text().split()]
+    found: dict[str, int] = {}
+    for pid in pids:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        found["embedding" if b'"task":"embed"' in command else "generation"] = pid
+    return found
+
+
+def measure_engine_death(
+    url: str, engine: str, pid: int, *, streams: int = 50, guard: float = 120.0
+) -> DeathTiming:
+    """Start ``streams`` streams at ``url``, SIGKILL ``pid`` once each has a token,
+    and time how they end. Blocks; ``guard`` s bounds every wait (AssertionError)."""
+    timing = DeathTiming(engine, streams)
+    lock = threading.Lock()
+    started = threading.Semaphore(0)
+    threads = [
+        threading.Thread(target=_stream, args=(url, timing, lock, started, guard), daemon=True)
+        for _ in range(streams)
+    ]
+    for thread in threads:
+        thread.start()
+    for _ in range(streams):
+        if not started.acquire(timeout=guard):
+            raise AssertionError("a stream never got its first token")
+    timing.killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(guard)
+        if thread.is_alive():
+            raise AssertionError("a stream never ended after the kill")
+    return timing
+
+
+def _stream(
+    url: str,
+    timing: DeathTiming,
+    lock: threading.Lock,
+    started: threading.Semaphore,
+    guard: float,
+) -> None:
+    """One streaming completion: signal ``started`` at its first token, record its end."""
+    ending, first = "cut", True
+    with (
+        httpx.Client(base_url=url, timeout=guard) as client,
+        client.stream("POST", "/v1/completions", json=_BODY) as response,
+    ):
+        if response.status_code != 200:
+            ending = f"status:{response.status_code}"
+            started.release()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                ending = f"error:{event['error']['code']}"
+                break
+            if first:
+                first = False
+                started.release()
+            reason = event["choices"][0].get("finish_reason")
+            if reason is not None:
+                ending = str(reason)
+    with lock:
+        timing.ended_at.append(time.monotonic())
+        timing.endings.append(ending)
+
+
+def _serve(model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``python -m tserve serve`` with an embedding engine; its process and URL."""
+    command = [sys.executable, "-m", "tserve", "serve", model, "--port", "0"]
+    options = ["--embedding-model", "default", "--max-num-seqs", "64"]
+    process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, stderr=log.open("wb"))
+    assert process.stdout is not None
+    for raw in process.stdout:
+        found = _URL.search(raw.decode())
+        if found:
+            return process, found.group(1)
+    raise RuntimeError(f"the server exited ({process.wait()}): see {log}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a model directory for tserve serve")
+    parser.add_argument("--engine", choices=["generation", "embedding", "both"], default="both")
+    parser.add_argument("--streams", type=int, default=50)
+    parser.add_argument("--log", type=Path, default=Path("/tmp/tserve-engine-death.log"))
+    args = parser.parse_args(argv)
+    engines = ["generation", "embedding"] if args.engine == "both" else [args.engine]
+    for engine in engines:
+        process, url = _serve(args.model, args.log)
+        try:
+            pid = engine_pids(process.pid)[engine]
+            print(measure_engine_death(url, engine, pid, streams=args.streams).report())
+        finally:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

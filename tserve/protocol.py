@@ -302,8 +302,10 @@ class EngineReady(msgspec.Struct, array_like=True, frozen=True):
     process loads the same tokenizer. ``task`` is the engine's
     ``EngineConfig.task``; an embedding engine also says ``embedding_dim``
     (0 for a generation engine), and its ``max_model_len`` is the longest
-    input it takes. The last two fields are trailing and defaulted, so a
-    frame from before them still decodes.
+    input it takes. ``kv_block_size`` is the tokens in one KV block (0 for
+    an engine without a KV cache), so ``kv_tokens_total // kv_block_size``
+    blocks make the cache. The last three fields are trailing and defaulted,
+    so a frame from before them still decodes.
     """
 
     model: str
@@ -317,6 +319,7 @@ class EngineReady(msgspec.Struct, array_like=True, frozen=True):
     pid: int
     task: str = "generate"
     embedding_dim: int = 0
+    kv_block_size: int = 0
 
 
 class Heartbeat(msgspec.Struct, array_like=True, frozen=True):

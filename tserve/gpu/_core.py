@@ -196,10 +196,15 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
             pid=os.getpid(),
             task=self.task,
             embedding_dim=self.embedding_dim,
+            kv_block_size=self._kv_block_size(),
         )
 
     def _kv_tokens_total(self) -> int:
         """The KV budget in tokens; none unless a core keeps a KV cache."""
+        return 0
+
+    def _kv_block_size(self) -> int:
+        """Tokens in one KV block; none unless a core keeps a KV cache."""
         return 0
 
     def _is_duplicate(self, request_id: str, peer: bytes) -> bool:

@@ -221,6 +221,9 @@ class EngineCore(CoreBookkeeping[Sequence]):
     def _kv_tokens_total(self) -> int:
         return self.blocks.tokens_total
 
+    def _kv_block_size(self) -> int:
+        return self.blocks.block_size
+
     # -- internals -------------------------------------------------------------
 
     def _check(self, request: AddRequest) -> str | None:

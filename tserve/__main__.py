@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tserve._host import configure_logging
+from tserve._metrics_dir import shared_metrics_dir
 from tserve.protocol import EngineConfig
 
 if TYPE_CHECKING:
@@ -378,6 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(words)
     configure_logging(args.log_level)
     try:
+        if args.api_processes > 1:  # before anything imports prometheus_client
+            with shared_metrics_dir():
+                return _serve(args)
         return _serve(args)
     except KeyboardInterrupt:
         return 130

@@ -70,10 +70,15 @@ class Server:
         return pids[0]
 
     def metric(self, name: str) -> float:
-        for line in self.client.get("/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise KeyError(name)
+        """The value of ``name`` on one scrape, summed over its label sets."""
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in self.client.get("/metrics").text.splitlines()
+            if line.startswith((name + " ", name + "{"))
+        ]
+        if not values:
+            raise KeyError(name)
+        return sum(values)
 
     def wait_for_metric(self, name: str, value: float, timeout: float = 20.0) -> None:
         """Poll /metrics until ``name == value`` (a hang guard, not a timing check)."""

@@ -114,7 +114,7 @@ def test_engine_kill_fails_every_request_and_exits_nonzero(start_server: StartSe
     # A second token observed means the running stream sent its headers, so
     # it must end with an error event rather than a status.
     deadline = time.monotonic() + 60
-    while server.metric("tserve_inter_token_latency_seconds_count") < 1:
+    while server.metric("vllm:inter_token_latency_seconds_count") < 1:
         assert time.monotonic() < deadline, "no stream ever got past its first token"
         time.sleep(0.05)
     engine = server.engine_pid

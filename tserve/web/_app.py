@@ -51,7 +51,11 @@ class Frontend:
         self.in_flight = InFlight()  # what serve()'s drain waits for, then aborts
         self.models = ServedModels(llm, config.served_model_names)
         self.metrics = Metrics(
-            lambda: llm.stats, lambda: self.in_flight.count, self.models.names[0]
+            lambda: llm.stats,
+            lambda: self.in_flight.count,
+            self.models.names[0],
+            block_size=llm.ready.kv_block_size,
+            num_gpu_blocks=llm.ready.kv_tokens_total // max(llm.ready.kv_block_size, 1),
         )
         self.probes = Probes(llm, self.metrics, self.in_flight)  # serve() sets .started
         self.generation = Generation(llm, self.models, self.in_flight, TokenTexts(llm))

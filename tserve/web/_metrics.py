@@ -1,31 +1,49 @@
 """Prometheus metrics of one app, in its own CollectorRegistry (no global state).
 
-Counters and histograms are updated by the request handlers; the engine's
-gauges (live, running, waiting, KV usage, aborts) and counters (steps, prefix
-cache) are read from ``LLM.stats`` at scrape time by a collector, so nothing
-polls. The prefix-cache counters carry vLLM's names and ``model_name`` label
-(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``, in
-tokens), so dashboards built for vLLM read them unchanged.
+Two kinds of number, read two ways:
+
+* Request metrics (HTTP requests, tokens, successes, latency histograms) are
+  counted by the request handlers through :class:`RequestRecord`. With
+  ``--api-processes N`` every API process writes them to memory-mapped files
+  in one shared directory (prometheus-client's multiprocess mode, on when
+  :data:`tserve._metrics_dir.ENV` was set before ``prometheus_client`` was
+  first imported), and a scrape of any process sums them over all.
+* Engine metrics (running, waiting, KV usage, steps, prefix cache) are read
+  from ``LLM.stats``, the engine's latest report, at scrape time by a
+  collector, so nothing polls; every API process holds the same report.
+
+The model-server contract carries vLLM's names and a ``model_name`` label
+(``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, ...), so
+dashboards and endpoint pickers built for vLLM read them unchanged; tserve's
+own numbers stay under ``tserve_``. A scrape never blocks on the engine: it
+reads memory (and, in multiprocess mode, small files in a memory-backed
+directory).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from tserve._metrics_dir import ENV
 from tserve.nursery import Delta, LLMStats
 
-__all__ = ["CONTENT_TYPE", "Metrics", "RequestRecord"]
+__all__ = ["CONTENT_TYPE", "FINISHED_REASONS", "Metrics", "RequestRecord"]
 
 access_log = logging.getLogger("tserve.access")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# The finish reasons vllm:request_success_total counts, present from the start.
+FINISHED_REASONS = ("stop", "length", "abort")
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
@@ -34,12 +52,21 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector(Collector):
+    """The engine's numbers and this process's live work, read at scrape time."""
+
     def __init__(
-        self, stats: Callable[[], LLMStats], in_flight: Callable[[], int], model_name: str
+        self,
+        stats: Callable[[], LLMStats],
+        in_flight: Callable[[], int],
+        model_name: str,
+        *,
+        block_size: int = 0,
+        num_gpu_blocks: int = 0,
     ) -> None:
         self._stats = stats
         self._in_flight = in_flight
         self._model_name = model_name
+        self._cache_config = {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)}
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -68,6 +95,7 @@ class _EngineCollector(Collector):
             "tserve_engine_aborts_received", "Aborts the engine received", e.aborts_received
         )
         yield CounterMetricFamily("tserve_engine_steps", "Engine steps", e.steps)
+        yield from self._vllm_gauges(e.running, e.waiting, usage)
         for name, text, value in (
             (
                 "vllm:prefix_cache_queries",
@@ -84,46 +112,97 @@ class _EngineCollector(Collector):
             counter.add_metric([self._model_name], value)
             yield counter
 
+    def _vllm_gauges(self, running: int, waiting: int, usage: float) -> Iterator[Metric]:
+        """The engine gauges of vLLM's contract, each with ``model_name``."""
+        for name, text, value in (
+            ("vllm:num_requests_running", "Requests in the engine's batch", running),
+            ("vllm:num_requests_waiting", "Requests queued in the engine", waiting),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, a fraction from 0 to 1", usage),
+        ):
+            gauge = GaugeMetricFamily(name, text, labels=["model_name"])
+            gauge.add_metric([self._model_name], value)
+            yield gauge
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV cache configuration: tokens per block and blocks",
+            labels=["model_name", *self._cache_config],
+        )
+        info.add_metric([self._model_name, *self._cache_config.values()], 1.0)
+        yield info
+
 
 class Metrics:
     """The app's metrics. Updating them never blocks.
 
     ``model_name`` is the label of the metrics that carry one (the first
-    served model name).
+    served model name); ``block_size`` and ``num_gpu_blocks`` describe the
+    engine's KV cache for ``vllm:cache_config_info``. Request metrics are
+    shared by every API process when :data:`tserve._metrics_dir.ENV` names
+    a directory (see the module docstring).
     """
 
     def __init__(
-        self, stats: Callable[[], LLMStats], in_flight: Callable[[], int], model_name: str
+        self,
+        stats: Callable[[], LLMStats],
+        in_flight: Callable[[], int],
+        model_name: str,
+        *,
+        block_size: int = 0,
+        num_gpu_blocks: int = 0,
     ) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        shared_dir = os.environ.get(ENV)
+        # In multiprocess mode the request metrics live in the shared files,
+        # which one collector reads for every process; registering them here
+        # too would count this process twice.
+        r = None if shared_dir else self.registry
+        if shared_dir:
+            MultiProcessCollector(self.registry, path=shared_dir)  # type: ignore[no-untyped-call]
         self.requests = Counter(
             "tserve_http_requests", "HTTP requests by route and status", ["route", "status"],
             registry=r,
         )  # fmt: skip
-        self.ttft = Histogram(
-            "tserve_time_to_first_token_seconds", "Time to first token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "tserve_inter_token_latency_seconds", "Time between output tokens",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.latency = Histogram(
-            "tserve_request_latency_seconds", "Whole request latency",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.prompt_tokens = Counter("tserve_prompt_tokens", "Prompt tokens", registry=r)
-        self.generation_tokens = Counter("tserve_generation_tokens", "Output tokens", registry=r)
         self.embedding_inputs = Counter(
             "tserve_embedding_inputs", "Inputs embedded (their tokens count as prompt tokens)",
             registry=r,
         )  # fmt: skip
-        r.register(_EngineCollector(stats, in_flight, model_name))
+        self.model = _ModelMetrics(model_name, r)
+        self.registry.register(
+            _EngineCollector(
+                stats, in_flight, model_name, block_size=block_size, num_gpu_blocks=num_gpu_blocks
+            )
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class _ModelMetrics:
+    """vLLM's request metrics, bound to one ``model_name`` label value."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None) -> None:
+        def histogram(name: str, text: str) -> Histogram:
+            family = Histogram(
+                name, text, ["model_name"], buckets=_LATENCY_BUCKETS, registry=registry
+            )
+            return family.labels(model_name)
+
+        def counter(name: str, text: str) -> Counter:
+            return Counter(name, text, ["model_name"], registry=registry).labels(model_name)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Generation request latency, arrival to last byte"
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
+        success = Counter(
+            "vllm:request_success", "Choices finished, by finish reason",
+            ["model_name", "finished_reason"], registry=registry,
+        )  # fmt: skip
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
 
 
 class RequestRecord:
@@ -142,22 +221,29 @@ class RequestRecord:
         self._last: dict[int, float] = {}  # choice index -> time of its last delta
         self._prompt_tokens = 0
         self._completion_tokens = 0
+        self._finished = 0  # choices that got a finish reason
         self._done = False
 
     def delta(self, index: int, delta: Delta) -> None:
-        """Observe one delta of choice ``index`` (TTFT, inter-token latency, tokens)."""
+        """Observe one delta of choice ``index`` (TTFT, inter-token latency, tokens, finish)."""
+        m = self._metrics.model
         if delta.usage is not None:
             self._prompt_tokens += delta.usage.prompt_tokens
             self._completion_tokens += delta.usage.completion_tokens
+        if delta.finish_reason is not None:
+            self._finished += 1
+            success = m.success.get(delta.finish_reason)
+            if success is not None:
+                success.inc()
         n = len(delta.token_ids)
         if not n:
             return
         now = time.perf_counter()
         last = self._last.get(index)
         if last is None:
-            self._metrics.ttft.observe(now - self._start)
+            m.ttft.observe(now - self._start)
         else:
-            self._metrics.itl.observe((now - last) / n)
+            m.itl.observe((now - last) / n)
         self._last[index] = now
 
     def embedded(self, inputs: int, tokens: int) -> None:
@@ -172,9 +258,10 @@ class RequestRecord:
         elapsed = time.perf_counter() - self._start
         m = self._metrics
         m.requests.labels(self.route, str(status)).inc()
-        m.latency.observe(elapsed)
-        m.prompt_tokens.inc(self._prompt_tokens)
-        m.generation_tokens.inc(self._completion_tokens)
+        if self._finished:
+            m.model.e2e.observe(elapsed)
+        m.model.prompt_tokens.inc(self._prompt_tokens)
+        m.model.generation_tokens.inc(self._completion_tokens)
         if self._log_line:
             access_log.info(
                 "%s %s %d prompt_tokens=%d completion_tokens=%d %.1fms",

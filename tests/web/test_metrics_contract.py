@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tserve._metrics_dir import ENV, shared_metrics_dir
 from tserve.nursery import Delta, LLMStats, Usage
 from tserve.protocol import EngineStats
-from tserve.web._metrics import FINISHED_REASONS, Metrics, RequestRecord
+from tserve.web._metrics import FINISHED_REASONS, SHARED_DIR_ENV, Metrics, RequestRecord
 
 # The contract endpoint pickers and vLLM dashboards read (docs: README "Metrics").
 VLLM_NAMES = (
@@ -165,3 +165,7 @@ def test_processes_sharing_the_directory_are_summed_and_it_is_removed_at_exit() 
     assert found["tserve_http_requests_total"] == [
         ({"route": "/v1/completions", "status": "200"}, 3.0)
     ]
+
+
+def test_the_web_layer_reads_the_variable_the_main_process_sets() -> None:
+    assert SHARED_DIR_ENV == ENV

@@ -6,8 +6,8 @@ Two kinds of number, read two ways:
   counted by the request handlers through :class:`RequestRecord`. With
   ``--api-processes N`` every API process writes them to memory-mapped files
   in one shared directory (prometheus-client's multiprocess mode, on when
-  :data:`tserve._metrics_dir.ENV` was set before ``prometheus_client`` was
-  first imported), and a scrape of any process sums them over all.
+  :data:`SHARED_DIR_ENV` was set before ``prometheus_client`` was first
+  imported: ``tserve._metrics_dir`` makes it), and a scrape of any process sums them over all.
 * Engine metrics (running, waiting, KV usage, steps, prefix cache) are read
   from ``LLM.stats``, the engine's latest report, at scrape time by a
   collector, so nothing polls; every API process holds the same report.
@@ -33,7 +33,6 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from tserve._metrics_dir import ENV
 from tserve.nursery import Delta, LLMStats
 
 __all__ = ["CONTENT_TYPE", "FINISHED_REASONS", "Metrics", "RequestRecord"]
@@ -41,6 +40,10 @@ __all__ = ["CONTENT_TYPE", "FINISHED_REASONS", "Metrics", "RequestRecord"]
 access_log = logging.getLogger("tserve.access")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# prometheus-client's own variable (tserve._metrics_dir.ENV, named again here
+# because web/ imports no top-level module but _host).
+SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # The finish reasons vllm:request_success_total counts, present from the start.
 FINISHED_REASONS = ("stop", "length", "abort")
@@ -137,7 +140,7 @@ class Metrics:
     ``model_name`` is the label of the metrics that carry one (the first
     served model name); ``block_size`` and ``num_gpu_blocks`` describe the
     engine's KV cache for ``vllm:cache_config_info``. Request metrics are
-    shared by every API process when :data:`tserve._metrics_dir.ENV` names
+    shared by every API process when :data:`SHARED_DIR_ENV` names
     a directory (see the module docstring).
     """
 
@@ -151,7 +154,7 @@ class Metrics:
         num_gpu_blocks: int = 0,
     ) -> None:
         self.registry = CollectorRegistry()
-        shared_dir = os.environ.get(ENV)
+        shared_dir = os.environ.get(SHARED_DIR_ENV)
         # In multiprocess mode the request metrics live in the shared files,
         # which one collector reads for every process; registering them here
         # too would count this process twice.

@@ -18,7 +18,8 @@ What each module owns:
 * ``_requests`` / ``_responses``: OpenAI JSON to requests, and deltas to
   OpenAI JSON (sans-IO).
 * ``_errors``: the one mapping of exceptions to OpenAI error JSON.
-* ``_metrics``: Prometheus metrics and the per-request log line.
+* ``_metrics``: Prometheus metrics (vLLM's names for the model-server
+  contract, summed over API processes) and the per-request log line.
 * ``_server``: :func:`serve`, hypercorn's trio worker with graceful shutdown.
 * ``_workers``: the extra API processes of ``--api-processes N`` (main
   process side); ``_worker_main``: what runs inside one of them.

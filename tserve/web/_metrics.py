@@ -62,14 +62,12 @@ class _EngineCollector(Collector):
         stats: Callable[[], LLMStats],
         in_flight: Callable[[], int],
         model_name: str,
-        *,
-        block_size: int = 0,
-        num_gpu_blocks: int = 0,
+        cache_config: dict[str, str],
     ) -> None:
         self._stats = stats
         self._in_flight = in_flight
         self._model_name = model_name
-        self._cache_config = {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)}
+        self._cache_config = cache_config  # vllm:cache_config_info's labels
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -170,11 +168,8 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.model = _ModelMetrics(model_name, r)
-        self.registry.register(
-            _EngineCollector(
-                stats, in_flight, model_name, block_size=block_size, num_gpu_blocks=num_gpu_blocks
-            )
-        )
+        cache_config = {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)}
+        self.registry.register(_EngineCollector(stats, in_flight, model_name, cache_config))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

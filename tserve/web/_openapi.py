@@ -37,102 +37,67 @@ __all__ = ["OPERATIONS", "OpenAPI", "Operation", "openapi_document"]
 JSON = dict[str, Any]
 
 _REF = "#/components/schemas/{name}"
+
+
+def _object(required: str, **properties: JSON) -> JSON:
+    """An object schema: ``required`` names its required keys, space-separated."""
+    return {"type": "object", "required": required.split(), "properties": properties}
+
+
+def _list_of(item: JSON) -> JSON:
+    return {"type": "array", "items": item}
+
+
+_STR: Final[JSON] = {"type": "string"}
 _NULLABLE_STR: Final[JSON] = {"type": ["string", "null"]}
 _INT: Final[JSON] = {"type": "integer"}
-_ERROR: Final[JSON] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": _NULLABLE_STR,
-                "code": _NULLABLE_STR,
-            },
-        }
-    },
-}
-_USAGE: Final[JSON] = {
-    "type": "object",
-    "required": ["prompt_tokens", "total_tokens"],
-    "properties": {
-        "prompt_tokens": _INT,
-        "completion_tokens": _INT,
-        "total_tokens": _INT,
-    },
-}
-_GENERATED: Final[JSON] = {  # a whole completion or chat completion
-    "type": "object",
-    "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"enum": ["text_completion", "chat.completion"]},
-        "created": _INT,
-        "model": {"type": "string"},
-        "choices": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["index", "logprobs", "finish_reason"],
-                "properties": {"index": _INT, "finish_reason": _NULLABLE_STR},
-            },
-        },
-        "usage": {"$ref": _REF.format(name="Usage")},
-    },
-}
-_EMBEDDINGS: Final[JSON] = {
-    "type": "object",
-    "required": ["object", "data", "model", "usage"],
-    "properties": {
-        "object": {"const": "list"},
-        "data": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["object", "index", "embedding"],
-                "properties": {
-                    "index": _INT,
-                    "embedding": {
-                        "anyOf": [
-                            {"type": "array", "items": {"type": "number"}},
-                            {"type": "string"},
-                        ]
-                    },
-                },
-            },
-        },
-        "model": {"type": "string"},
-        "usage": {"$ref": _REF.format(name="Usage")},
-    },
-}
-_MODELS: Final[JSON] = {
-    "type": "object",
-    "required": ["object", "data"],
-    "properties": {
-        "object": {"const": "list"},
-        "data": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["id", "object", "created", "owned_by"],
-                "properties": {"id": {"type": "string"}, "max_model_len": _INT},
-            },
-        },
-    },
-}
-_TOKENS: Final[JSON] = {
-    "type": "object",
-    "required": ["tokens", "count", "max_model_len"],
-    "properties": {"tokens": {"type": "array", "items": _INT}, "count": _INT},
-}
-_STATUS: Final[JSON] = {
-    "type": "object",
-    "required": ["status"],
-    "properties": {"status": {"type": "string"}},
-}
+_USAGE_REF: Final[JSON] = {"$ref": _REF.format(name="Usage")}
+_ERROR: Final = _object(
+    "error",
+    error=_object(
+        "message type param code",
+        message=_STR,
+        type=_STR,
+        param=_NULLABLE_STR,
+        code=_NULLABLE_STR,
+    ),
+)
+_USAGE: Final = _object(
+    "prompt_tokens total_tokens", prompt_tokens=_INT, completion_tokens=_INT, total_tokens=_INT
+)
+_GENERATED: Final = _object(  # a whole completion or chat completion
+    "id object created model choices usage",
+    id=_STR,
+    object={"enum": ["text_completion", "chat.completion"]},
+    created=_INT,
+    model=_STR,
+    choices=_list_of(
+        _object("index logprobs finish_reason", index=_INT, finish_reason=_NULLABLE_STR)
+    ),
+    usage=_USAGE_REF,
+)
+_EMBEDDINGS: Final = _object(
+    "object data model usage",
+    object={"const": "list"},
+    data=_list_of(
+        _object(
+            "object index embedding",
+            index=_INT,
+            embedding={"anyOf": [_list_of({"type": "number"}), _STR]},  # float or base64
+        )
+    ),
+    model=_STR,
+    usage=_USAGE_REF,
+)
+_MODELS: Final = _object(
+    "object data",
+    object={"const": "list"},
+    data=_list_of(_object("id object created owned_by", id=_STR, max_model_len=_INT)),
+)
+_TOKENS: Final = _object(
+    "tokens count max_model_len", tokens=_list_of(_INT), count=_INT, max_model_len=_INT
+)
+_STATUS: Final = _object("status", status=_STR)
 
 _WHY: Final = {
     400: "invalid request: malformed JSON, a wrong type, a value out of range, an "
@@ -165,11 +130,7 @@ def _json(schema: JSON) -> JSON:
     return {"application/json": {"schema": schema}}
 
 
-_SSE_EVENT: Final[JSON] = {  # each event of a stream: a chunk's JSON, an error's, or [DONE]
-    "type": "object",
-    "required": ["data"],
-    "properties": {"data": {"type": "string"}},
-}
+_SSE_EVENT: Final = _object("data", data=_STR)  # each event: a chunk, an error, or [DONE]
 _GENERATION_OK: Final = {
     **_json(_GENERATED),
     "text/event-stream": {"schema": _SSE_EVENT},  # with "stream": true
@@ -191,13 +152,13 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
     ),
     ("post", "/detokenize"): Operation(
         "Token ids as text",
-        _json({"type": "object", "required": ["prompt"], "properties": {"prompt": {}}}),
+        _json(_object("prompt", prompt=_STR)),
         DetokenizeBody,
         (*_POST, 404),
     ),
     ("get", "/version"): Operation(
         "The server's version",
-        _json({"type": "object", "required": ["version"]}),
+        _json(_object("version", version=_STR)),
         protected=False,
     ),
     ("get", "/health"): Operation("Liveness", _json(_STATUS), None, (503,), protected=False),
@@ -206,7 +167,7 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
         "Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}, protected=False
     ),
     ("get", "/openapi.json"): Operation(
-        "This description", _json({"type": "object", "required": ["openapi"]}), protected=False
+        "This description", _json(_object("openapi paths", openapi=_STR)), protected=False
     ),
 }
 

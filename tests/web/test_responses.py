@@ -86,6 +86,29 @@ def test_chat_choice_role_first_then_content_and_logprobs() -> None:
     assert [e["token"] for e in final["logprobs"]["content"]] == ["Hel", "lo"]
 
 
+def test_a_streamed_choice_sends_the_same_chunks_and_keeps_nothing_it_sent() -> None:
+    """keep=False (streaming): each chunk as with keep=True, but no text or
+    logprobs pile up across the stream; only the finish and usage stay."""
+    top = [(t, -1.0) for t in (1, 2, 3, 4)] * 5  # 20 alternatives
+    deltas = [Delta("ab", [1, 2], [lp(1, -0.5, *top), lp(2, -0.7, *top)]) for _ in range(50)]
+    deltas.append(Delta("!", [3], [lp(3, -0.1, *top)], "length", Usage(2, 101)))
+    pairs: list[tuple[CompletionChoice, CompletionChoice] | tuple[ChatChoice, ChatChoice]] = [
+        (
+            CompletionChoice(0, text_of, logprobs=True, prefix="P"),
+            CompletionChoice(0, text_of, logprobs=True, prefix="P", keep=False),
+        ),
+        (ChatChoice(0, text_of, logprobs=True), ChatChoice(0, text_of, logprobs=True, keep=False)),
+    ]
+    for kept, streamed in pairs:
+        for delta in deltas:
+            assert streamed.push(delta) == kept.push(delta)
+        assert (streamed.finish_reason, streamed.usage) == ("length", Usage(2, 101))
+        assert streamed._parts == []
+        assert getattr(streamed, "_content", []) == []
+        lps = getattr(streamed, "_lp", {})
+        assert all(values == [] for values in lps.values())
+
+
 def test_whole_responses_and_usage_counts_each_prompt_once() -> None:
     choices = [CompletionChoice(i, text_of, logprobs=False) for i in range(4)]
     for i, c in enumerate(choices):  # 2 prompts (5 and 7 tokens) x n=2

@@ -11,10 +11,14 @@ What each module owns:
 * ``_tokens``: ``/tokenize``, ``/detokenize`` and the cached text of a token.
 * ``_models``: the served model names and ``/v1/models``.
 * ``_probes``: ``/version``, ``/health``, ``/ready``, ``/metrics``.
+* ``_openapi``: ``/openapi.json``, the OpenAPI description of every route
+  (request bodies generated from ``_bodies``).
 * ``_inflight``: the live requests the shutdown drain waits for and aborts.
 * ``_streaming``: running a request's streams: collected into one body, or
   pumped into an SSE response body.
 * ``_sse``: the SSE encoder and the order of a stream's events (sans-IO).
+* ``_bodies``: request bodies as clients send them (msgspec Structs) and
+  their bounds.
 * ``_requests`` / ``_responses``: OpenAI JSON to requests, and deltas to
   OpenAI JSON (sans-IO).
 * ``_errors``: the one mapping of exceptions to OpenAI error JSON.

@@ -5,10 +5,11 @@ Routes::
     POST /v1/completions, /v1/chat/completions   (JSON or SSE with "stream": true)
     POST /v1/embeddings                          (when open_llm has an embedding model)
     GET  /v1/models                              POST /tokenize, /detokenize
-    GET  /version   /health   /ready   /metrics
+    GET  /version   /health   /ready   /metrics   /openapi.json
 
 ``/v1/*``, ``/tokenize`` and ``/detokenize`` need the API key when one is
-configured; ``/health``, ``/ready``, ``/metrics`` and ``/version`` stay open.
+configured; ``/health``, ``/ready``, ``/metrics``, ``/version`` and
+``/openapi.json`` stay open.
 Quart's ``RESPONSE_TIMEOUT`` is off: it would silently truncate long streams.
 """
 
@@ -24,6 +25,7 @@ from tserve.web._generation import Generation
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import Metrics
 from tserve.web._models import ServedModels
+from tserve.web._openapi import OpenAPI
 from tserve.web._probes import Probes
 from tserve.web._routing import Route, Router
 from tserve.web._tokens import Tokenization, TokenTexts
@@ -61,6 +63,7 @@ class Frontend:
         self.generation = Generation(llm, self.models, self.in_flight, TokenTexts(llm))
         self.embedding = Embeddings(llm, self.in_flight)
         self.tokenization = Tokenization(llm, self.models)
+        self.openapi = OpenAPI(api_key=config.api_key is not None)
 
     # -- the route table -----------------------------------------------------------
 
@@ -77,6 +80,7 @@ class Frontend:
             Route("/health", "GET", p.health, protected=False, logged=False),
             Route("/ready", "GET", p.ready, protected=False, logged=False),
             Route("/metrics", "GET", p.metrics, protected=False, logged=False),
+            Route("/openapi.json", "GET", self.openapi.openapi, protected=False),
         ]
 
 

@@ -2,8 +2,9 @@
 
 The field types carry the ranges msgspec checks while decoding (a token id
 is a non-negative int64, a penalty lies in [-2, 2], ...); unknown fields are
-ignored. What a field means, and the rules across fields, are
-:mod:`tserve.web._requests`'s.
+ignored. A body nested deeper than msgspec's recursion limit is a 400 too
+(:mod:`tserve.web._requests` maps its RecursionError). What a field means,
+and the rules across fields, are :mod:`tserve.web._requests`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ __all__ = [
     "MAX_CHOICES",
     "MAX_EMBEDDING_INPUTS",
     "MAX_LOGPROBS",
+    "MAX_MESSAGES",
     "MAX_STOP",
+    "MAX_STOP_LENGTH",
     "MAX_STOP_TOKEN_IDS",
     "ChatBody",
     "CompletionBody",
@@ -30,7 +33,9 @@ __all__ = [
 ]
 
 MAX_CHOICES = 128  # n * len(prompts) per HTTP request
-MAX_STOP = 16
+MAX_STOP = 16  # stop strings per request; past it, 400 naming "stop"
+MAX_STOP_LENGTH = 1000  # characters per stop string; past it, 400 naming "stop"
+MAX_MESSAGES = 2048  # chat messages per request (also /tokenize); past it, 400 naming "messages"
 MAX_STOP_TOKEN_IDS = 256
 MAX_EMBEDDING_INPUTS = 2048
 
@@ -38,7 +43,7 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _Int64 = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
 _TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
 _Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-_StopString = Annotated[str, msgspec.Meta(min_length=1)]
+_StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
 _Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -92,12 +97,15 @@ class MessageBody(msgspec.Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
+_Messages = Annotated[list[MessageBody], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+
+
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
 
 
 class ChatBody(SamplingBody, kw_only=True):
-    messages: Annotated[list[MessageBody], msgspec.Meta(min_length=1)]
+    messages: _Messages
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT64_MAX)] | None = None
     logprobs: bool | None = None
     top_logprobs: _Logprobs | None = None
@@ -115,7 +123,7 @@ class ChatBody(SamplingBody, kw_only=True):
 class TokenizeBody(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[MessageBody], msgspec.Meta(min_length=1)] | None = None
+    messages: _Messages | None = None
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):

@@ -6,6 +6,7 @@ Body: ``{"error": {"message", "type", "param", "code"}}``. The table:
 exception                               status  type / code
 ======================================  ======  ==========================
 InvalidRequest, malformed JSON          400     invalid_request_error
+RecursionError (input nested too deep)  400     invalid_request_error / nested_too_deeply
 Unauthorized (bad or missing API key)   401     invalid_request_error / invalid_api_key
 NotFound (unknown model or route)       404     invalid_request_error / model_not_found, not_found
 method not allowed                      405     invalid_request_error / method_not_allowed
@@ -142,6 +143,10 @@ def error_reply(exc: BaseException, request_id: str) -> ErrorReply:
             return ErrorReply(503, body, _retry_after(5))
         case RequestTimeout():
             return ErrorReply(504, _body(str(exc), server, None, "timeout"), {})
+        case RecursionError():  # only input nests without bound; logged in case it was not
+            log.warning("request %s: %s", request_id, exc)
+            message = "The request is nested too deeply to process"
+            return ErrorReply(400, _body(message, client, None, "nested_too_deeply"), {})
     log.error("internal error in request %s", request_id, exc_info=exc)
     message = f"Internal server error (request id {request_id})"
     return ErrorReply(500, _body(message, server, None, "internal_error"), {})

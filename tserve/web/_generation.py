@@ -78,7 +78,13 @@ class Generation:
         prefixes = await self._echo_prefixes(req)
         logprobs = req.logprobs is not None
         choices = [
-            CompletionChoice(i, self._token_texts, logprobs=logprobs, prefix=prefixes[i // req.n])
+            CompletionChoice(
+                i,
+                self._token_texts,
+                logprobs=logprobs,
+                prefix=prefixes[i // req.n],
+                keep=not req.stream,  # a streamed choice keeps nothing it has sent
+            )
             for i in range(len(streams))
         ]
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, COMPLETION)
@@ -87,7 +93,11 @@ class Generation:
     async def _chat(self, record: RequestRecord, req: ChatRequest, model: str) -> Response:
         streams = await self._start_chat(req)
         logprobs = req.logprobs is not None
-        choices = [ChatChoice(i, self._token_texts, logprobs=logprobs) for i in range(len(streams))]
+        keep = not req.stream  # a streamed choice keeps nothing it has sent
+        choices = [
+            ChatChoice(i, self._token_texts, logprobs=logprobs, keep=keep)
+            for i in range(len(streams))
+        ]
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, CHAT)
         return await self._respond(record, req, envelope, streams, choices)
 

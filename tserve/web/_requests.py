@@ -15,7 +15,8 @@ Rules:
 * vLLM-style extras are accepted: ``top_k``, ``ignore_eos``,
   ``stop_token_ids``.
 * Bounds: ``n`` times the number of prompts is at most :data:`MAX_CHOICES`,
-  at most :data:`MAX_STOP` stop strings, ``logprobs``/``top_logprobs`` at
+  at most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_LENGTH`
+  characters, at most :data:`MAX_MESSAGES` chat messages, ``logprobs``/``top_logprobs`` at
   most :data:`MAX_LOGPROBS`, at most :data:`MAX_EMBEDDING_INPUTS` inputs per
   ``/v1/embeddings`` request (OpenAI's limit), none of them empty.
 """
@@ -34,7 +35,9 @@ from tserve.web._bodies import (
     MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,
     MAX_LOGPROBS,
+    MAX_MESSAGES,
     MAX_STOP,
+    MAX_STOP_LENGTH,
     MAX_STOP_TOKEN_IDS,
     ChatBody,
     CompletionBody,
@@ -49,7 +52,9 @@ __all__ = [
     "MAX_CHOICES",
     "MAX_EMBEDDING_INPUTS",
     "MAX_LOGPROBS",
+    "MAX_MESSAGES",
     "MAX_STOP",
+    "MAX_STOP_LENGTH",
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",
@@ -150,6 +155,8 @@ def _decode(body: bytes, kind: type[_T]) -> _T:
         raise InvalidRequest(f"Invalid request body: {detail}") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"The body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's depth guard; the stack is unwound already
+        raise InvalidRequest("The body is nested too deeply to decode") from None
 
 
 def _refuse(param: str, why: str) -> InvalidRequest:

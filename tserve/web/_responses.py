@@ -2,7 +2,11 @@
 
 A *choice* accumulates the deltas of one generated sequence. ``push(delta)``
 returns that delta as the choice object of a stream chunk; ``final()``
-returns the choice object of the whole (non-streaming) response. An
+returns the choice object of the whole (non-streaming) response. A choice
+made with ``keep=False`` (a streamed one) keeps no text and no logprobs:
+nothing asks for them after their chunk, and ``n=128`` choices with
+``top_logprobs=20`` would otherwise hold every alternative of every token
+until the stream ends. Only its finish reason and usage stay. An
 :class:`Envelope` wraps choice objects with the id, model and usage.
 
 Shapes follow OpenAI's API reference:
@@ -68,12 +72,16 @@ def usage_dict(usage: Usage) -> JSON:
 class _Choice:
     """What both kinds of choice keep: the text so far, and how it finished."""
 
-    def __init__(self, index: int, token_text: TokenText, *, logprobs: bool) -> None:
+    def __init__(
+        self, index: int, token_text: TokenText, *, logprobs: bool, keep: bool = True
+    ) -> None:
         self.index = index
         self.finish_reason: str | None = None
         self.usage: Usage | None = None  # set by the last delta
         self._token_text = token_text
         self._logprobs = logprobs
+        # Invariant: with keep False, _parts (and the subclasses' logprobs) stay empty.
+        self._keep = keep
         self._parts: list[str] = []
 
     def _object(self, key: str, value: Any, logprobs: JSON | None, finish: str | None) -> JSON:
@@ -81,8 +89,9 @@ class _Choice:
         return {"index": self.index, key: value, "logprobs": logprobs, "finish_reason": finish}
 
     def _record(self, delta: Delta) -> None:
-        """Keep ``delta``'s text, and its finish if it is the last."""
-        self._parts.append(delta.text)
+        """Keep ``delta``'s text (if this choice keeps), and its finish if it is the last."""
+        if self._keep:
+            self._parts.append(delta.text)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.usage = delta.usage
@@ -92,10 +101,16 @@ class CompletionChoice(_Choice):
     """One choice of ``/v1/completions``. ``prefix`` is the echoed prompt, if any."""
 
     def __init__(
-        self, index: int, token_text: TokenText, *, logprobs: bool, prefix: str = ""
+        self,
+        index: int,
+        token_text: TokenText,
+        *,
+        logprobs: bool,
+        prefix: str = "",
+        keep: bool = True,
     ) -> None:
-        super().__init__(index, token_text, logprobs=logprobs)
-        if prefix:
+        super().__init__(index, token_text, logprobs=logprobs, keep=keep)
+        if prefix and keep:
             self._parts.append(prefix)
         self._pending_prefix = prefix  # sent with the first chunk
         # Invariant: _offset == total length of the text emitted so far.
@@ -112,7 +127,8 @@ class CompletionChoice(_Choice):
         return self._object("text", text, lp, delta.finish_reason)
 
     def final(self) -> JSON:
-        """The choice object of the whole response."""
+        """The choice object of the whole response (a choice that keeps only)."""
+        assert self._keep, "final() of a streamed choice"
         lp = self._lp if self._logprobs else None
         return self._object("text", "".join(self._parts), lp, self.finish_reason)
 
@@ -126,16 +142,19 @@ class CompletionChoice(_Choice):
             out["top_logprobs"].append({self._token_text(t): _lp(v) for t, v in entry.top})
             out["text_offset"].append(offset)
             offset += len(token)
-        for key, values in out.items():
-            self._lp[key].extend(values)
+        if self._keep:
+            for key, values in out.items():
+                self._lp[key].extend(values)
         return out
 
 
 class ChatChoice(_Choice):
     """One choice of ``/v1/chat/completions``."""
 
-    def __init__(self, index: int, token_text: TokenText, *, logprobs: bool) -> None:
-        super().__init__(index, token_text, logprobs=logprobs)
+    def __init__(
+        self, index: int, token_text: TokenText, *, logprobs: bool, keep: bool = True
+    ) -> None:
+        super().__init__(index, token_text, logprobs=logprobs, keep=keep)
         self._content: list[JSON] = []
         self._first = True
 
@@ -148,13 +167,15 @@ class ChatChoice(_Choice):
         lp = None
         if self._logprobs:
             entries = [self._entry(e) for e in delta.logprobs or ()]
-            self._content.extend(entries)
+            if self._keep:
+                self._content.extend(entries)
             lp = {"content": entries, "refusal": None}
         self._record(delta)
         return self._object("delta", message, lp, delta.finish_reason)
 
     def final(self) -> JSON:
-        """The choice object of the whole response."""
+        """The choice object of the whole response (a choice that keeps only)."""
+        assert self._keep, "final() of a streamed choice"
         message = {"role": "assistant", "content": "".join(self._parts), "refusal": None}
         lp = {"content": self._content, "refusal": None} if self._logprobs else None
         return self._object("message", message, lp, self.finish_reason)

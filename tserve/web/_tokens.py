@@ -8,6 +8,7 @@ import trio
 from quart import Response
 
 from tserve.nursery import LLM, InvalidRequest
+from tserve.validity import tokens_problem
 from tserve.web._metrics import RequestRecord
 from tserve.web._models import ServedModels
 from tserve.web._requests import parse_detokenize, parse_tokenize
@@ -53,12 +54,12 @@ class Tokenization:
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": limit})
 
     async def detokenize(self, record: RequestRecord) -> Response:
-        """Token ids as text (decoded off the event loop); 400 naming an id past the vocabulary."""
+        """Token ids as text (decoded off the event loop); 400 naming ``tokens`` for an
+        id outside the vocabulary (the rule of :func:`tserve.validity.tokens_problem`)."""
         req = parse_detokenize(await read_body())
         self.models.resolve(req.model)
-        vocab = self.llm.ready.vocab_size
-        for i, t in enumerate(req.tokens):
-            if t >= vocab:
-                raise InvalidRequest(f"token id {t} is not below {vocab}", param=f"tokens[{i}]")
+        problem = tokens_problem(req.tokens, self.llm.ready.vocab_size, "tokens")
+        if problem is not None:
+            raise InvalidRequest(problem.message, param=problem.param)
         text = await trio.to_thread.run_sync(self.llm.decode, req.tokens)
         return json_response({"prompt": text})

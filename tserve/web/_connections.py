@@ -15,6 +15,10 @@ before hypercorn sees it, and its writes answer to one :class:`StallGuard`:
 * :meth:`StallGuard.hurry` (the shutdown drain, once it has aborted what was
   left) shortens every pending and later write to a few seconds at most.
 
+Closing never waits first (:meth:`GuardedStream.send_eof`): hypercorn closes
+from a task that may be cancelled already, and a connection the client asked
+to close (``Connection: close``) must not stay open.
+
 :func:`serve_http` runs hypercorn's per-connection ``TCPServer`` and the
 app's lifespan the way hypercorn's trio worker does, on plain TCP only (no
 TLS, no QUIC: tserve never configures them).
@@ -121,19 +125,33 @@ class GuardedStream(trio.abc.HalfCloseableStream):
             peer,
             self._guard.timeout,
         )
-        await self._inner.aclose()  # its reader wakes up with ClosedResourceError
+        await self.aclose()  # its reader wakes up with ClosedResourceError
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._inner.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
-        await self._inner.send_eof()
+        """Shut the write side now, then a checkpoint.
+
+        hypercorn closes a connection (``Connection: close``, errors) from
+        the request's task, which quart-trio may have cancelled already: a
+        checkpoint before the shutdown would skip it and leave the
+        connection open, so the socket call comes first.
+        """
+        try:
+            self.socket.shutdown(trio.socket.SHUT_WR)
+        except OSError as exc:
+            raise trio.BrokenResourceError(str(exc)) from exc
+        finally:
+            await trio.lowlevel.checkpoint()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         return await self._inner.receive_some(max_bytes)
 
     async def aclose(self) -> None:
-        await self._inner.aclose()
+        """Close the socket now, then a checkpoint (as :meth:`send_eof`, and why)."""
+        self.socket.close()
+        await trio.lowlevel.checkpoint()
 
 
 class GuardedListener(trio.abc.Listener[GuardedStream]):

@@ -87,21 +87,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     http = p.add_argument_group("HTTP server")
     _option(http, "--host", str, "127.0.0.1", "address to bind")
     _option(http, "--port", int, 8000, "port to bind (0: any free port)")
-    _option(
-        http,
-        "--api-key",
-        str,
-        None,
-        "require 'Authorization: Bearer KEY' on /v1/* (an empty key is an error)",
-    )
-    _option(
-        http,
-        "--allowed-hosts",
-        str,
-        None,
-        "Host names served besides localhost/127.0.0.1/[::1], comma-separated ('*': any); "
-        "on a loopback bind any other Host gets 403",
-    )
+    _option(http, "--api-key", str, None, "require 'Authorization: Bearer KEY' on /v1/*")
+    _option(http, "--allowed-hosts", str, None, "Host names served besides loopback ones (*: any)")
     _option(
         http,
         "--served-model-name",
@@ -152,14 +139,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         30.0,
         "seconds in-flight requests get to finish after SIGTERM/SIGINT",
     )
-    _option(
-        front,
-        "--stall-timeout",
-        float,
-        30.0,
-        "seconds a response may wait for its client to accept bytes; then its "
-        "connection is closed and its request ended",
-    )
+    _option(front, "--stall-timeout", float, 30.0, "seconds a response may wait on its client")
 
     eng = p.add_argument_group("engine")
     d = _ENGINE_DEFAULTS
@@ -267,10 +247,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.api_processes < 1:
         raise SystemExit("--api-processes must be at least 1")
     if args.api_key is not None and not args.api_key.strip():
-        raise SystemExit(
-            "--api-key (or TSERVE_API_KEY) is empty: give a key, or leave it unset to serve "
-            "without one"
-        )
+        raise SystemExit("--api-key (or TSERVE_API_KEY) is empty: give a key, or unset it")
     if args.stall_timeout <= 0:
         raise SystemExit("--stall-timeout must be positive")
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())

@@ -88,6 +88,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _option(http, "--host", str, "127.0.0.1", "address to bind")
     _option(http, "--port", int, 8000, "port to bind (0: any free port)")
     _option(http, "--api-key", str, None, "require 'Authorization: Bearer KEY' on /v1/*")
+    _option(http, "--allowed-hosts", str, None, "Host names served besides loopback ones (*: any)")
     _option(
         http,
         "--served-model-name",
@@ -138,6 +139,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         30.0,
         "seconds in-flight requests get to finish after SIGTERM/SIGINT",
     )
+    _option(front, "--stall-timeout", float, 30.0, "seconds a response may wait on its client")
 
     eng = p.add_argument_group("engine")
     d = _ENGINE_DEFAULTS
@@ -244,14 +246,21 @@ def _serve(args: argparse.Namespace) -> int:
     names = tuple(n.strip() for n in (args.served_model_name or "").split(",") if n.strip())
     if args.api_processes < 1:
         raise SystemExit("--api-processes must be at least 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit("--api-key (or TSERVE_API_KEY) is empty: give a key, or unset it")
+    if args.stall_timeout <= 0:
+        raise SystemExit("--stall-timeout must be positive")
+    hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     server = ServerConfig(
         host=args.host,
         port=args.port,
         shutdown_timeout=args.shutdown_timeout,
+        stall_timeout=args.stall_timeout,
         reuse_port=args.api_processes > 1,
         app=AppConfig(
             served_model_names=names,
-            api_key=args.api_key or None,
+            api_key=args.api_key,
+            allowed_hosts=hosts,
             max_body_bytes=args.max_body_bytes,
             request_log=not args.no_request_log,
         ),

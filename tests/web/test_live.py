@@ -160,9 +160,12 @@ def test_request_id_probes_and_auth(server: Server) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert "X-Request-Id" in r.headers
     assert server.client.delete("/v1/completions").status_code == 405
-    big = server.client.post("/v1/completions", content=b"x" * (5 << 20))
+    json_type = {"Content-Type": "application/json"}
+    big = server.client.post("/v1/completions", content=b"x" * (5 << 20), headers=json_type)
     assert big.status_code == 413 and big.json()["error"]["code"] == "payload_too_large"
-    chunked = server.client.post("/v1/completions", content=iter([b"x" * (1 << 20)] * 5))
+    chunked = server.client.post(
+        "/v1/completions", content=iter([b"x" * (1 << 20)] * 5), headers=json_type
+    )
     assert chunked.status_code == 413
     anon.close()
 
@@ -329,7 +332,8 @@ def test_fuzz_never_5xx(
 ) -> None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     content = raw if raw is not None else json.dumps(body).encode()
-    with server.client.stream("POST", path, content=content, timeout=30) as r:
+    json_type = {"Content-Type": "application/json"}
+    with server.client.stream("POST", path, content=content, headers=json_type, timeout=30) as r:
         text = r.read().decode(errors="replace")
     assert r.status_code < 500, (r.status_code, text, body)
     if r.status_code != 200:

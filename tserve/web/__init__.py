@@ -4,8 +4,11 @@ What each module owns:
 
 * ``_app``: :class:`AppConfig`, :class:`Frontend` (the handlers and live
   work of one app) with the route table, and :func:`create_app`.
-* ``_routing``: how a request reaches its handler: the API key check,
-  ``X-Request-Id``, errors mapped to replies, one record per request.
+* ``_routing``: how a request reaches its handler: the browser checks, the
+  API key check, ``X-Request-Id``, errors mapped to replies, one record per
+  request.
+* ``_browser``: browser safety (sans-IO): 415 for a POST that is not JSON,
+  403 for a ``Host`` not served (DNS rebinding), ``--allowed-hosts``.
 * ``_generation``: ``/v1/completions`` and ``/v1/chat/completions``.
 * ``_embeddings``: ``/v1/embeddings``.
 * ``_tokens``: ``/tokenize``, ``/detokenize`` and the cached text of a token.
@@ -16,6 +19,8 @@ What each module owns:
 * ``_inflight``: the live requests the shutdown drain waits for and aborts.
 * ``_streaming``: running a request's streams: collected into one body, or
   pumped into an SSE response body.
+* ``_send_buffer``: the bytes a streaming response holds for its client, and
+  their bounds (per response, per app).
 * ``_sse``: the SSE encoder and the order of a stream's events (sans-IO).
 * ``_bodies``: request bodies as clients send them (msgspec Structs) and
   their bounds.
@@ -24,7 +29,10 @@ What each module owns:
 * ``_errors``: the one mapping of exceptions to OpenAI error JSON.
 * ``_metrics``: Prometheus metrics (vLLM's names for the model-server
   contract, summed over API processes) and the per-request log line.
-* ``_server``: :func:`serve`, hypercorn's trio worker with graceful shutdown.
+* ``_server``: :func:`serve`: the server's lifecycle (signals, the drain,
+  engine death) around ``_connections``.
+* ``_connections``: the HTTP connections: hypercorn's protocol over our own
+  accept loop, every write bounded by ``--stall-timeout``.
 * ``_workers``: the extra API processes of ``--api-processes N`` (main
   process side); ``_worker_main``: what runs inside one of them.
 """

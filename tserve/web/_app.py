@@ -20,6 +20,7 @@ import dataclasses
 from quart_trio import QuartTrio
 
 from tserve.nursery import LLM
+from tserve.web._browser import BrowserGuard
 from tserve.web._embeddings import Embeddings
 from tserve.web._generation import Generation
 from tserve.web._inflight import InFlight
@@ -28,6 +29,7 @@ from tserve.web._models import ServedModels
 from tserve.web._openapi import OpenAPI
 from tserve.web._probes import Probes
 from tserve.web._routing import Route, Router
+from tserve.web._send_buffer import BufferBudget
 from tserve.web._tokens import Tokenization, TokenTexts
 
 __all__ = ["AppConfig", "Frontend", "create_app"]
@@ -35,10 +37,13 @@ __all__ = ["AppConfig", "Frontend", "create_app"]
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class AppConfig:
-    """Frontend options. ``served_model_names`` empty = the model's own name."""
+    """Frontend options. ``served_model_names`` empty = the model's own name.
+    ``allowed_hosts``: ``Host`` names served besides the loopback ones (``*``: any;
+    see ``_browser``)."""
 
     served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout: float = 60.0
     request_log: bool = True
@@ -60,7 +65,10 @@ class Frontend:
             num_gpu_blocks=llm.ready.kv_tokens_total // max(llm.ready.kv_block_size, 1),
         )
         self.probes = Probes(llm, self.metrics, self.in_flight)  # serve() sets .started
-        self.generation = Generation(llm, self.models, self.in_flight, TokenTexts(llm))
+        self.buffers = BufferBudget()  # the bytes streaming responses hold for their clients
+        self.generation = Generation(
+            llm, self.models, self.in_flight, TokenTexts(llm), self.buffers
+        )
         self.embedding = Embeddings(llm, self.in_flight)
         self.tokenization = Tokenization(llm, self.models)
         self.openapi = OpenAPI(api_key=config.api_key is not None)
@@ -84,8 +92,11 @@ class Frontend:
         ]
 
 
-def create_app(llm: LLM, config: AppConfig | None = None) -> QuartTrio:
-    """A quart-trio app serving ``llm``; its :class:`Frontend` is ``app.extensions["tserve"]``."""
+def create_app(
+    llm: LLM, config: AppConfig | None = None, *, bind_host: str = "127.0.0.1"
+) -> QuartTrio:
+    """A quart-trio app serving ``llm`` on ``bind_host`` (for the ``Host`` check);
+    its :class:`Frontend` is ``app.extensions["tserve"]``."""
     config = config or AppConfig()
     app = QuartTrio("tserve")
     app.config.update(
@@ -95,7 +106,12 @@ def create_app(llm: LLM, config: AppConfig | None = None) -> QuartTrio:
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
     frontend = Frontend(llm, config)
-    router = Router(frontend.metrics, api_key=config.api_key, request_log=config.request_log)
+    router = Router(
+        frontend.metrics,
+        api_key=config.api_key,
+        request_log=config.request_log,
+        browser=BrowserGuard.for_bind(bind_host, config.allowed_hosts),
+    )
     router.install(app, frontend.routes())
     app.extensions["tserve"] = frontend
     return app

@@ -8,9 +8,11 @@ exception                               status  type / code
 InvalidRequest, malformed JSON          400     invalid_request_error
 RecursionError (input nested too deep)  400     invalid_request_error / nested_too_deeply
 Unauthorized (bad or missing API key)   401     invalid_request_error / invalid_api_key
+ForbiddenHost (``Host`` not served)     403     invalid_request_error / forbidden_host
 NotFound (unknown model or route)       404     invalid_request_error / model_not_found, not_found
 method not allowed                      405     invalid_request_error / method_not_allowed
 body larger than the configured limit   413     invalid_request_error / payload_too_large
+UnsupportedMediaType (POST, not JSON)   415     invalid_request_error / unsupported_media_type
 RequestFailed (the engine failed ONE    422     invalid_request_error / request_failed
 request, e.g. a per-request fault)
 Overloaded                              503     server_error / overloaded, ``Retry-After``
@@ -49,10 +51,12 @@ from tserve.nursery import (
 
 __all__ = [
     "ErrorReply",
+    "ForbiddenHost",
     "ModelNotFound",
     "NotFound",
     "RequestAborted",
     "Unauthorized",
+    "UnsupportedMediaType",
     "WebError",
     "error_reply",
 ]
@@ -74,6 +78,20 @@ class WebError(Exception):
 class Unauthorized(WebError):
     status = 401
     code = "invalid_api_key"
+
+
+class ForbiddenHost(WebError):
+    """A ``Host`` this server does not answer to (DNS rebinding; see ``_browser``)."""
+
+    status = 403
+    code = "forbidden_host"
+
+
+class UnsupportedMediaType(WebError):
+    """A POST whose body is not declared JSON (a cross-site form; see ``_browser``)."""
+
+    status = 415
+    code = "unsupported_media_type"
 
 
 class NotFound(WebError):

@@ -1,7 +1,8 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``, as JSON or as SSE.
 
 Both go the same way: parse; resolve the model name; refuse at once what
-admission would refuse (before any tokenizing); start ``n`` streams per
+admission would refuse (live requests, and the bytes streaming responses
+hold for their clients: :class:`BufferBudget`), before any tokenizing; start ``n`` streams per
 prompt; then either collect them into one JSON body or hand them to an
 :class:`SSEBody`. The whole run is abortable by the drain (:class:`InFlight`).
 """
@@ -31,6 +32,7 @@ from tserve.web._responses import (
     total_usage,
 )
 from tserve.web._routing import json_response, read_body
+from tserve.web._send_buffer import BufferBudget
 from tserve.web._sse import SSEEvents
 from tserve.web._streaming import Choice, SSEBody, closed_on_error, collect, first_deltas
 from tserve.web._tokens import TokenTexts
@@ -44,9 +46,15 @@ class Generation:
     """The two generation handlers of one app."""
 
     def __init__(
-        self, llm: LLM, models: ServedModels, in_flight: InFlight, token_texts: TokenTexts
+        self,
+        llm: LLM,
+        models: ServedModels,
+        in_flight: InFlight,
+        token_texts: TokenTexts,
+        buffers: BufferBudget,
     ) -> None:
         self._llm = llm
+        self._buffers = buffers
         self._models = models
         self._in_flight = in_flight
         self._token_texts = token_texts
@@ -70,6 +78,7 @@ class Generation:
         if self._in_flight.aborting is not None:
             raise ShuttingDown("the server is shutting down")
         self._llm.check_admission(count)
+        self._buffers.check()
 
     async def _completions(
         self, record: RequestRecord, req: CompletionRequest, model: str
@@ -157,7 +166,14 @@ class Generation:
             n=req.n,
             request_id=record.request_id,
         )
-        body = SSEBody(streams, firsts, events, record=record, on_close=self._in_flight.body_closed)
+        body = SSEBody(
+            streams,
+            firsts,
+            events,
+            record=record,
+            budget=self._buffers,
+            on_close=self._in_flight.body_closed,
+        )
         self._in_flight.add_body(body)
         record.streaming = True
         return Response(body, content_type="text/event-stream", headers=dict(_SSE_HEADERS))

@@ -3,8 +3,10 @@
 Every response carries ``X-Request-Id`` (the client's, if it sent a sane one,
 else a fresh one). With an API key configured, a :class:`Route` marked
 ``protected`` needs ``Authorization: Bearer KEY`` (compared in constant
-time); probes and scrapers need no secret. An exception from a handler, or a
-routing error (404, 405) before any handler runs, becomes OpenAI error JSON
+time); probes and scrapers need no secret. Before either, every route
+passes the browser checks (:class:`BrowserGuard`: 403, 415). An exception
+from a handler, or a routing error (404, 405) before any handler runs,
+becomes OpenAI error JSON
 through :func:`error_reply`, the one mapping. Each request leaves one
 :class:`RequestRecord` (metrics, and a log line on ``logged`` routes).
 """
@@ -24,6 +26,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from tserve.web._browser import BrowserGuard
 from tserve.web._errors import Unauthorized, error_reply
 from tserve.web._metrics import Metrics, RequestRecord
 
@@ -72,8 +75,16 @@ def request_id(header: str | None) -> str:
 class Router:
     """Installs routes on an app, each behind the key check and the error mapping."""
 
-    def __init__(self, metrics: Metrics, *, api_key: str | None, request_log: bool) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        api_key: str | None,
+        request_log: bool,
+        browser: BrowserGuard,
+    ) -> None:
         self._metrics = metrics
+        self._browser = browser
         self._api_key = None if api_key is None else api_key.encode()
         self._request_log = request_log
 
@@ -89,6 +100,8 @@ class Router:
         record = RequestRecord(self._metrics, route.path, rid, log_line=log_line)
         status = 499  # the client went away (cancelled) unless set below
         try:
+            headers = request.headers
+            self._browser.check(request.method, headers.get("Host"), headers.get("Content-Type"))
             if route.protected:
                 self._authorize()
             response = await route.handler(record)
@@ -97,7 +110,7 @@ class Router:
             reply = error_reply(exc, rid)
             status = reply.status
             response = json_response(reply.body, reply.status, reply.headers)
-            if status == 413:  # the rest of the body is unread: the connection is spent
+            if status in (403, 413, 415):  # the body is unread: the connection is spent
                 response.headers["Connection"] = "close"
         finally:
             if not record.streaming:

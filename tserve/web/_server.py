@@ -1,4 +1,4 @@
-"""Serving the app with hypercorn's trio worker inside our own nursery.
+"""Serving the app over hypercorn's HTTP protocol inside our own nursery.
 
 ``await nursery.start(serve, llm, config)`` returns the base URL once the
 socket listens. ``serve`` itself returns an exit code:
@@ -9,12 +9,18 @@ socket listens. ``serve`` itself returns an exit code:
   2. in-flight requests get up to ``shutdown_timeout`` seconds to finish;
   3. then the rest are ended: streams with a final SSE error event,
      non-streaming requests with a 503 error JSON (never a silent cut);
+     a client that does not take those bytes within ``_FLUSH_STALL`` seconds
+     has its connection closed (:meth:`StallGuard.hurry`);
   4. once those final events are written, the connections are closed (idle
      keep-alive ones too) and ``serve`` returns.
   A second signal skips step 2.
 * 1 when an engine (generation or embedding) died: live requests have
   already failed with it (the mux fails every mailbox at once), ``/health`` is 503; after
   ``engine_death_grace`` seconds the server shuts down as above.
+
+At any time, a connection whose client accepts no bytes of a response for
+``stall_timeout`` seconds is closed, which ends its request
+(:mod:`tserve.web._connections`).
 
 Stopping the engine is the caller's part: leaving ``open_llm``.
 """
@@ -29,11 +35,12 @@ from collections.abc import Awaitable, Callable
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from tserve._host import raise_fd_limit
 from tserve.nursery import LLM, ShuttingDown
 from tserve.web._app import AppConfig, Frontend, create_app
+from tserve.web._browser import is_loopback
+from tserve.web._connections import StallGuard, serve_http
 
 __all__ = ["ServerConfig", "serve"]
 
@@ -42,6 +49,7 @@ log = logging.getLogger("tserve.web")
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 1
 _FLUSH_GRACE = 5.0  # seconds for aborted responses to be written out
+_FLUSH_STALL = 1.0  # seconds a write may wait for its client once the drain aborts
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +57,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     shutdown_timeout: float = 30.0
+    stall_timeout: float = 30.0  # seconds a response's write may wait for its client
     engine_death_grace: float = 1.0
     backlog: int = 4096
     keep_alive_timeout: float = 75.0
@@ -113,6 +122,7 @@ class _Lifecycle:
         # hypercorn waits for idle keep-alive connections; after our drain has
         # ended every response there is nothing left to wait for.
         self.http_scope = trio.CancelScope()
+        self.stall_guard = StallGuard(config.stall_timeout)
         self._draining = False
         self._hurry = trio.Event()
 
@@ -132,6 +142,7 @@ class _Lifecycle:
         self.frontend.in_flight.abort_all(
             ShuttingDown("the server shut down before this request finished")
         )
+        self.stall_guard.hurry(_FLUSH_STALL)
         with trio.move_on_after(_FLUSH_GRACE):  # aborted streams write their last event
             await self.frontend.in_flight.wait_idle()
         self.http_scope.cancel()
@@ -154,6 +165,16 @@ class _Lifecycle:
         self.exit_code = EXIT_ENGINE_DEAD
         await trio.sleep(self.config.engine_death_grace)
         await self.drain(0.0)
+
+
+def _warn_if_open(config: ServerConfig) -> None:
+    """Say loudly when anyone who can reach the address can use the server."""
+    if config.app.api_key is None and not is_loopback(config.host):
+        log.warning(
+            "SERVING %s WITHOUT AN API KEY: anyone who can reach this address can use "
+            "the server; set --api-key (or TSERVE_API_KEY) or bind 127.0.0.1",
+            config.host,
+        )
 
 
 async def _cancel_after(event: Callable[[], Awaitable[object]], scope: trio.CancelScope) -> None:
@@ -179,7 +200,8 @@ async def serve(
     """
     config = config or ServerConfig()
     raise_fd_limit()
-    app = create_app(llm, config.app)
+    app = create_app(llm, config.app, bind_host=config.host)
+    _warn_if_open(config)
     frontend: Frontend = app.extensions["tserve"]
     life = _Lifecycle(frontend, config, on_signal)
     async with trio.open_nursery() as nursery:
@@ -191,9 +213,10 @@ async def serve(
 
         async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
             with life.http_scope:
-                await hypercorn_serve(
+                await serve_http(
                     app,
                     _hypercorn_config(config),
+                    life.stall_guard,
                     shutdown_trigger=life.stop_listening.wait,
                     task_status=task_status,
                 )

@@ -8,11 +8,13 @@ each prompt); choice ``i`` is fed by stream ``i``. Two ways to run them:
 * :class:`SSEBody` (streaming): the response body. Quart enters it with
   ``async with body`` after sending the headers and iterates it in the same
   task; its nursery lives exactly that long, so a client disconnect (quart-
-  trio cancels the request task) cancels every stream, which aborts it in
-  the engine. Before that, :func:`first_deltas` pulls each stream's first
-  delta inside the handler, so a request that fails at once (prompt too long,
-  overload, dead engine) still gets a proper status code instead of a 200
-  followed by an error event.
+  trio cancels the request task) cancels every stream still running, which
+  aborts it in the engine. Its pumps buffer the events (:class:`SendBuffer`),
+  so a slow reader does not keep a finished request admitted. Before that,
+  :func:`first_deltas` pulls each stream's first delta inside the handler,
+  so a request that fails at once (prompt too long, overload, dead engine)
+  still gets a proper status code instead of a 200 followed by an error
+  event.
 
 Every stream is closed on every path out (``async with stream`` in the
 pumps, and ``SSEBody.__aexit__`` for streams never pumped).
@@ -31,6 +33,7 @@ from tserve.nursery import Delta, RequestStream
 from tserve.web._errors import RequestAborted
 from tserve.web._metrics import RequestRecord
 from tserve.web._responses import ChatChoice, CompletionChoice
+from tserve.web._send_buffer import BufferBudget, SendBuffer
 from tserve.web._sse import SSEEvents
 
 __all__ = ["Choice", "SSEBody", "closed_on_error", "collect", "first_deltas"]
@@ -124,9 +127,15 @@ async def collect(
 class SSEBody(ResponseBody):
     """The body of a streaming completion: its events in the order :class:`SSEEvents` keeps.
 
-    A failure after the headers ends the stream with one error event, then
-    ``[DONE]``; :meth:`abort` (server shutdown past its timeout) does the
-    same with its reason. ``on_close`` runs once, when quart leaves the body.
+    Quart enters it after sending the headers and iterates it in the request
+    task; its nursery (the pumps) lives exactly that long. The pumps read
+    every stream to its end into a :class:`SendBuffer` (its bounds are
+    written there), so a stream is closed, and its admission slot free, once
+    the engine has finished it, however slowly the client reads; iteration
+    yields what the buffer holds. A failure after the headers ends the stream
+    with one error event, then ``[DONE]``; :meth:`abort` (server shutdown
+    past its timeout) does the same with its reason. ``on_close`` runs once,
+    when quart leaves the body.
     """
 
     def __init__(
@@ -136,18 +145,15 @@ class SSEBody(ResponseBody):
         events: SSEEvents,
         *,
         record: RequestRecord,
+        budget: BufferBudget,
         on_close: Callable[[SSEBody], None],
     ) -> None:
         self._streams, self._firsts, self._sse = streams, firsts, events
         self._record, self._on_close = record, on_close
-        self._abort_reason: Exception | None = None
+        self._error: Exception | None = None  # the first failure, or the abort's reason
         self._pumps = trio.CancelScope()
         self._nursery_manager = trio.open_nursery()
-        # Bound: one item per stream. A pump at the bound waits; meanwhile its
-        # mailbox coalesces the engine's deltas, so the engine never waits.
-        self._send, self._receive = trio.open_memory_channel[tuple[int, Delta | Exception]](
-            len(streams)
-        )
+        self._buffer = SendBuffer(budget)
 
     async def __aenter__(self) -> SSEBody:
         nursery = await self._nursery_manager.__aenter__()
@@ -156,63 +162,48 @@ class SSEBody(ResponseBody):
 
     async def __aexit__(self, *exc_info: Any) -> None:
         """Cancel the pumps, wait for them, close every stream. A checkpoint."""
-        self._pumps.cancel()  # the events may have ended early (an error)
+        self._pumps.cancel()  # the client may be gone with choices still running
         try:
             await self._nursery_manager.__aexit__(*exc_info)
         finally:
             for stream in self._streams:
                 stream.close()
+            self._buffer.discard()
             self._record.done(self._sse.status if exc_info[1] is None else 499)
             self._on_close(self)
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._events()
+        return self._buffer
 
     def abort(self, reason: Exception) -> None:
         """End the stream now with ``reason`` as its final error event. Synchronous."""
-        if self._abort_reason is None:
-            self._abort_reason = reason
+        if self._error is None:
+            self._error = reason
         self._pumps.cancel()
 
     async def _run_pumps(self) -> None:
-        async with self._send:
-            with self._pumps:
-                async with trio.open_nursery() as pumps:
-                    for i, stream in enumerate(self._streams):
-                        if self._firsts[i].finish_reason is None:
-                            pumps.start_soon(self._pump, i, stream, self._send.clone())
-
-    async def _pump(
-        self,
-        i: int,
-        stream: RequestStream,
-        send: trio.MemorySendChannel[tuple[int, Delta | Exception]],
-    ) -> None:
-        async with send:
-            try:
-                async with stream:
-                    async for delta in stream:
-                        await send.send((i, _checked(delta)))
-            except Exception as exc:
-                await send.send((i, exc))
-
-    async def _events(self) -> AsyncIterator[bytes]:
-        """The firsts, then the pumps' deltas until every choice finished or one
-        failed; the pumps' channel ends early only when :meth:`abort` cut it."""
+        """The firsts, then every unfinished stream pumped to its end (or to the
+        first failure, or the abort), then the closing events."""
         for i, delta in enumerate(self._firsts):
-            yield self._chunk(i, delta)
-        error: Exception | None = None
-        async for i, item in self._receive:
-            if isinstance(item, Exception):
-                error = item
-                break
-            yield self._chunk(i, item)
-            if not self._sse.unfinished:
-                break
-        if error is None and self._sse.unfinished:
-            error = self._abort_reason
-        for closing in self._sse.close(error):
-            yield closing
+            self._buffer.put_nowait(self._chunk(i, delta))
+        with self._pumps:
+            async with trio.open_nursery() as pumps:
+                for i, stream in enumerate(self._streams):
+                    if self._firsts[i].finish_reason is None:
+                        pumps.start_soon(self._pump, i, stream)
+        for closing in self._sse.close(self._error if self._sse.unfinished else None):
+            self._buffer.put_nowait(closing)
+        self._buffer.close()
+
+    async def _pump(self, i: int, stream: RequestStream) -> None:
+        try:
+            async with stream:
+                async for delta in stream:
+                    await self._buffer.put(self._chunk(i, _checked(delta)))
+        except Exception as exc:
+            if self._error is None:
+                self._error = exc
+            self._pumps.cancel()
 
     def _chunk(self, i: int, delta: Delta) -> bytes:
         self._record.delta(i, delta)

@@ -140,3 +140,29 @@ def test_imports_run_one_way(package: str) -> None:
         if _package(target) not in allowed and _package(target) != ""
     }
     assert wrong == set()
+
+
+def _documented_modules() -> set[str]:
+    """The module paths in the README's architecture table (``| `web/_app.py` | ...``)."""
+    readme = (ROOT.parent / "README.md").read_text()
+    section = readme[readme.index("## Architecture") :]
+    return {
+        line.split("`")[1]
+        for line in section.splitlines()
+        if line.startswith("| `") and line.split("`")[1].endswith(".py")
+    }
+
+
+def test_the_readme_names_every_module() -> None:
+    files = {str(p.relative_to(ROOT)) for p in _modules() if p.name != "__init__.py"}
+    assert _documented_modules() == files
+
+
+@pytest.mark.parametrize(
+    "package", sorted(p.parent for p in ROOT.rglob("__init__.py")), ids=lambda p: p.name
+)
+def test_each_package_docstring_names_its_modules(package: Path) -> None:
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    names = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+    names |= {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert {name for name in names if name not in doc} == set()

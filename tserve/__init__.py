@@ -3,6 +3,14 @@
 The embeddable API is imported lazily, so that the engine process, which
 imports ``tserve.protocol`` and ``tserve.gpu``, never loads anyio, trio or
 the mux.
+
+Packages (imports run ``web → nursery → mux → protocol ← gpu``):
+``web`` (the HTTP server), ``nursery`` (the request lifecycle and the
+embeddable API), ``mux`` (the one socket to the engine), ``gpu`` (the engine
+process), ``bench`` (``python -m tserve bench``). Modules beside them:
+``__main__`` (the command line), ``protocol`` (the wire), ``validity`` (the
+one rule for a valid request), ``_host`` (fd limit, pid probe, log format),
+``_metrics_dir`` (the API processes' shared metrics directory).
 """
 
 from __future__ import annotations

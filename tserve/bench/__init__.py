@@ -16,6 +16,12 @@ arrives in its own read, and about 100 µs per short request, so one core
 carries some 35,000 chunks/s or 10,000 requests/s. httpx on the same tests
 measured 3,500 chunks/s and 340 requests/s, which is why the client carries
 its own small HTTP/1.1 parser (:mod:`._http`).
+
+Modules: ``_cli`` (options, the sweep, the self-test; ``__main__`` runs it),
+``_client`` (the load), ``_datasets`` (prompts made offline), ``_http`` and
+``_sse`` (sans-IO response and event parsing, one IO edge), ``_metrics``
+(sans-IO sums), ``_report`` (table, JSON, plots), ``echo_server`` (a trivial
+server for the client's own ceiling).
 """
 
 from tserve.bench._cli import main

@@ -17,6 +17,7 @@ Modules:
   prompt, to measure the frontend alone.
 * ``_scheduler.py`` — continuous batching: which tokens of which requests run
   in a step (plain Python).
+* ``_budget.py`` — a step's prefill budget beside its decodes (plain Python).
 * ``_kv.py`` — KV-cache accounting: the paged block allocator (plain Python).
 * ``_sequence.py`` — one record per request and the chunk of work in a step.
 * ``_model_runner.py`` — one forward pass over the scheduled chunks; owns the

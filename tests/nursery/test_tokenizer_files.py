@@ -15,7 +15,7 @@ import pytest
 from tests.nursery.tokenizer_pair import Pair
 from tserve.gpu._models import default_embedding_model_dir
 from tserve.nursery._chat_template import ChatTemplateError
-from tserve.nursery._model_tokenizer import load_model_tokenizer
+from tserve.nursery._model_tokenizer import load_encoder_pipeline, load_model_tokenizer
 from tserve.nursery._tokenizer_files import TokenizerFilesError, read_tokenizer_files
 
 HI = [{"role": "user", "content": "hi"}]
@@ -140,3 +140,24 @@ def test_generation_defaults_read_what_is_there(tmp_path: Path, tiny_model_dir: 
     assert defaults.max_new_tokens == 64
     assert defaults.temperature is None  # not a number: not a default
     assert read_tokenizer_files(tiny_model_dir).model_max_length is None
+
+
+def test_an_encoder_without_tokenizer_json_builds_bert_wordpiece(tmp_path: Path) -> None:
+    """What transformers makes of a BERT directory with only vocab.txt, ids
+    with [CLS] and [SEP] as the embedder encodes them."""
+    from transformers import AutoTokenizer
+
+    source = default_embedding_model_dir()
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
+        shutil.copy(source / name, bert / name)
+    reference = AutoTokenizer.from_pretrained(bert, local_files_only=True)
+    ours = load_encoder_pipeline(bert)
+    for text in ("Hello, World! Don't stop.", "Grüße Çà va?  x 中文", "[CLS] a [SEP] b", "x" * 600):
+        assert ours.encode(text).ids == reference.encode(text)
+    assert load_encoder_pipeline(source).encode("x" * 600).ids == reference.encode("x" * 600)
+
+    (bert / "vocab.txt").unlink()
+    with pytest.raises(TokenizerFilesError, match="no tokenizer"):
+        load_encoder_pipeline(bert)

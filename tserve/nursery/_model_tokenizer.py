@@ -26,7 +26,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Unpack
 
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from tserve.nursery._chat_template import ChatOptions, ChatTemplate, select_template
 from tserve.nursery._tokenizer_files import (
@@ -34,10 +42,20 @@ from tserve.nursery._tokenizer_files import (
     GenerationDefaults,
     TokenizerFiles,
     TokenizerFilesError,
+    named_special_tokens,
+    read_tokenizer_config,
     read_tokenizer_files,
 )
 
-__all__ = ["ModelTokenizer", "load_model_tokenizer"]
+__all__ = ["ModelTokenizer", "load_encoder_pipeline", "load_model_tokenizer"]
+
+# Tokenizer classes whose directories may carry only a vocab.txt: BERT's
+# WordPiece, which ``tokenizers`` builds the same way transformers does.
+_WORDPIECE_CLASSES = frozenset(
+    f"{name}{suffix}"
+    for name in ("Bert", "DistilBert", "Electra")
+    for suffix in ("Tokenizer", "TokenizerFast")
+)
 
 # transformers' clean-up of spaces before punctuation and contractions, in its
 # order. Off unless the config asks for it, and never for BPE (it would
@@ -108,15 +126,71 @@ def load_model_tokenizer(directory: str | Path) -> ModelTokenizer:
     """The tokenizer of the model in ``directory``. Blocking (file IO and parsing:
     tens of ms for a 50k vocabulary; a worker thread). Raises TokenizerFilesError."""
     files = read_tokenizer_files(directory)
-    try:
-        tokenizer = Tokenizer.from_file(str(files.tokenizer_json))
-    except Exception as exc:  # the Rust parser's error, whatever its type
-        raise TokenizerFilesError(f"cannot load {files.tokenizer_json}: {exc}") from exc
+    tokenizer = _read_pipeline(files.tokenizer_json)
     tokenizer.no_truncation()
     tokenizer.no_padding()
     tokenizer.encode_special_tokens = files.split_special_tokens
     _add_tokens(tokenizer, files)
     return ModelTokenizer(tokenizer, files)
+
+
+def load_encoder_pipeline(directory: str | Path) -> Tokenizer:
+    """An embedding model's ``tokenizers`` pipeline, truncation and padding off.
+
+    ``tokenizer.json`` as written when the directory has one, else a BERT
+    ``vocab.txt`` as the WordPiece pipeline transformers builds from it (its
+    config's casing, accent and CJK settings, [CLS] ... [SEP] around each
+    text). Blocking (file IO); raises TokenizerFilesError for anything else.
+    """
+    root = Path(directory)
+    if (root / "tokenizer.json").is_file():
+        tokenizer = _read_pipeline(root / "tokenizer.json")
+    else:
+        tokenizer = _wordpiece_pipeline(root)
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def _read_pipeline(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust parser's error, whatever its type
+        raise TokenizerFilesError(f"cannot load {path}: {exc}") from exc
+
+
+def _wordpiece_pipeline(root: Path) -> Tokenizer:
+    config = read_tokenizer_config(root)
+    kind = config.get("tokenizer_class")
+    vocab = root / "vocab.txt"
+    if not vocab.is_file() or (kind is not None and kind not in _WORDPIECE_CLASSES):
+        raise TokenizerFilesError(
+            f"{root} has no tokenizer.json (and no BERT vocab.txt to build one from)"
+        )
+    named = named_special_tokens(config)
+    unk, sep, cls = (named.get(f"{n}_token", f"[{n.upper()}]") for n in ("unk", "sep", "cls"))
+    tokenizer = Tokenizer(models.WordPiece.from_file(str(vocab), unk_token=unk))
+    tokenizer.add_special_tokens(
+        [unk, sep, cls, named.get("pad_token", "[PAD]"), named.get("mask_token", "[MASK]")]
+    )
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
+        strip_accents=config.get("strip_accents"),
+        lowercase=bool(config.get("do_lower_case", True)),
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.BertProcessing(
+        (sep, _token_id(tokenizer, sep)), (cls, _token_id(tokenizer, cls))
+    )
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    return tokenizer
+
+
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    assert token_id is not None  # add_special_tokens gave each one an id
+    return token_id
 
 
 def _add_tokens(tokenizer: Tokenizer, files: TokenizerFiles) -> None:

@@ -36,7 +36,9 @@ __all__ = [
     "GenerationDefaults",
     "TokenizerFiles",
     "TokenizerFilesError",
+    "named_special_tokens",
     "read_generation_defaults",
+    "read_tokenizer_config",
     "read_tokenizer_files",
 ]
 
@@ -125,9 +127,7 @@ def read_tokenizer_files(directory: str | Path) -> TokenizerFiles:
     tokenizer_json = root / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise TokenizerFilesError(f"{root} has no tokenizer.json")
-    config = _read_json(root / "tokenizer_config.json")
-    if "added_tokens_decoder" not in config:  # an older directory: the map file still counts
-        config = _with_special_tokens_map(config, _read_json(root / "special_tokens_map.json"))
+    config = read_tokenizer_config(root)
     named, extra = _special_tokens(config)
     return TokenizerFiles(
         tokenizer_json=tokenizer_json,
@@ -140,6 +140,22 @@ def read_tokenizer_files(directory: str | Path) -> TokenizerFiles:
         split_special_tokens=bool(config.get("split_special_tokens", False)),
         generation=read_generation_defaults(root),
     )
+
+
+def read_tokenizer_config(directory: str | Path) -> dict[str, Any]:
+    """tokenizer_config.json (empty without it), with special_tokens_map.json's
+    entries over it in an older directory (one without added_tokens_decoder).
+    Blocking; raises TokenizerFilesError for a file that is not a JSON object."""
+    root = Path(directory)
+    config = _read_json(root / "tokenizer_config.json")
+    if "added_tokens_decoder" in config:
+        return config
+    return _with_special_tokens_map(config, _read_json(root / "special_tokens_map.json"))
+
+
+def named_special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """Name -> text of the special tokens a tokenizer config names."""
+    return {name: token.content for name, token in _special_tokens(config)[0].items()}
 
 
 def read_generation_defaults(directory: str | Path) -> GenerationDefaults:

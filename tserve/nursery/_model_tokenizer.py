@@ -11,6 +11,9 @@ the three questions the API asks of it, the way transformers answers them:
 * :meth:`~ModelTokenizer.encode_chat` is ``apply_chat_template(messages,
   add_generation_prompt=True)`` (text from :meth:`~ModelTokenizer.render_chat`).
 
+:func:`load_encoder_pipeline` is the embedding model's counterpart: the
+bare ``tokenizers`` pipeline, from ``tokenizer.json`` or a BERT ``vocab.txt``.
+
 Not mirrored: tokenizer classes whose own ``__init__`` rebuilds the pipeline
 from the vocabulary instead of taking ``tokenizer.json`` as written (a few
 model-specific classes in transformers), and the regex patch transformers

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -291,17 +289,3 @@ def test_generation_defaults_match_transformers(
         reference.top_p,
         reference.top_k,
     )
-
-
-def test_loading_and_chatting_import_neither_torch_nor_transformers(tiny_model_dir: Path) -> None:
-    script = (
-        "import sys\n"
-        "from tserve.nursery._model_tokenizer import load_model_tokenizer\n"
-        f"t = load_model_tokenizer({str(tiny_model_dir)!r})\n"
-        "t.decode(t.encode_chat([{'role': 'user', 'content': 'hi'}]))\n"
-        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], check=True, capture_output=True, text=True
-    ).stdout
-    assert out.strip() == "[]"

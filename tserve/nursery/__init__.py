@@ -8,8 +8,14 @@ Modules, each with one job (imports run down this list, never up)::
     _embedder.py        Embedder: embedding calls, their inputs and EmbeddingResult
     _client.py          EngineClient (identity, liveness, ids, its admission)
                         and ClientSettings, shared by LLM and Embedder
-    _tokenizer.py       tokenizer policy: inline vs worker thread, fast decoding,
+    _tokenizer.py       tokenizer policy: inline vs worker thread, decoding,
                         the chat template, loading both models' tokenizers
+    _model_tokenizer.py a model's tokenizer without torch or transformers:
+                        text, ids and chats (ModelTokenizer); the encoder's pipeline
+    _chat_template.py   chat templates rendered as transformers renders them, in
+                        a jinja2 sandbox; ChatTemplateError
+    _tokenizer_files.py what a model directory's tokenizer files say: special
+                        tokens, templates, limits, generation defaults
     _request.py         RequestStream: the IO shell of one request (submit,
                         read, abort, close) over a RequestSeam
     _output.py          sans-IO: an engine output to a Delta or a decision

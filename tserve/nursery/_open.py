@@ -99,7 +99,7 @@ async def open_llm(
     its supervisor restarts it whole.
 
     ``freeze_gc`` moves every object alive after startup (torch-free, but
-    transformers and the tokenizer make hundreds of thousands) out of the
+    the web stack and the tokenizer make tens of thousands) out of the
     cyclic garbage collector's sight with ``gc.freeze()`` and raises the
     gen-0 threshold while the block runs (see ``_gc.py``), so that
     collections during streaming stay cheap; both are restored on exit.

@@ -4,30 +4,28 @@ Two tokenizers, one per kind of engine:
 
 * :class:`ChatTokenizer` (the generation model's, for :class:`~tserve.nursery.LLM`):
   text and chats to prompt ids, inline on the event loop when short and in
-  a worker thread when long (:data:`INLINE_TOKENIZE_CHARS`), and a fast path
-  for decoding a few ids per streamed token.
+  a worker thread when long (:data:`INLINE_TOKENIZE_CHARS`), and decoding
+  a few ids per streamed token.
 * :class:`EncoderTokenizer` (the embedding model's, for
   :class:`~tserve.nursery.Embedder`): a batch of texts to ids, always in a
   worker thread, never truncated.
 
-Both load in a worker thread (``load_*`` block); only ``tokenizers`` and,
-for the generation model, ``transformers`` (imported inside the loaders, so
-that importing tserve does not import torch) are needed.
+Both load in a worker thread (``load_*`` block) from the model directory's
+files (``_model_tokenizer``): only ``tokenizers`` and ``jinja2`` are needed,
+never torch or transformers, and only once a loader runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from tserve.nursery._errors import InvalidRequest
-
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerBase
+
+    from tserve.nursery._model_tokenizer import ModelTokenizer
 
 __all__ = [
     "INLINE_TOKENIZE_CHARS",
@@ -61,9 +59,9 @@ class ChatTokenizer:
     choose between the two by length.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
         self.tokenizer = tokenizer
-        self.decode = _fast_decoder(tokenizer)
+        self.decode = tokenizer.decode
         # Tokenizer calls in worker threads. Bound: this many at once; more
         # wait for a thread (they are admitted requests, so at most
         # max_pending of them wait).
@@ -85,17 +83,12 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``. Blocking (tokenizer work): :meth:`tokenize` decides where."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.tokenizer.encode(text)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        """Prompt ids for a chat. Blocking; raises InvalidRequest for bad messages."""
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:
-            raise InvalidRequest(f"messages: {exc}", param="messages") from None
-        return self.encode(str(text))
+        """Prompt ids for a chat, the assistant's turn opened. Blocking; raises
+        InvalidRequest (``param`` "messages") for a chat the template rejects."""
+        return self.encode(self.tokenizer.render_chat(messages, add_generation_prompt=True))
 
     async def _run(self, work: Callable[[_Input], list[int]], arg: _Input, chars: int) -> list[int]:
         if chars < INLINE_TOKENIZE_CHARS:
@@ -133,50 +126,19 @@ def _chat_chars(messages: list[Message]) -> int:
     return total
 
 
-def _fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=True)``, minus Python overhead.
-
-    A fast tokenizer's Rust backend decodes a few ids in about a microsecond;
-    the Python wrapper around it costs four times that, twice per
-    streamed token. Same text unless the tokenizer cleans up spaces.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        decode = backend.decode
-
-        def fast(token_ids: list[int]) -> str:
-            return str(decode(token_ids, skip_special_tokens=True))
-
-        return fast
-
-    def slow(token_ids: list[int]) -> str:
-        return str(tokenizer.decode(token_ids, skip_special_tokens=True))
-
-    return slow
-
-
 def load_chat_tokenizer(path: str) -> ChatTokenizer:
     """The generation model's tokenizer from its directory. Blocking (a worker thread)."""
-    from transformers import AutoTokenizer
+    from tserve.nursery._model_tokenizer import load_model_tokenizer
 
-    return ChatTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    return ChatTokenizer(load_model_tokenizer(path))
 
 
 def load_encoder_tokenizer(path: str) -> EncoderTokenizer:
     """The encoder's tokenizer from its directory. Blocking (a worker thread).
 
-    ``tokenizer.json`` when the directory has one, else whatever fast
-    tokenizer transformers makes of it.
+    ``tokenizer.json`` when the directory has one, else a BERT ``vocab.txt``
+    (see :func:`~tserve.nursery._model_tokenizer.load_encoder_pipeline`).
     """
-    from tokenizers import Tokenizer
+    from tserve.nursery._model_tokenizer import load_encoder_pipeline
 
-    file = Path(path) / "tokenizer.json"
-    if file.is_file():
-        tokenizer = Tokenizer.from_file(str(file))
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True).backend_tokenizer
-    tokenizer.no_truncation()
-    tokenizer.no_padding()
-    return EncoderTokenizer(tokenizer)
+    return EncoderTokenizer(load_encoder_pipeline(path))

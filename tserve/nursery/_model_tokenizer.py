@@ -1,0 +1,237 @@
+"""A model directory's tokenizer in the API process: ``tokenizers`` and ``jinja2``, no torch.
+
+:func:`load_model_tokenizer` builds the same pipeline transformers'
+``AutoTokenizer`` builds for a directory with a ``tokenizer.json`` (the file's
+pipeline, plus the config's added and special tokens, see
+:mod:`tserve.nursery._tokenizer_files`), and :class:`ModelTokenizer` answers
+the three questions the API asks of it, the way transformers answers them:
+
+* :meth:`~ModelTokenizer.encode` is ``encode(text, add_special_tokens=False)``;
+* :meth:`~ModelTokenizer.decode` is ``decode(ids, skip_special_tokens=True)``;
+* :meth:`~ModelTokenizer.encode_chat` is ``apply_chat_template(messages,
+  add_generation_prompt=True)`` (text from :meth:`~ModelTokenizer.render_chat`).
+
+:func:`load_encoder_pipeline` is the embedding model's counterpart: the
+bare ``tokenizers`` pipeline, from ``tokenizer.json`` or a BERT ``vocab.txt``.
+
+Not mirrored: tokenizer classes whose own ``__init__`` rebuilds the pipeline
+from the vocabulary instead of taking ``tokenizer.json`` as written (a few
+model-specific classes in transformers), and the regex patch transformers
+applies to some Mistral tokenizers. For those the ids can differ.
+
+Every call is CPU work: blocking, never a checkpoint. The Rust tokenizer
+releases the GIL, and nothing here holds per-call state, so threads may
+share one ModelTokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Unpack
+
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
+
+from tserve.nursery._chat_template import ChatOptions, ChatTemplate, select_template
+from tserve.nursery._tokenizer_files import (
+    AddedTokenSpec,
+    GenerationDefaults,
+    TokenizerFiles,
+    TokenizerFilesError,
+    named_special_tokens,
+    read_tokenizer_config,
+    read_tokenizer_files,
+)
+
+__all__ = ["ModelTokenizer", "load_encoder_pipeline", "load_model_tokenizer"]
+
+# Tokenizer classes whose directories may carry only a vocab.txt: BERT's
+# WordPiece, which ``tokenizers`` builds the same way transformers does.
+_WORDPIECE_CLASSES = frozenset(
+    f"{name}{suffix}"
+    for name in ("Bert", "DistilBert", "Electra")
+    for suffix in ("Tokenizer", "TokenizerFast")
+)
+
+# transformers' clean-up of spaces before punctuation and contractions, in its
+# order. Off unless the config asks for it, and never for BPE (it would
+# remove spaces the text has).
+_CLEAN_UPS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+class ModelTokenizer:
+    """Text to ids, ids to text, and chats to ids for one model. Create with
+    :func:`load_model_tokenizer`."""
+
+    def __init__(self, tokenizer: Tokenizer, files: TokenizerFiles) -> None:
+        self.tokenizer = tokenizer
+        self.files = files
+        self.generation: GenerationDefaults = files.generation
+        self.model_max_length = files.model_max_length
+        # Invariant: the template objects are built once; rendering mutates nothing.
+        self._templates = {
+            name: ChatTemplate(source, files.named_special)
+            for name, source in files.chat_templates.items()
+        }
+        self._clean_up = files.clean_up_tokenization_spaces and _model_type(tokenizer) != "BPE"
+        self._decode = tokenizer.decode
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids :meth:`decode` skips (the pipeline's special added tokens)."""
+        return frozenset(
+            i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens added around it."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids``, special tokens skipped (about a microsecond for a few ids)."""
+        text = str(self._decode(token_ids, skip_special_tokens=True))
+        if self._clean_up:
+            for before, after in _CLEAN_UPS:
+                text = text.replace(before, after)
+        return text
+
+    def render_chat(self, messages: object, **options: Unpack[ChatOptions]) -> str:
+        """The prompt text of a chat, by the model's template (its "tool_use"
+        one when given tools and it has one). Raises ChatTemplateError (an
+        InvalidRequest naming ``messages``) when the template cannot render it."""
+        template = select_template(self._templates, tools=options.get("tools") is not None)
+        return template.render(messages, **options)
+
+    def encode_chat(self, messages: object, **options: Unpack[ChatOptions]) -> list[int]:
+        """Prompt ids of a chat: :meth:`render_chat`, then :meth:`encode`."""
+        return self.encode(self.render_chat(messages, **options))
+
+
+def load_model_tokenizer(directory: str | Path) -> ModelTokenizer:
+    """The tokenizer of the model in ``directory``. Blocking (file IO and parsing:
+    tens of ms for a 50k vocabulary; a worker thread). Raises TokenizerFilesError."""
+    files = read_tokenizer_files(directory)
+    tokenizer = _read_pipeline(files.tokenizer_json)
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    tokenizer.encode_special_tokens = files.split_special_tokens
+    _add_tokens(tokenizer, files)
+    return ModelTokenizer(tokenizer, files)
+
+
+def load_encoder_pipeline(directory: str | Path) -> Tokenizer:
+    """An embedding model's ``tokenizers`` pipeline, truncation and padding off.
+
+    ``tokenizer.json`` as written when the directory has one, else a BERT
+    ``vocab.txt`` as the WordPiece pipeline transformers builds from it (its
+    config's casing, accent and CJK settings, [CLS] ... [SEP] around each
+    text). Blocking (file IO); raises TokenizerFilesError for anything else.
+    """
+    root = Path(directory)
+    if (root / "tokenizer.json").is_file():
+        tokenizer = _read_pipeline(root / "tokenizer.json")
+    else:
+        tokenizer = _wordpiece_pipeline(root)
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def _read_pipeline(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust parser's error, whatever its type
+        raise TokenizerFilesError(f"cannot load {path}: {exc}") from exc
+
+
+def _wordpiece_pipeline(root: Path) -> Tokenizer:
+    config = read_tokenizer_config(root)
+    kind = config.get("tokenizer_class")
+    vocab = root / "vocab.txt"
+    if not vocab.is_file() or (kind is not None and kind not in _WORDPIECE_CLASSES):
+        raise TokenizerFilesError(
+            f"{root} has no tokenizer.json (and no BERT vocab.txt to build one from)"
+        )
+    named = named_special_tokens(config)
+    unk, sep, cls = (named.get(f"{n}_token", f"[{n.upper()}]") for n in ("unk", "sep", "cls"))
+    tokenizer = Tokenizer(models.WordPiece.from_file(str(vocab), unk_token=unk))
+    tokenizer.add_special_tokens(
+        [unk, sep, cls, named.get("pad_token", "[PAD]"), named.get("mask_token", "[MASK]")]
+    )
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
+        strip_accents=config.get("strip_accents"),
+        lowercase=bool(config.get("do_lower_case", True)),
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.BertProcessing(
+        (sep, _token_id(tokenizer, sep)), (cls, _token_id(tokenizer, cls))
+    )
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    return tokenizer
+
+
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    assert token_id is not None  # add_special_tokens gave each one an id
+    return token_id
+
+
+def _add_tokens(tokenizer: Tokenizer, files: TokenizerFiles) -> None:
+    """Add what the config declares and the pipeline lacks, as transformers does.
+
+    A config entry is added unless the pipeline already has that token with
+    the same flags (adding it again updates the flags), and is made special
+    when a special token names it; a special token is added only when no
+    added token has its text.
+    """
+    existing = tokenizer.get_added_tokens_decoder().values()
+    same = {repr(token) for token in existing}
+    named = set(files.named_special.values())
+    to_add = [
+        _added_token(spec, special=spec.special or spec.content in named)
+        for spec in files.config_added
+        if repr(_added_token(spec)) not in same
+    ]
+    known = {token.content for token in existing} | {token.content for token in to_add}
+    for spec in files.special_tokens:
+        if spec.content not in known:
+            to_add.append(_added_token(spec))
+            known.add(spec.content)
+    if to_add:
+        tokenizer.add_tokens(to_add)
+
+
+def _added_token(spec: AddedTokenSpec, *, special: bool | None = None) -> AddedToken:
+    """``spec`` as a ``tokenizers`` token; ``special`` overrides its flag (only that)."""
+    return AddedToken(
+        spec.content,
+        single_word=spec.single_word,
+        lstrip=spec.lstrip,
+        rstrip=spec.rstrip,
+        normalized=spec.is_normalized,
+        special=spec.special if special is None else special,
+    )
+
+
+def _model_type(tokenizer: Tokenizer) -> str:
+    return type(tokenizer.model).__name__

@@ -1,0 +1,297 @@
+"""What a model directory says about its tokenizer, read from its JSON and Jinja files.
+
+A directory saved by transformers holds (all optional but ``tokenizer.json``
+for a generation model):
+
+* ``tokenizer.json``: the ``tokenizers`` pipeline and its added tokens;
+* ``tokenizer_config.json``: the named special tokens (``bos_token``,
+  ``eos_token``, ... and any other ``*_token`` key, or a dict under
+  ``extra_special_tokens``), further special tokens (a list under
+  ``extra_special_tokens`` or the older ``additional_special_tokens``),
+  ``added_tokens_decoder`` (id -> token and its flags), ``model_max_length``,
+  ``clean_up_tokenization_spaces``, ``split_special_tokens``, and the chat
+  template under ``chat_template`` (a string, or a list of
+  ``{"name", "template"}``);
+* ``chat_template.jinja`` (the default template) and
+  ``additional_chat_templates/<name>.jinja``, which take precedence over
+  the config's ``chat_template``;
+* ``generation_config.json``: the model's generation defaults.
+
+Reading is plain file IO and JSON: blocking (a worker thread), no
+tokenizer library involved. A special token in the config may be a string
+or an ``{"content": ...}`` object; both read as the token's flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from tserve.nursery._errors import LLMError
+
+__all__ = [
+    "AddedTokenSpec",
+    "GenerationDefaults",
+    "TokenizerFiles",
+    "TokenizerFilesError",
+    "named_special_tokens",
+    "read_generation_defaults",
+    "read_tokenizer_config",
+    "read_tokenizer_files",
+]
+
+# The named special tokens every tokenizer has a slot for, in the order
+# transformers lists them (templates read them by these names).
+NAMED_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+# tokenizer_config.json leaves model_max_length out, or writes this
+# placeholder, when the tokenizer itself sets no limit.
+_NO_LIMIT = int(1e30)
+
+
+class TokenizerFilesError(LLMError):
+    """A model directory without a usable tokenizer (missing or malformed files)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AddedTokenSpec:
+    """A token matched in text before the model's own pieces, with its flags.
+
+    ``normalized`` None: the default for its kind (normalized unless special).
+    """
+
+    content: str
+    special: bool = False
+    single_word: bool = False
+    lstrip: bool = False
+    rstrip: bool = False
+    normalized: bool | None = None
+
+    @property
+    def is_normalized(self) -> bool:
+        return (not self.special) if self.normalized is None else self.normalized
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """generation_config.json's defaults; None where the file says nothing.
+
+    ``eos_token_ids`` is empty when the file names none (the model config's
+    then holds). The sampling values are the model authors' suggestions,
+    read without torch; requests are not changed by them (an OpenAI request
+    says what it wants, and the engine reports the eos ids it stops on).
+    """
+
+    eos_token_ids: tuple[int, ...] = ()
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenizerFiles:
+    """Everything the API process needs from a model directory to tokenize and chat."""
+
+    tokenizer_json: Path
+    # name -> text of the named special tokens (bos_token, ..., and model-specific names).
+    named_special: dict[str, str]
+    # The config's added_tokens_decoder, by id: added to the pipeline unless
+    # it holds the same token with the same flags.
+    config_added: tuple[AddedTokenSpec, ...]
+    # The named, then the unnamed special tokens: added to the pipeline when
+    # it has no added token with that text (a name makes a token special).
+    special_tokens: tuple[AddedTokenSpec, ...]
+    # Template name -> Jinja source; "default" is the one used without a name.
+    chat_templates: dict[str, str]
+    model_max_length: int | None
+    clean_up_tokenization_spaces: bool
+    split_special_tokens: bool
+    generation: GenerationDefaults
+
+
+def read_tokenizer_files(directory: str | Path) -> TokenizerFiles:
+    """Read ``directory``'s tokenizer files. Blocking; raises TokenizerFilesError."""
+    root = Path(directory)
+    tokenizer_json = root / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise TokenizerFilesError(f"{root} has no tokenizer.json")
+    config = read_tokenizer_config(root)
+    named, extra = _special_tokens(config)
+    return TokenizerFiles(
+        tokenizer_json=tokenizer_json,
+        named_special={name: token.content for name, token in named.items()},
+        config_added=_config_added(config.get("added_tokens_decoder")),
+        special_tokens=(*(dataclasses.replace(t, special=True) for t in named.values()), *extra),
+        chat_templates=_chat_templates(root, config.get("chat_template")),
+        model_max_length=_max_length(config.get("model_max_length")),
+        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+        split_special_tokens=bool(config.get("split_special_tokens", False)),
+        generation=read_generation_defaults(root),
+    )
+
+
+def read_tokenizer_config(directory: str | Path) -> dict[str, Any]:
+    """tokenizer_config.json (empty without it), with special_tokens_map.json's
+    entries over it in an older directory (one without added_tokens_decoder).
+    Blocking; raises TokenizerFilesError for a file that is not a JSON object."""
+    root = Path(directory)
+    config = _read_json(root / "tokenizer_config.json")
+    if "added_tokens_decoder" in config:
+        return config
+    return _with_special_tokens_map(config, _read_json(root / "special_tokens_map.json"))
+
+
+def named_special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """Name -> text of the special tokens a tokenizer config names."""
+    return {name: token.content for name, token in _special_tokens(config)[0].items()}
+
+
+def read_generation_defaults(directory: str | Path) -> GenerationDefaults:
+    """generation_config.json's defaults (all None without the file). Blocking."""
+    config = _read_json(Path(directory) / "generation_config.json")
+    eos = config.get("eos_token_id")
+    eos_ids = (eos,) if isinstance(eos, int) else tuple(i for i in eos or () if isinstance(i, int))
+    return GenerationDefaults(
+        eos_token_ids=eos_ids,
+        temperature=_number(config.get("temperature")),
+        top_p=_number(config.get("top_p")),
+        top_k=_integer(config.get("top_k")),
+        max_new_tokens=_integer(config.get("max_new_tokens")),
+        repetition_penalty=_number(config.get("repetition_penalty")),
+    )
+
+
+# -- pieces ------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerFilesError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerFilesError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _token(value: object) -> AddedTokenSpec | None:
+    """A config's token entry: a string (a special token), or an object with
+    ``content`` and its flags."""
+    if isinstance(value, str):
+        return AddedTokenSpec(value, special=True)
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return AddedTokenSpec(
+            value["content"],
+            special=bool(value.get("special", False)),
+            single_word=bool(value.get("single_word", False)),
+            lstrip=bool(value.get("lstrip", False)),
+            rstrip=bool(value.get("rstrip", False)),
+            normalized=None if value.get("normalized") is None else bool(value["normalized"]),
+        )
+    return None
+
+
+def _with_special_tokens_map(config: dict[str, Any], mapped: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with special_tokens_map.json's entries over it (its objects are special)."""
+    merged = dict(config)
+    for key, value in mapped.items():
+        if key in ("extra_special_tokens", "additional_special_tokens") and isinstance(value, list):
+            old = merged.get("extra_special_tokens") or merged.get("additional_special_tokens")
+            tokens = list(old) if isinstance(old, list) else []
+            tokens += [t for t in value if t not in tokens]
+            merged["extra_special_tokens"] = [
+                {**t, "special": True} if isinstance(t, dict) else t for t in tokens
+            ]
+        elif isinstance(value, dict):
+            merged[key] = {**value, "special": True}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _special_tokens(
+    config: dict[str, Any],
+) -> tuple[dict[str, AddedTokenSpec], list[AddedTokenSpec]]:
+    """(named special tokens, unnamed ones) as the config declares them.
+
+    Names: the standard ones, any other ``*_token`` key, and the keys of a
+    dict under ``extra_special_tokens``. Unnamed: a list there (or under
+    ``additional_special_tokens``).
+    """
+    named: dict[str, AddedTokenSpec] = {}
+    for key in NAMED_SPECIAL_TOKENS:
+        if (token := _token(config.get(key))) is not None:
+            named[key] = token
+    for key, value in config.items():
+        if key.endswith("_token") and key not in named and (token := _token(value)) is not None:
+            named[key] = token
+    extra_config = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+    extra: list[AddedTokenSpec] = []
+    if isinstance(extra_config, dict):  # model-specific names (image_token, ...)
+        for key, value in extra_config.items():
+            if (token := _token(value)) is not None:
+                named[key] = token
+    elif isinstance(extra_config, list):
+        extra = [token for token in map(_token, extra_config) if token is not None]
+    return named, extra
+
+
+def _config_added(decoder: object) -> tuple[AddedTokenSpec, ...]:
+    """added_tokens_decoder's tokens, by id."""
+    if not isinstance(decoder, dict):
+        return ()
+    entries = sorted((int(i), value) for i, value in decoder.items() if str(i).isdigit())
+    return tuple(token for _, value in entries if (token := _token(value)) is not None)
+
+
+def _chat_templates(root: Path, configured: object) -> dict[str, str]:
+    """Template files first (they take precedence), else the config's entry."""
+    files: dict[str, str] = {}
+    default_file = root / "chat_template.jinja"
+    if default_file.is_file():
+        files["default"] = default_file.read_text(encoding="utf-8")
+    extra_dir = root / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            files[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if files:
+        return files
+    if isinstance(configured, str):
+        return {"default": configured}
+    if isinstance(configured, list):
+        return {
+            entry["name"]: entry["template"]
+            for entry in configured
+            if isinstance(entry, dict)
+            and isinstance(entry.get("name"), str)
+            and isinstance(entry.get("template"), str)
+        }
+    return {}
+
+
+def _max_length(value: object) -> int | None:
+    if isinstance(value, int | float) and 0 < value < _NO_LIMIT:
+        return int(value)
+    return None
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _integer(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

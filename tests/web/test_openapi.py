@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from tserve.nursery import LLM
+from tserve.protocol import EngineReady
 from tserve.web._app import AppConfig, Frontend
 from tserve.web._openapi import OPERATIONS, openapi_document
 
@@ -14,6 +15,7 @@ class _NoEngine:
     """Enough of an LLM to build a Frontend's route table (nothing is called)."""
 
     model = "m"
+    ready = EngineReady("m", "m", 8, 8, [0], 1, 16, "cpu", 0, kv_block_size=16)
 
 
 def _routes() -> dict[tuple[str, str], bool]:

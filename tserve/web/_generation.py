@@ -18,7 +18,8 @@ import msgspec
 import trio
 from quart import Response
 
-from tserve.nursery import LLM, EngineDeadError, RequestStream, ShuttingDown
+from tserve.nursery import LLM, EngineDeadError, InvalidRequest, RequestStream, ShuttingDown
+from tserve.validity import tokens_problem
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import RequestRecord
 from tserve.web._models import ServedModels
@@ -142,8 +143,12 @@ class Generation:
         for prompt in req.prompts:
             if isinstance(prompt, str):
                 out.append(prompt)
-            else:
-                out.append(await trio.to_thread.run_sync(self._llm.decode, prompt))
+                continue
+            # Checked before decoding: an id past the vocabulary is a 400, not a decoder error.
+            problem = tokens_problem(prompt, self._llm.ready.vocab_size, "prompt")
+            if problem is not None:
+                raise InvalidRequest(problem.message, param=problem.param)
+            out.append(await trio.to_thread.run_sync(self._llm.decode, prompt))
         return out
 
     async def _respond(

@@ -17,9 +17,19 @@ import pytest
 
 from tests.web.conftest import Server
 
-# About 64 x 64 chunks of some 200 bytes: far more than the socket buffers
-# between the server and a reader that never reads.
-BIG_STREAM = {"messages": [{"role": "user", "content": "hi"}], "n": 64, "max_tokens": 64}
+# About 64 x 64 chunks of some 2 KB each (20 alternatives per token): far more
+# than the kernel's buffers between the server and a reader that never reads
+# (a send buffer grows to tcp_wmem's 4 MiB here), so the server's writes stall.
+BIG_STREAM = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "n": 64,
+    "max_tokens": 64,
+    "logprobs": True,
+    "top_logprobs": 20,
+}
+# The same without logprobs (some 800 KB): within a response's 4 MiB send
+# buffer, so the engine's work finishes while the client reads nothing.
+BUFFERED_STREAM = {"messages": [{"role": "user", "content": "hi"}], "n": 64, "max_tokens": 64}
 
 
 def stalled_reader(server: Server, body: dict[str, object]) -> socket.socket:
@@ -88,7 +98,7 @@ def test_sigterm_does_not_wait_on_stalled_readers(
     start_server: Callable[..., Server], stalled: list[socket.socket]
 ) -> None:
     server = start_server("--stall-timeout", "600", "--shutdown-timeout", "2")
-    stalled.extend(stalled_reader(server, BIG_STREAM) for _ in range(2))
+    stalled.extend(stalled_reader(server, BUFFERED_STREAM) for _ in range(2))
     server.wait_for_metric("tserve_requests_live", 0, timeout=120)
     # Killed (not 0) past the hang guard: without a bound on writes, the
     # drain waited on the stalled clients for as long as they stayed.

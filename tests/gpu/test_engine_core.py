@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from tests.gpu.cores import small_core
 from tserve.gpu._core import FORWARD_FAULT_ENV, ForwardFault
 from tserve.gpu._engine import EngineCore
 from tserve.gpu._models import load_model
 from tserve.gpu._sampler import FAULT_ENV as SAMPLER_FAULT_ENV
 from tserve.protocol import (
     AddRequest,
-    EngineConfig,
     FinishReason,
     RequestOutput,
     SamplingParams,
@@ -34,23 +34,9 @@ VOCAB = 512  # the tiny model's
 PEER = b"api-1"
 
 
-def _core(model_dir: Path, **config: Any) -> EngineCore:
-    settings: dict[str, Any] = {
-        "model": str(model_dir),
-        "device": "cpu",
-        "dtype": "float32",
-        "max_num_seqs": 16,
-        "max_num_batched_tokens": 64,
-        "kv_cache_tokens": 8192,
-        "block_size": 16,
-    }
-    settings.update(config)
-    return EngineCore(EngineConfig(**settings), progress=lambda _: None)
-
-
 @pytest.fixture
 def core(tiny_model_dir: Path) -> EngineCore:
-    return _core(tiny_model_dir)
+    return small_core(tiny_model_dir)
 
 
 @dataclasses.dataclass
@@ -168,7 +154,7 @@ def test_32_staggered_greedy_requests_match_generate_alone(
     budget requests are also preempted and recomputed. Not one token changes,
     whether the linear layers run on the BLAS generate uses or on oneDNN, and
     whether the model runs on tserve's own forward pass or transformers'."""
-    core = _core(
+    core = small_core(
         tiny_model_dir, kv_cache_tokens=kv_cache_tokens, cpu_gemm=cpu_gemm, model_impl=model_impl
     )
     reference, _ = tiny_model
@@ -180,7 +166,7 @@ def test_smollm2_layout_requests_match_generate_alone(
     smollm2_tiny_dir: Path, model_impl: str
 ) -> None:
     """SmolLM2's layout (tied output head, 3:1 GQA) under a tight KV budget."""
-    core = _core(smollm2_tiny_dir, kv_cache_tokens=512, model_impl=model_impl)
+    core = small_core(smollm2_tiny_dir, kv_cache_tokens=512, model_impl=model_impl)
     reference, _ = load_model(smollm2_tiny_dir, device="cpu", dtype=torch.float32)
     _staggered_requests_match_generate(core, reference, 32, expect_preemption=True)
 
@@ -274,7 +260,7 @@ def _noise(rng: random.Random, n: int, prefix: str) -> list[AddRequest]:
 def test_seeded_sampling_is_reproducible_whatever_the_batch(
     tiny_model_dir: Path, penalties: dict[str, float]
 ) -> None:
-    alone = _drive(_core(tiny_model_dir), {0: [_seeded_target(**penalties)]})
+    alone = _drive(small_core(tiny_model_dir), {0: [_seeded_target(**penalties)]})
     tokens = alone.results["target"].tokens
     assert len(tokens) == 24 and len(set(tokens)) > 5
 
@@ -286,7 +272,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(
             arrivals.setdefault(rng.randrange(10), []).append(request)
         arrivals.setdefault(rng.randrange(10), []).append(_seeded_target(**penalties))
         # A small token budget and tight KV vary the batch the target sees.
-        core = _core(tiny_model_dir, max_num_batched_tokens=32, kv_cache_tokens=1024)
+        core = small_core(tiny_model_dir, max_num_batched_tokens=32, kv_cache_tokens=1024)
         crowded = _drive(core, arrivals)
         assert crowded.results["target"].tokens == tokens, f"trial {trial}"
 
@@ -402,7 +388,7 @@ def test_abort_is_idempotent_and_scoped_to_its_peer(core: EngineCore) -> None:
 
 
 def test_abort_of_a_waiting_request(tiny_model_dir: Path) -> None:
-    core = _core(tiny_model_dir, max_num_seqs=2)
+    core = small_core(tiny_model_dir, max_num_seqs=2)
     _start(core, 4)
     core.step()
     assert core.stats().waiting == 2
@@ -449,8 +435,8 @@ def test_rejected_requests_error_alone(tiny_model_dir: Path) -> None:
         AddRequest("bad-temperature", [1, 2], SamplingParams(temperature=-1.0)),
         AddRequest("bad-stop-id", [1, 2], SamplingParams(stop_token_ids=(VOCAB + 3,))),
     ]
-    clean = _drive(_core(tiny_model_dir), {0: good[:4], 3: good[4:]})
-    mixed = _drive(_core(tiny_model_dir), {0: good[:4] + bad[:3], 3: bad[3:] + good[4:]})
+    clean = _drive(small_core(tiny_model_dir), {0: good[:4], 3: good[4:]})
+    mixed = _drive(small_core(tiny_model_dir), {0: good[:4] + bad[:3], 3: bad[3:] + good[4:]})
 
     for request in good:
         assert mixed.results[request.request_id].tokens == clean.results[request.request_id].tokens
@@ -493,7 +479,7 @@ def test_a_sampler_fault_ends_that_request_alone(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(SAMPLER_FAULT_ENV, "^boom$")
-    core = _core(tiny_model_dir)
+    core = small_core(tiny_model_dir)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     run = _drive(
         core, {0: [AddRequest("boom", [1, 2, 3], params), AddRequest("fine", [1, 2], params)]}
@@ -510,7 +496,7 @@ def test_forward_fault_hook_raises_out_of_step(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(FORWARD_FAULT_ENV, "3")
-    core = _core(tiny_model_dir)
+    core = small_core(tiny_model_dir)
     core.add(AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=10)), PEER)
     core.step()
     core.step()

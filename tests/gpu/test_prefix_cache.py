@@ -14,26 +14,16 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.cores import small_core
 from tserve.gpu._engine import EngineCore
-from tserve.protocol import AddRequest, EngineConfig, FinishReason, SamplingParams
+from tserve.protocol import AddRequest, FinishReason, SamplingParams
 
 VOCAB = 512  # the tiny model's
 PEER = b"api-1"
 
 
 def _core(model_dir: Path, *, prefix_caching: bool, **config: Any) -> EngineCore:
-    settings: dict[str, Any] = {
-        "model": str(model_dir),
-        "device": "cpu",
-        "dtype": "float32",
-        "max_num_seqs": 16,
-        "max_num_batched_tokens": 64,
-        "kv_cache_tokens": 8192,
-        "block_size": 16,
-        "enable_prefix_caching": prefix_caching,
-    }
-    settings.update(config)
-    return EngineCore(EngineConfig(**settings), progress=lambda _: None)
+    return small_core(model_dir, enable_prefix_caching=prefix_caching, **config)
 
 
 def _run(core: EngineCore, requests: list[AddRequest], concurrency: int) -> dict[str, list[int]]:

@@ -1,0 +1,25 @@
+"""An in-process generation engine on the tiny model, small enough for unit tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tserve.gpu._engine import EngineCore
+from tserve.protocol import EngineConfig
+
+
+def small_core(model_dir: Path, **config: Any) -> EngineCore:
+    """An :class:`EngineCore` on CPU/fp32 with a small batch and KV budget;
+    ``config`` overrides any :class:`EngineConfig` field. Blocks while it loads."""
+    settings: dict[str, Any] = {
+        "model": str(model_dir),
+        "device": "cpu",
+        "dtype": "float32",
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 64,
+        "kv_cache_tokens": 8192,
+        "block_size": 16,
+    }
+    settings.update(config)
+    return EngineCore(EngineConfig(**settings), progress=lambda _: None)

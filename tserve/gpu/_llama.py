@@ -31,7 +31,14 @@ from typing import Any, Final
 import torch
 import torch.nn.functional as F
 
-from tserve.gpu._attention import StepMetadata, paged_attention_forward
+from tserve.gpu._attention import (
+    AttentionGroup,
+    StepMetadata,
+    Tokens,
+    attend_groups,
+    paged_attention_forward,
+)
+from tserve.gpu._cpu_kernels import CpuKernels, cpu_kernels
 
 __all__ = ["PagedLlama", "unsupported_reason"]
 
@@ -86,7 +93,7 @@ class PagedLlama(torch.nn.Module):
     rope_cos: torch.Tensor  # [positions, D/2]: cos of every position's angles
     rope_sin: torch.Tensor
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, fused_kernels: bool = True) -> None:
         super().__init__()
         reason = unsupported_reason(model)
         if reason is not None:
@@ -109,6 +116,8 @@ class PagedLlama(torch.nn.Module):
         cos, sin = _rope_table(decoder.rotary_emb, config.max_position_embeddings, model)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        on_cpu = model.device.type == "cpu" and model.dtype == torch.float32
+        self.kernels: CpuKernels | None = cpu_kernels() if on_cpu and fused_kernels else None
 
     def forward(
         self,
@@ -123,6 +132,8 @@ class PagedLlama(torch.nn.Module):
         into the pool at ``step.slot_mapping``. Blocks until the device is done
         only where a result must be read back (not here).
         """
+        if self.kernels is not None:
+            return self._forward_fused(self.kernels, input_ids, positions, step, keep)
         hidden: torch.Tensor = self.embed(input_ids)  # [T, hidden]
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
@@ -137,6 +148,55 @@ class PagedLlama(torch.nn.Module):
         if keep.numel() == 0:
             return hidden.new_empty(0, self.embed.num_embeddings)
         assert residual is not None, "a decoder has at least one layer"
+        last = residual.index_select(0, keep).add_(hidden.index_select(0, keep))
+        logits: torch.Tensor = self.lm_head(_rms_norm(last, self.norm, self.eps))
+        return logits
+
+    def _forward_fused(
+        self,
+        kernels: CpuKernels,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: StepMetadata,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` with the glue between the products in fused CPU kernels
+        (``decode`` reads this layer's ``qkv``, ``k_pool`` and ``v_pool``: it runs
+        inside the layer's iteration)."""
+        tokens = input_ids.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        residual: torch.Tensor = self.embed(input_ids)  # [T, hidden]; the sums accumulate here
+        hidden: torch.Tensor | None = None
+        pool = step.pool
+
+        def decode(group: AttentionGroup, new: Tokens) -> torch.Tensor | None:
+            if group.shape[1] != 1 or group.fresh:
+                return None  # prefill chunks, and keys that are only this step's: torch
+            rows = qkv[slice(*group.packed)] if group.packed else qkv[group.q_index]
+            return kernels.paged_decode(
+                rows, heads, k_pool, v_pool, group.block_tables, group.kv_lens,
+                group.shape[2], pool.block_size, self.scaling,
+            )  # fmt: skip
+
+        for layer in self.layers:
+            assert isinstance(layer, _Layer)
+            x = kernels.add_rms_norm(residual, hidden, layer.attn_norm, self.eps)
+            qkv = layer.qkv(x)  # [T, (heads + 2 kv_heads) * D]
+            k_pool, v_pool = pool.k[layer.layer_idx], pool.v[layer.layer_idx]
+            kernels.rope_store(
+                qkv, heads, kv_heads, positions, self.rope_cos, self.rope_sin,
+                step.slot_mapping, k_pool, v_pool,
+            )  # fmt: skip
+            split = qkv.view(tokens, heads + 2 * kv_heads, dim)
+            new = Tokens(split[:, :heads], split[:, heads : heads + kv_heads], split[:, -kv_heads:])
+            out = attend_groups(step.groups, new, k_pool, v_pool, self.scaling, decode)
+            hidden = layer.o(out.reshape(tokens, heads * dim))
+            x = kernels.add_rms_norm(residual, hidden, layer.mlp_norm, self.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = layer.down(F.silu(gate).mul_(up))
+        if keep.numel() == 0:
+            return residual.new_empty(0, self.embed.num_embeddings)
+        assert hidden is not None, "a decoder has at least one layer"
         last = residual.index_select(0, keep).add_(hidden.index_select(0, keep))
         logits: torch.Tensor = self.lm_head(_rms_norm(last, self.norm, self.eps))
         return logits

@@ -1,0 +1,115 @@
+"""The fused CPU kernels against the torch code they replace (float rounding only)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tserve.gpu import _cpu_kernels
+from tserve.gpu._cpu_kernels import CpuKernels, cpu_kernels
+from tserve.gpu._llama import _rotate
+
+KERNELS = cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler for the CPU kernels")
+
+
+@pytest.fixture
+def kernels() -> CpuKernels:
+    assert KERNELS is not None
+    return KERNELS
+
+
+@pytest.mark.parametrize("dim", [16, 64, 96, 100, 576])
+def test_add_rms_norm_adds_in_place_and_normalizes(kernels: CpuKernels, dim: int) -> None:
+    torch.manual_seed(dim)
+    residual, hidden, weight = torch.randn(5, dim) * 20, torch.randn(5, dim), torch.randn(dim)
+    expected_sum = residual + hidden
+    out = kernels.add_rms_norm(residual, hidden, weight, 1e-5)
+    assert torch.equal(residual, expected_sum)  # the sum, exactly, where the residual was
+    torch.testing.assert_close(out, F.rms_norm(expected_sum, (dim,), weight, 1e-5))
+    untouched = residual.clone()
+    out = kernels.add_rms_norm(residual, None, weight, 1e-6)  # no add: the first layer
+    assert torch.equal(residual, untouched)
+    torch.testing.assert_close(out, F.rms_norm(untouched, (dim,), weight, 1e-6))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 24)])
+def test_rope_store_rotates_q_and_k_and_fills_the_pool(
+    kernels: CpuKernels, heads: int, kv_heads: int, dim: int
+) -> None:
+    torch.manual_seed(heads)
+    tokens, slots_total = 7, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    cos, sin = torch.randn(50, dim // 2), torch.randn(50, dim // 2)
+    positions = torch.randint(0, 50, (tokens,))
+    slots = torch.randperm(slots_total)[:tokens]
+    k_pool = torch.zeros(kv_heads, slots_total, dim)
+    v_pool = torch.zeros(kv_heads, slots_total, dim)
+    heads3 = qkv.view(tokens, -1, dim)
+    rotated = _rotate(heads3[:, : heads + kv_heads], cos[positions, None], sin[positions, None])
+    values = heads3[:, heads + kv_heads :].clone()
+
+    kernels.rope_store(qkv, heads, kv_heads, positions, cos, sin, slots, k_pool, v_pool)
+
+    torch.testing.assert_close(heads3[:, : heads + kv_heads], rotated)
+    torch.testing.assert_close(k_pool[:, slots].transpose(0, 1), rotated[:, heads:])
+    assert torch.equal(v_pool[:, slots].transpose(0, 1), values)
+    others = torch.ones(slots_total, dtype=torch.bool)
+    others[slots] = False
+    assert not k_pool[:, others].any() and not v_pool[:, others].any()  # no other slot written
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 40)])
+def test_paged_decode_matches_attention_over_gathered_keys(
+    kernels: CpuKernels, heads: int, kv_heads: int, dim: int
+) -> None:
+    torch.manual_seed(dim)
+    block_size, blocks = 4, 64
+    lens = torch.tensor([1, 4, 5, 17, 33, 2])  # one key, block edges, several blocks
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(blocks)[:width] for _ in lens])
+    k_pool = torch.randn(kv_heads, blocks * block_size, dim) * 3
+    v_pool = torch.randn(kv_heads, blocks * block_size, dim)
+    q = torch.randn(len(lens), (heads + 2 * kv_heads) * dim)  # rows of a qkv product
+    scale = 1 / math.sqrt(dim)
+
+    out = kernels.paged_decode(
+        q, heads, k_pool, v_pool, tables, lens, int(lens.max()), block_size, scale
+    )
+
+    for b, length in enumerate(lens.tolist()):
+        slots = torch.tensor(
+            [int(tables[b, p // block_size]) * block_size + p % block_size for p in range(length)]
+        )
+        keys = k_pool[:, slots].repeat_interleave(heads // kv_heads, 0)  # [heads, len, D]
+        values = v_pool[:, slots].repeat_interleave(heads // kv_heads, 0)
+        query = q[b, : heads * dim].view(heads, 1, dim)
+        expected = torch.softmax(query @ keys.transpose(1, 2) * scale, dim=-1) @ values
+        torch.testing.assert_close(out[b], expected[:, 0])
+
+
+def test_without_a_compiler_the_kernels_are_absent_not_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built here yet
+    cpu_kernels.cache_clear()
+    try:
+        assert cpu_kernels() is None
+    finally:
+        cpu_kernels.cache_clear()
+    assert not list(tmp_path.glob("tserve/kernels/*.so"))
+
+
+def test_a_build_is_cached_under_a_name_of_the_source_and_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = _cpu_kernels._build()
+    assert first.parent == tmp_path / "tserve" / "kernels"
+    assert _cpu_kernels._build() == first  # found, not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no scratch file left

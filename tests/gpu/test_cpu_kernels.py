@@ -37,6 +37,15 @@ def test_add_rms_norm_adds_in_place_and_normalizes(kernels: CpuKernels, dim: int
     torch.testing.assert_close(out, F.rms_norm(untouched, (dim,), weight, 1e-6))
 
 
+@pytest.mark.parametrize("inter", [96, 1536, 37])
+def test_silu_mul_is_the_mlp_activation(kernels: CpuKernels, inter: int) -> None:
+    torch.manual_seed(inter)
+    gate_up = torch.randn(6, 2 * inter) * 8  # well into both tails of silu
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 24)])
 def test_rope_store_rotates_q_and_k_and_fills_the_pool(
     kernels: CpuKernels, heads: int, kv_heads: int, dim: int

@@ -46,6 +46,22 @@ static void exp_nonpositive(float *x, int64_t n) {
     }
 }
 
+/* out[r, i] = silu(gate) * up for gate_up rows [gate (inter) | up (inter)]:
+ * silu(g) = g / (1 + e^-g), written with e = exp(-|g|) so exp sees only x <= 0. */
+void tserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out,
+                     float *scratch) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) scratch[i] = -fabsf(gate[i]);
+        exp_nonpositive(scratch, inter);
+        for (int64_t i = 0; i < inter; i++) {
+            float e = scratch[i], g = gate[i];
+            o[i] = (g >= 0.0f ? g : g * e) / (1.0f + e) * up[i];
+        }
+    }
+}
+
 /* residual += hidden (when add), then out = RMSNorm(residual) * weight, row by row. */
 void tserve_add_rms_norm(float *residual, const float *hidden, const float *weight, float *out,
                          int64_t rows, int64_t dim, float eps, int add) {

@@ -192,8 +192,7 @@ class PagedLlama(torch.nn.Module):
             out = attend_groups(step.groups, new, k_pool, v_pool, self.scaling, decode)
             hidden = layer.o(out.reshape(tokens, heads * dim))
             x = kernels.add_rms_norm(residual, hidden, layer.mlp_norm, self.eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = layer.down(F.silu(gate).mul_(up))
+            hidden = layer.down(kernels.silu_mul(layer.gate_up(x)))
         if keep.numel() == 0:
             return residual.new_empty(0, self.embed.num_embeddings)
         assert hidden is not None, "a decoder has at least one layer"

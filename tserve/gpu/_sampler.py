@@ -108,7 +108,9 @@ class Sampler:
         results: list[SampleResult | None] = [None] * len(seqs)
         ok: list[int] = []
         with torch.inference_mode():
-            finite = _usable_rows(logits)
+            # One pass gives both: each row's max (NaN and +inf propagate) and its argmax.
+            top, argmax = logits.max(dim=-1)
+            finite = torch.isfinite(top).tolist()
             for i, seq in enumerate(seqs):
                 problem = _check(seq.params, logits.shape[1], finite[i])
                 if problem is None:
@@ -116,10 +118,10 @@ class Sampler:
                 else:
                     results[i] = _failed(seq, problem)
             try:
-                batches = [self._batch(logits, seqs, ok)]
+                batches = [self._batch(logits, argmax, seqs, ok)]
             except Exception:
                 log.exception("batched sampling failed; isolating the failing request")
-                batches = self._one_by_one(logits, seqs, ok, results)
+                batches = self._one_by_one(logits, argmax, seqs, ok, results)
             for batch in batches:
                 for row in batch.rows:
                     results[row] = self._finish(batch, row, seqs[row])
@@ -128,6 +130,7 @@ class Sampler:
     def _one_by_one(
         self,
         logits: torch.Tensor,
+        argmax: torch.Tensor,
         seqs: SequenceOf[Sequence],
         rows: list[int],
         results: list[SampleResult | None],
@@ -135,13 +138,20 @@ class Sampler:
         batches = []
         for row in rows:
             try:
-                batches.append(self._batch(logits, seqs, [row]))
+                batches.append(self._batch(logits, argmax, seqs, [row]))
             except Exception as exc:
                 results[row] = _failed(seqs[row], _describe(exc), exc)
         return batches
 
-    def _batch(self, logits: torch.Tensor, seqs: SequenceOf[Sequence], rows: list[int]) -> _Batch:
-        """Step 2 over ``rows``: everything that vectorises."""
+    def _batch(
+        self,
+        logits: torch.Tensor,
+        argmax: torch.Tensor,
+        seqs: SequenceOf[Sequence],
+        rows: list[int],
+    ) -> _Batch:
+        """Step 2 over ``rows``: everything that vectorises. ``argmax [N]`` is each
+        row's argmax of ``logits``."""
         params = [seqs[i].params for i in rows]
         # ``rows`` is increasing: all of them means the whole tensor, no copy.
         raw = logits if len(rows) == logits.shape[0] else logits[rows]
@@ -151,7 +161,9 @@ class Sampler:
         if want_lp:
             lp = torch.log_softmax(raw[want_lp], dim=-1)
             logprobs = {rows[j]: lp[k] for k, j in enumerate(want_lp)}
-        greedy = dict(zip(rows, processed.argmax(dim=-1).tolist(), strict=True))
+        # Without penalties the rows' argmax is the one sample() took with the max.
+        best = argmax[rows] if processed is raw else processed.argmax(dim=-1)
+        greedy = dict(zip(rows, best.tolist(), strict=True))
         sampled = [j for j, p in enumerate(params) if not _is_greedy(p)]
         candidates: dict[int, _Candidates] = {}
         if sampled:
@@ -201,11 +213,6 @@ class Sampler:
 
 def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_BELOW or params.top_k == 1
-
-
-def _usable_rows(logits: torch.Tensor) -> list[bool]:
-    """Rows with no NaN or +inf and at least one finite logit (max propagates NaN)."""
-    return [bool(x) for x in torch.isfinite(logits.amax(dim=-1)).tolist()]
 
 
 def _check(params: SamplingParams, vocab: int, finite: bool) -> str | None:

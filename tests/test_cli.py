@@ -10,13 +10,25 @@ import pytest
 from tserve.__main__ import main, parse_args
 
 
-def test_help_lists_serve_and_bench(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert "{serve,bench}" in out
+    assert "{serve,engine,keys,bench}" in out
     assert "serve a model" in out and "benchmark a running server" in out
+    assert "serve one engine at an address" in out and "CURVE keys" in out
+
+
+def test_engine_and_serve_share_the_engine_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One declaration, the same names and environment variables for both."""
+    monkeypatch.setenv("TSERVE_THREADS", "4")
+    engine = parse_args(["engine", "default", "--bind", "tcp://0.0.0.0:5555", "--dtype", "bf16"])
+    serve = parse_args(["serve", "--dtype", "bf16"])
+    assert (engine.threads, engine.dtype) == (serve.threads, serve.dtype) == (4, "bf16")
+    shared = {"max_num_seqs", "kv_cache_tokens", "no_prefix_caching", "cache_dir", "keys"}
+    assert shared <= vars(engine).keys() & vars(serve).keys()
+    assert engine.heartbeat_interval == serve.heartbeat_interval == 0.5
 
 
 def test_help_does_not_import_the_benchmark() -> None:

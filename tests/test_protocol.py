@@ -12,6 +12,7 @@ from tserve import protocol as p
 
 MESSAGES: list[p.Message] = [
     p.Hello(pid=123),
+    p.Hello(pid=124, tokenizer=True),
     p.EngineInput(),
     p.EngineInput(
         adds=[
@@ -60,6 +61,10 @@ MESSAGES: list[p.Message] = [
     p.Heartbeat(p.EngineStats(aborts_received=4)),
     p.Heartbeat(p.EngineStats(steps=2, prefix_cache_queries=1500, prefix_cache_hits=1488)),
     p.EngineDead("CUDA error: device-side assert"),
+    p.TokenizerBundle({}),
+    p.TokenizerBundle(
+        {"tokenizer.json": b'{"model": {}}', "additional_chat_templates/tool_use.jinja": b"{{ x }}"}
+    ),
 ]
 
 
@@ -140,3 +145,29 @@ def test_engine_config_task_is_checked_on_decode() -> None:
     assert msgspec.json.decode(b'{"task": "embed"}', type=p.EngineConfig).task == "embed"
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(b'{"task": "rerank"}', type=p.EngineConfig)
+
+
+def test_a_hello_from_before_the_tokenizer_flag_still_decodes() -> None:
+    hello = p.decode(bytes([p.Kind.HELLO]) + msgspec.msgpack.encode([7]))
+    assert hello == p.Hello(7, tokenizer=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "allowed"),
+    [
+        ("tokenizer.json", True),
+        ("generation_config.json", True),
+        ("additional_chat_templates/tool_use.jinja", True),
+        ("model.safetensors", False),
+        ("../tokenizer.json", False),
+        ("/etc/passwd", False),
+        ("additional_chat_templates/../../x.jinja", False),
+        ("additional_chat_templates/.hidden.jinja", False),
+        ("additional_chat_templates/a\\b.jinja", False),
+        ("additional_chat_templates/notes.txt", False),
+        ("additional_chat_templates/sub/x.jinja", False),
+    ],
+)
+def test_a_tokenizer_bundle_names_only_tokenizer_files(name: str, allowed: bool) -> None:
+    """The receiver writes a bundle's files into a directory: no other name may reach it."""
+    assert p.tokenizer_file_allowed(name) is allowed

@@ -17,16 +17,17 @@ MAX_LINES = 400
 
 # Which packages each package may import (besides the standard library,
 # third-party code, and its own modules). STYLE.md: web → nursery → mux →
-# protocol ← gpu; the leaves (protocol, validity, _host) import no package.
+# protocol ← gpu; the leaves (protocol, validity, _host, _curve) import no package.
 LAYERS: dict[str, set[str]] = {
-    "web": {"nursery", "mux", "protocol", "validity", "_host"},
-    "nursery": {"mux", "protocol", "validity", "_host"},
-    "mux": {"protocol", "validity", "_host"},
-    "gpu": {"protocol", "validity", "_host"},
+    "web": {"nursery", "mux", "protocol", "validity", "_host", "_curve"},
+    "nursery": {"mux", "protocol", "validity", "_host", "_curve"},
+    "mux": {"protocol", "validity", "_host", "_curve"},
+    "gpu": {"protocol", "validity", "_host", "_curve"},
     "bench": {"_host"},
     "protocol": set(),
     "validity": {"protocol"},
     "_host": set(),
+    "_curve": set(),
 }
 
 

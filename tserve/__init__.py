@@ -8,8 +8,10 @@ Packages (imports run ``web → nursery → mux → protocol ← gpu``):
 ``web`` (the HTTP server), ``nursery`` (the request lifecycle and the
 embeddable API), ``mux`` (the one socket to the engine), ``gpu`` (the engine
 process), ``bench`` (``python -m tserve bench``). Modules beside them:
-``__main__`` (the command line), ``protocol`` (the wire), ``validity`` (the
-one rule for a valid request), ``_host`` (fd limit, pid probe, log format),
+``__main__`` (the commands: serve, engine, keys, bench), ``_options`` (their
+options and environment defaults), ``protocol`` (the wire), ``validity``
+(the one rule for a valid request), ``_host`` (fd limit, pid probe, log
+format), ``_curve`` (the CURVE key files of an engine on the network),
 ``_metrics_dir`` (the API processes' shared metrics directory).
 """
 

@@ -13,9 +13,10 @@ Framing rules:
 * API process -> engine: :class:`Hello` once (the ROUTER learns a peer only
   from a message it receives), then :class:`EngineInput` frames, each holding
   every add and abort the mux had pending, and finally :class:`Shutdown`.
-* Engine -> API process: :class:`EngineReady` in answer to ``Hello``, then one
-  :class:`StepOutputs` per engine step that produced anything for that peer,
-  :class:`Heartbeat` while idle, and :class:`EngineDead` before a fatal exit.
+* Engine -> API process: :class:`EngineReady` (and :class:`TokenizerBundle`)
+  in answer to ``Hello``, then one :class:`StepOutputs` per engine step that
+  produced anything for that peer, :class:`Heartbeat` while idle, and
+  :class:`EngineDead` before it exits on a fatal error or a stop signal.
 * Within one :class:`EngineInput`, adds are applied before aborts, so an abort
   for a request added in the same frame still takes effect.
 * The structs that stream at high rates (outputs, stats, logprobs) are not
@@ -33,6 +34,7 @@ from typing import Final, Literal, TypeAlias
 import msgspec
 
 __all__ = [
+    "TOKENIZER_FILES",
     "AddRequest",
     "EngineConfig",
     "EngineDead",
@@ -50,9 +52,11 @@ __all__ = [
     "Shutdown",
     "StepOutputs",
     "TokenLogprob",
+    "TokenizerBundle",
     "decode",
     "encode",
     "merge_outputs",
+    "tokenizer_file_allowed",
 ]
 
 
@@ -70,6 +74,7 @@ class Kind(enum.IntEnum):
     STEP = 17
     HEARTBEAT = 18
     DEAD = 19
+    TOKENIZER = 20
 
 
 class FinishReason(enum.IntEnum):
@@ -85,12 +90,7 @@ class FinishReason(enum.IntEnum):
         return _OPENAI_FINISH[self]
 
 
-_OPENAI_FINISH: Final = {
-    FinishReason.STOP: "stop",
-    FinishReason.LENGTH: "length",
-    FinishReason.ABORT: "abort",
-    FinishReason.ERROR: "error",
-}
+_OPENAI_FINISH: Final = {reason: reason.name.lower() for reason in FinishReason}
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -141,40 +141,35 @@ ModelImpl: TypeAlias = Literal["auto", "hf"]
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to start an engine process; handed to it as JSON on its command line.
 
-    ``model`` is a local model directory, or "default" for the bundled
-    SmolLM2-135M-Instruct. ``kv_cache_tokens`` is the KV budget in tokens
-    shared by all running requests; ``max_model_len`` None = the model's own
-    context length (capped by the KV budget). ``threads`` is torch's CPU thread
-    count. ``device``/``dtype`` "auto" = CUDA with bf16 when present, else CPU
-    with fp32. ``cpu_gemm`` picks the library behind linear layers on CPU:
-    "auto" measures, per layer shape and row count, whether the BLAS or
-    prepacked oneDNN is faster; "blas" and "onednn" force one.
-    ``enable_prefix_caching`` keeps the K/V of full blocks of tokens after
-    their request ends and lets a request whose prompt starts with the same
-    tokens share them instead of computing them again.
+    ``model``: a local model directory, or "default" (SmolLM2-135M-Instruct).
+    ``kv_cache_tokens``: the KV budget in tokens, shared by all running
+    requests; ``max_model_len`` None = the model's own (capped by the KV
+    budget). ``threads``: torch's CPU threads. ``device``/``dtype`` "auto" =
+    CUDA with bf16 when present, else CPU with fp32. ``cpu_gemm``: the library
+    behind linear layers on CPU ("auto" measures BLAS against prepacked
+    oneDNN per layer shape and row count; "blas", "onednn" force one).
+    ``enable_prefix_caching`` keeps the K/V of full blocks after their request
+    ends, for a later prompt that starts with the same tokens.
     ``max_decode_slowdown``: while requests decode, a step that also runs
-    prompt tokens may cost at most this many times a decode-only step (in
-    the scheduler's token cost model), so streams never stall behind a long
-    prompt; 0 = no bound (``max_num_batched_tokens`` every step).
-    ``model_impl`` "auto" runs Llama-family models (Llama, Mistral, Qwen2) on
-    tserve's own forward pass and every other on its transformers modules;
-    "hf" runs every model on its transformers modules.
+    prompt tokens may cost at most this many times a decode-only step (the
+    scheduler's token cost model), so streams never stall behind a long
+    prompt; 0 = no bound. ``model_impl`` "auto": tserve's own forward pass for
+    Llama-family models (Llama, Mistral, Qwen2), transformers' for others;
+    "hf": transformers' for all. ``heartbeat_interval``: every peer hears from
+    the engine at least this often; on a network bind it is also the period
+    of the ZMTP heartbeats (``tserve.gpu._bind``).
 
-    ``task`` "embed" makes an embedding engine instead (``tserve.gpu._embed_core``):
-    ``model`` is then a local encoder directory, or "default" for the packaged
-    all-MiniLM-L6-v2; ``max_model_len`` None = the encoder's own maximum (256
-    for MiniLM); ``max_num_seqs`` and ``max_num_batched_tokens`` bound one
-    forward pass (inputs, and padded tokens); the KV fields are unused, and
-    ``dtype`` "auto" is fp32 on every device.
+    ``task`` "embed" makes an embedding engine (``tserve.gpu._embed_core``):
+    ``model`` is a local encoder directory or "default" (all-MiniLM-L6-v2);
+    ``max_model_len`` None = the encoder's maximum (256 for MiniLM);
+    ``max_num_seqs`` and ``max_num_batched_tokens`` bound one forward pass
+    (inputs, padded tokens); the KV fields are unused; ``dtype`` "auto" is fp32.
 
-    ``engine_kind`` "echo" runs no model at all (``tserve.gpu._echo_core``), to
-    measure the frontend alone: ``model`` is only where the API process's
-    tokenizer comes from (no weights are loaded); each step, every one of up
-    to ``max_num_seqs`` requests gets one token, echoing its prompt, and a
-    step takes ``echo_step_time`` seconds. ``max_tokens``, stop token ids,
-    deadlines and aborts are honoured as by the real engine; EOS is never
-    echoed, so a request gets exactly ``max_tokens`` tokens unless a stop
-    token id or the context length ends it first.
+    ``engine_kind`` "echo" runs no model (``tserve.gpu._echo_core``), to
+    measure the frontend alone: ``model`` only gives the API its tokenizer;
+    each step of ``echo_step_time`` s gives each of up to ``max_num_seqs``
+    requests one token echoing its prompt. ``max_tokens``, stop token ids,
+    deadlines and aborts work as in the real engine; EOS is never echoed.
     """
 
     model: str = "default"
@@ -198,9 +193,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
-    """First message of an API process; the engine answers with EngineReady."""
+    """First message of an API process; the engine answers with EngineReady, and then
+    with a :class:`TokenizerBundle` if ``tokenizer`` (trailing: old frames decode)."""
 
     pid: int
+    tokenizer: bool = False
 
 
 class EngineInput(msgspec.Struct, array_like=True, frozen=True):
@@ -214,7 +211,7 @@ class EngineInput(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True):
-    """Ask the engine to stop: it aborts everything and exits 0."""
+    """Ask the engine to stop: it aborts everything and exits 0 (``tserve engine``: ignored)."""
 
     reason: str = ""
 
@@ -298,14 +295,12 @@ class StepOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class EngineReady(msgspec.Struct, array_like=True, frozen=True):
     """The model is loaded and the engine takes requests.
 
-    ``model_path`` is the local directory the engine loaded, so the API
-    process loads the same tokenizer. ``task`` is the engine's
-    ``EngineConfig.task``; an embedding engine also says ``embedding_dim``
-    (0 for a generation engine), and its ``max_model_len`` is the longest
-    input it takes. ``kv_block_size`` is the tokens in one KV block (0 for
-    an engine without a KV cache), so ``kv_tokens_total // kv_block_size``
-    blocks make the cache. The last three fields are trailing and defaulted,
-    so a frame from before them still decodes.
+    ``model_path``: the directory the engine loaded, where an API process on
+    its host reads the same tokenizer. ``task``: ``EngineConfig.task``; an
+    embedding engine says ``embedding_dim`` (else 0), and its
+    ``max_model_len`` is its longest input. ``kv_block_size``: tokens in one
+    KV block (0 without a KV cache). The last three are trailing and
+    defaulted, so older frames decode.
     """
 
     model: str
@@ -329,14 +324,41 @@ class Heartbeat(msgspec.Struct, array_like=True, frozen=True):
 
 
 class EngineDead(msgspec.Struct, array_like=True, frozen=True):
-    """The engine hit an unrecoverable error and is about to exit non-zero."""
+    """The engine is about to exit: a fatal error, or a ``tserve engine`` stopped."""
 
     reason: str
 
 
+TOKENIZER_FILES: Final = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+CHAT_TEMPLATES_DIR: Final = "additional_chat_templates"  # of <name>.jinja files
+
+
+def tokenizer_file_allowed(name: str) -> bool:
+    """Whether a :class:`TokenizerBundle` may hold ``name`` (its receiver writes no
+    other): one of TOKENIZER_FILES (what ``tserve.nursery._tokenizer_files`` reads), or
+    a plain ``*.jinja`` name in CHAT_TEMPLATES_DIR."""
+    folder, _, file = name.partition("/")
+    if folder == CHAT_TEMPLATES_DIR:
+        return file.endswith(".jinja") and file[:1] != "." and not {"/", "\\"} & set(file)
+    return name in TOKENIZER_FILES
+
+
+class TokenizerBundle(msgspec.Struct, array_like=True, frozen=True):
+    """Answers ``Hello(tokenizer=True)``: the tokenizer files the model directory
+    has, relative path -> contents (allowed names only; a few MB)."""
+
+    files: dict[str, bytes]
+
+
 Message: TypeAlias = (
     Hello | EngineInput | Shutdown | EngineReady | StepOutputs | Heartbeat | EngineDead
-)
+) | TokenizerBundle
 
 _KIND_OF: Final[dict[type[Message], Kind]] = {
     Hello: Kind.HELLO,
@@ -346,6 +368,7 @@ _KIND_OF: Final[dict[type[Message], Kind]] = {
     StepOutputs: Kind.STEP,
     Heartbeat: Kind.HEARTBEAT,
     EngineDead: Kind.DEAD,
+    TokenizerBundle: Kind.TOKENIZER,
 }
 _DECODERS: Final[dict[int, msgspec.msgpack.Decoder[Message]]] = {
     kind: msgspec.msgpack.Decoder(cls) for cls, kind in _KIND_OF.items()

@@ -4,7 +4,8 @@ Run it as ``python -m tests.mux.fake_engine ADDRESS [options]`` or, from a
 test, with :func:`run_fake_engine`. It binds a ROUTER with ROUTER_MANDATORY at
 ADDRESS and then, like the real engine:
 
-* answers ``Hello`` with ``EngineReady``;
+* answers ``Hello`` with ``EngineReady`` (and an empty ``TokenizerBundle``
+  when the Hello asks for one);
 * answers each ``AddRequest`` with exactly ``params.max_tokens`` tokens --
   token i is ``prompt_token_ids[0] + i`` (``i`` for an empty prompt) -- spread
   over steps of ``--tokens-per-step`` tokens, the last output carrying
@@ -112,6 +113,8 @@ class FakeEngine:
             if isinstance(message, p.Hello):
                 self.peers.add(peer)
                 self._send(peer, self._ready())
+                if message.tokenizer:
+                    self._send(peer, p.TokenizerBundle({}))
             elif isinstance(message, p.EngineInput):
                 for add in message.adds:
                     first = add.prompt_token_ids[0] if add.prompt_token_ids else 0

@@ -4,11 +4,16 @@
 Modules:
 
 * ``__main__.py`` — the process's entry point (``python -m tserve.gpu``).
-* ``_process.py`` — the ROUTER socket and the numbered step loop around a core;
-  parent watching, shutdown, engine death.
+* ``_process.py`` — the numbered step loop around a core: shutdown, engine
+  death, dropping the requests of a peer that is gone.
+* ``_bind.py`` — the ROUTER socket: its bounds; on a network address, ZMTP
+  heartbeats and CURVE with pyzmq's ZAP authenticator.
+* ``_lifeline.py`` — why an engine stops on its own: its parent gone (started
+  by an API process) or SIGTERM/SIGINT (``tserve engine``), also mid-load.
 * ``_outbox.py`` — per-peer output that never blocks a step (coalesces at HWM).
 * ``_core.py`` — the :class:`Core` protocol the loop drives, and the
-  bookkeeping every core shares: aborts, counters, the test-only forward fault.
+  bookkeeping every core shares: aborts, counters, the test-only forward
+  fault; the tokenizer files sent to an API process on another host.
 * ``_engine.py`` — :class:`EngineCore`, generation: scheduler + model runner +
   sampler, one forward pass per step; ``resolve_device``.
 * ``_embed_core.py`` — :class:`EmbedCore`, embeddings: batched encoder passes,

@@ -1,7 +1,9 @@
 """What the engine process's loop drives: the :class:`Core` protocol and the
 bookkeeping every core shares (:class:`CoreBookkeeping`: counters, pending
 outputs, aborts, ``ready_info``, the fault hook; :class:`PeerKeyedBookkeeping`
-adds the live-request table of the cores without a scheduler). No torch.
+adds the live-request table of the cores without a scheduler), and the
+tokenizer files that answer a Hello from another host
+(:func:`tokenizer_bundle`). No torch.
 
 A core is the step loop of one engine kind, in process and without sockets:
 ``_engine.py`` (generation), ``_embed_core.py`` (embeddings) and
@@ -42,12 +44,16 @@ from pathlib import Path
 from typing import Final, Generic, Protocol, TypeVar
 
 from tserve.protocol import (
+    CHAT_TEMPLATES_DIR,
+    TOKENIZER_FILES,
     AddRequest,
     EngineConfig,
     EngineReady,
     EngineStats,
     FinishReason,
     RequestOutput,
+    TokenizerBundle,
+    tokenizer_file_allowed,
 )
 
 __all__ = [
@@ -58,6 +64,7 @@ __all__ = [
     "LiveRequest",
     "PeerKeyedBookkeeping",
     "PeerOutput",
+    "tokenizer_bundle",
 ]
 
 log = logging.getLogger(__name__)
@@ -270,6 +277,18 @@ class PeerKeyedBookkeeping(CoreBookkeeping[R]):
         self._end_aborted(
             [r for r in self._requests.values() if r.deadline is not None and r.deadline < now]
         )
+
+
+def tokenizer_bundle(directory: Path) -> TokenizerBundle:
+    """The tokenizer files ``directory`` (the model a core loaded) has, for an API
+    process on another host (``Hello(tokenizer=True)``). Blocking file IO: a
+    few MB, once per API process."""
+    names = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+    templates = directory / CHAT_TEMPLATES_DIR
+    if templates.is_dir():
+        names += [f"{CHAT_TEMPLATES_DIR}/{path.name}" for path in sorted(templates.glob("*.jinja"))]
+    allowed = (name for name in names if tokenizer_file_allowed(name))
+    return TokenizerBundle({name: (directory / name).read_bytes() for name in allowed})
 
 
 def _fault_step_from_env() -> int | None:

@@ -5,40 +5,43 @@ same wire).
 
 Plain blocking pyzmq; no trio, anyio or quart. The main loop, in steps:
 
-1. drain the inbox (hellos, adds, aborts, shutdown): wait at most one
-   heartbeat interval when idle, not at all when work is running;
+1. drain the inbox (hellos, adds, aborts, shutdown): wait at most one tick
+   when idle, not at all when work is running;
 2.-5. ``core.step()``: schedule, run the model, sample, update;
 6. send ONE StepOutputs frame per API peer holding every request's new tokens,
-   and a Heartbeat to each peer that heard nothing for an interval; never
-   blocking on a slow peer (the :class:`Outbox` coalesces).
+   and a Heartbeat to each peer that heard nothing for a tick; never
+   blocking on a slow peer (the :class:`Outbox` coalesces). A peer found gone
+   (EHOSTUNREACH) has its requests aborted.
 
-The process exits 0 on Shutdown (after sending every live request's final
-ABORT output), and also when its parent (the API process that started it) is
-gone: it checks on every iteration, so it notices within one heartbeat
-interval or one step (while the model loads, a watcher thread checks every
-heartbeat interval and interrupts the load). Any exception out of the batch (the model, the device)
-is fatal: every peer gets EngineDead with the reason and the process exits 1.
-Errors that concern one request never get here; the core ends that request
-alone.
+A tick is the heartbeat interval, or half of it for ``tserve engine``, whose
+heartbeats also probe whether a peer is still there (``_bind.py``).
+
+The process stops cleanly when told (exit 0, after every live request's
+final ABORT output): by Shutdown from the API process that started it, or,
+for ``tserve engine``, by SIGTERM/SIGINT, after which each peer also gets
+EngineDead saying so. It also exits 0 when the API process that started it
+is gone (``_lifeline.py``: checked every iteration, and while the model
+loads). Any exception out of the batch (the model, the device) is fatal:
+every peer gets EngineDead with the reason and the process exits 1. Errors
+that concern one request never get here; the core ends that request alone.
 """
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import ctypes
 import logging
-import os
-import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import zmq
 
-from tserve._host import pid_alive
-from tserve.gpu._core import Core
+from tserve._curve import ServerKeys
+from tserve.gpu._bind import bind_engine_socket
+from tserve.gpu._core import Core, tokenizer_bundle
+from tserve.gpu._lifeline import Lifeline, ParentLifeline, SignalLifeline, Stopped
 from tserve.gpu._outbox import Outbox
 from tserve.protocol import (
     EngineConfig,
@@ -54,13 +57,8 @@ __all__ = ["run_engine"]
 
 log = logging.getLogger("tserve.engine")
 
-# Bounds of the engine's socket, in frames. At SNDHWM a send raises zmq.Again
-# and the Outbox coalesces (see _outbox.py); at RCVHWM ZMQ stops reading from
-# the peer and the peer's own send waits: nothing is dropped either way.
-SNDHWM = 1000
-RCVHWM = 1000
 # Frames applied per drain while work is running, so that a flood of input
-# cannot hold off the next step; the rest wait in the socket (RCVHWM above).
+# cannot hold off the next step; the rest wait in the socket (RCVHWM, _bind.py).
 MAX_FRAMES_PER_DRAIN = 256
 # How long an idle loop waits when only a slow peer's backlog is left: it
 # retries the flush this often instead of spinning.
@@ -76,44 +74,55 @@ DEAD_SEND_TIMEOUT = 1.0
 # freed heap kept, 24 s, system time 0.
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
 MALLOC_TRIM_THRESHOLD = 1 << 30
-# How long a load whose parent is gone may take to unwind before the process
-# just ends (a main thread stuck in a C call never sees the interrupt).
-LOAD_EXIT_GRACE = 5.0
 
 
 class _Stop(Exception):
-    """Leave the main loop cleanly (Shutdown received)."""
+    """Leave the main loop cleanly (Shutdown received, or a stop signal)."""
 
 
-def run_engine(config: EngineConfig, address: str, parent_pid: int) -> int:
-    """Serve ``address`` until told to stop; returns the process exit code."""
-    # Ctrl-C in a terminal reaches the whole process group; the API process
-    # decides what happens and tells us with Shutdown.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def run_engine(
+    config: EngineConfig,
+    address: str,
+    parent_pid: int | None,
+    *,
+    keys: ServerKeys | None = None,
+    on_bound: Callable[[str], None] | None = None,
+) -> int:
+    """Serve ``address`` until told to stop; returns the process exit code.
+
+    ``parent_pid``: the API process that started this engine, which it
+    outlives by at most a heartbeat interval; None for ``tserve engine``,
+    which runs until SIGTERM/SIGINT (``_lifeline.py``) and watches its peers
+    by heartbeats. ``keys``: CURVE (``_bind.py``). ``on_bound`` is called
+    with the bound endpoint (the real port of ``tcp://host:*``) before the
+    model loads.
+    """
+    interval = config.heartbeat_interval
+    lifeline: Lifeline = (
+        SignalLifeline() if parent_pid is None else ParentLifeline(parent_pid, interval)
+    )
+    # tserve engine's peers are known by their connections alone (_bind.py).
+    beats = interval if lifeline.standalone else None
+    tick = interval / 2 if lifeline.standalone else interval
     _keep_freed_heap()
-    parent_alive = _parent_watch(parent_pid)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.SNDHWM, SNDHWM)
-    sock.setsockopt(zmq.RCVHWM, RCVHWM)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.bind(address)
-    outbox = Outbox(sock)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        try:
-            core = _load(config, parent_alive)
-        except Exception as exc:
-            log.exception("engine failed to start")
-            _report_death(sock, outbox, f"engine failed to start: {exc}", wait_for_peers=True)
-            return 1
-        if core is None:
-            return 0
-        return _serve(core, sock, outbox, config.heartbeat_interval, parent_alive)
-    except _ParentGone:  # the watcher's interrupt landed just after loading finished
+        with bind_engine_socket(ctx, address, heartbeat_interval=beats, keys=keys) as sock:
+            if on_bound is not None:
+                on_bound(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            outbox = Outbox(sock)
+            try:
+                core = lifeline.load(lambda: _build_core(config))
+            except Exception as exc:
+                log.exception("engine failed to start")
+                _report_death(sock, outbox, f"engine failed to start: {exc}", wait_for_peers=True)
+                return 1
+            if core is None:
+                return 0
+            return _serve(core, sock, outbox, tick, lifeline)
+    except Stopped:  # a stop that landed just after loading finished
         return 0
     finally:
-        sock.close()
         ctx.term()
 
 
@@ -128,49 +137,6 @@ def _keep_freed_heap() -> None:
     ok = mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
     if not (ok and mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD)):
         log.warning("mallopt refused the heap settings; the engine may spend time in page faults")
-
-
-class _ParentGone(BaseException):
-    """Raised in the main thread while the model loads, when the parent is gone.
-
-    A BaseException so that no ``except Exception`` in loading code stops it.
-    """
-
-
-def _load(config: EngineConfig, parent_alive: Callable[[], bool]) -> Core | None:
-    """Build the core; None when the parent went away meanwhile.
-
-    Loading can take long (the first conversion of the default model, a large
-    model, a slow disk). A watcher thread checks the parent every heartbeat
-    interval; when it is gone it interrupts the main thread, which unwinds
-    (a half-written conversion is removed on the way), and should the main
-    thread be stuck in a call that cannot be interrupted, it ends the process
-    after :data:`LOAD_EXIT_GRACE` seconds.
-    """
-    loaded = threading.Event()
-
-    def watch() -> None:
-        while not loaded.wait(config.heartbeat_interval):
-            if not parent_alive():
-                log.warning("the API process that started the engine is gone; engine exits")
-                _thread.interrupt_main(signal.SIGINT)
-                if not loaded.wait(LOAD_EXIT_GRACE):
-                    os._exit(0)
-                return
-
-    def interrupted(signum: int, frame: object) -> None:
-        if not parent_alive():  # the watcher's interrupt, not a stray SIGINT
-            raise _ParentGone
-
-    previous = signal.signal(signal.SIGINT, interrupted)
-    threading.Thread(target=watch, name="tserve-parent-watch", daemon=True).start()
-    try:
-        return _build_core(config)
-    except _ParentGone:
-        return None
-    finally:
-        loaded.set()
-        signal.signal(signal.SIGINT, previous)
 
 
 def _build_core(config: EngineConfig) -> Core:
@@ -189,33 +155,31 @@ def _build_core(config: EngineConfig) -> Core:
 
 
 def _serve(
-    core: Core,
-    sock: zmq.Socket[bytes],
-    outbox: Outbox,
-    interval: float,
-    parent_alive: Callable[[], bool],
+    core: Core, sock: zmq.Socket[bytes], outbox: Outbox, tick: float, lifeline: Lifeline
 ) -> int:
     try:
         while True:
-            if core.has_work:
-                timeout = 0.0
-            else:
-                timeout = min(interval, BACKLOG_RETRY) if outbox.pending else interval
-            _drain_inbox(core, sock, outbox, timeout)  # 1
-            if not parent_alive():
-                log.warning("the API process that started the engine is gone; engine exits")
-                return 0
+            idle = min(tick, BACKLOG_RETRY) if outbox.pending else tick
+            timeout = 0.0 if core.has_work else idle
+            _drain_inbox(core, sock, outbox, timeout, lifeline.standalone)  # 1
+            if (reason := lifeline.stop_reason()) is not None:
+                if not lifeline.standalone:  # the API process is gone: nobody to tell
+                    log.warning("%s; engine exits", reason)
+                    return 0
+                raise _Stop(reason)
             if core.has_work:
                 for peer, output in core.step():  # 2-5
                     outbox.queue(peer, output)
             if outbox.pending:  # 6
                 _forget_peers(core, outbox.flush(core.stats()))
-            _forget_peers(core, outbox.heartbeat(core.stats(), interval))
-    except _Stop:
+            _forget_peers(core, outbox.heartbeat(core.stats(), tick))
+    except _Stop as stop:
         core.abort_all()
         for peer, output in core.step():
             outbox.queue(peer, output)
         outbox.flush(core.stats())
+        if lifeline.standalone:  # its peers run on: tell them why their engine is gone
+            _report_death(sock, outbox, str(stop), wait_for_peers=False)
         return 0
     except Exception:
         reason = traceback.format_exc(limit=8)
@@ -224,7 +188,9 @@ def _serve(
         return 1
 
 
-def _drain_inbox(core: Core, sock: zmq.Socket[bytes], outbox: Outbox, timeout: float) -> None:
+def _drain_inbox(
+    core: Core, sock: zmq.Socket[bytes], outbox: Outbox, timeout: float, shared: bool
+) -> None:
     """Apply the frames waiting on the socket; wait up to ``timeout`` for the first."""
     if timeout > 0 and not sock.poll(int(timeout * 1000), zmq.POLLIN):
         return
@@ -233,10 +199,12 @@ def _drain_inbox(core: Core, sock: zmq.Socket[bytes], outbox: Outbox, timeout: f
             peer, frame = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
         except zmq.Again:
             return
-        _apply(core, outbox, peer, frame)
+        _apply(core, outbox, peer, frame, shared)
 
 
-def _apply(core: Core, outbox: Outbox, peer: bytes, frame: bytes) -> None:
+def _apply(core: Core, outbox: Outbox, peer: bytes, frame: bytes, shared: bool) -> None:
+    """Act on one frame from ``peer``. A ``shared`` engine (``tserve engine``)
+    ignores Shutdown: one of its API servers leaving must not stop the others'."""
     try:
         message = decode(frame)
     except ProtocolError as exc:
@@ -248,12 +216,17 @@ def _apply(core: Core, outbox: Outbox, peer: bytes, frame: bytes) -> None:
             for request in adds:
                 core.add(request, peer)
             core.abort(aborts, peer)
-        case Hello():
+        case Hello(tokenizer=tokenizer):
             outbox.add_peer(peer)
-            outbox.send(peer, core.ready_info())
+            ready = core.ready_info()
+            outbox.send(peer, ready)
+            if tokenizer and not outbox.send(peer, tokenizer_bundle(Path(ready.model_path))):
+                log.error("could not send the tokenizer to peer %r (gone or at its HWM)", peer)
+        case Shutdown(reason=reason) if shared:
+            log.warning("ignored a Shutdown from peer %r%s", peer, f" ({reason})" if reason else "")
         case Shutdown(reason=reason):
             log.info("shutdown requested%s", f": {reason}" if reason else "")
-            raise _Stop
+            raise _Stop("shutdown requested")
         case _:
             log.error("unexpected %s from peer %r", type(message).__name__, peer)
 
@@ -262,20 +235,6 @@ def _forget_peers(core: Core, gone: list[bytes]) -> None:
     for peer in gone:
         log.warning("API peer %r is gone; aborting its requests", peer)
         core.abort_peer(peer)
-
-
-def _parent_watch(parent_pid: int) -> Callable[[], bool]:
-    """A cheap check, called every iteration, that the API process still exists.
-
-    When ``parent_pid`` is our parent, its death reparents us, so comparing
-    ``os.getppid()`` is exact (no pid-reuse race). Otherwise (an intermediate
-    launcher) fall back to probing the pid with signal 0.
-    """
-    if os.getppid() == parent_pid:
-        return lambda: os.getppid() == parent_pid
-    log.warning("parent pid %d is not our parent; watching it by pid", parent_pid)
-
-    return lambda: pid_alive(parent_pid)
 
 
 def _report_death(

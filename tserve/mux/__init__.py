@@ -2,12 +2,17 @@
 
 One task (:meth:`Mux.run`) owns the API process's only ZMQ socket to the
 engine; every request reaches it through a :class:`Mailbox` and the mux's
-synchronous ``submit``/``abort``. Imports only :mod:`tserve.protocol`.
+synchronous ``submit``/``abort``. Imports only :mod:`tserve.protocol` (and
+:mod:`tserve._curve`'s key types).
 
 Modules:
 
 * ``_mux.py`` — :class:`Mux`, the task that owns the socket: handshake,
-  sending inputs, receiving outputs, engine death; ``open_mux``.
+  sending inputs, receiving outputs, engine death.
+* ``_open.py`` — ``open_mux``: a mux run for the duration of a block.
+* ``_link.py`` — the mux's socket; for an engine reached by address alone
+  (:class:`Link`): CURVE keys, ZMTP heartbeats, and the monitor events that
+  are its death (a refused key, a failed handshake, a lost connection).
 * ``_heartbeat.py`` — the heartbeat watch: when engine silence is the
   engine's death and when it is only the event loop's lateness (the
   sans-IO :class:`SilenceClock` and the task that looks at it).
@@ -23,11 +28,14 @@ Modules:
 """
 
 from tserve.mux._errors import EngineDeadError, MuxClosedError, MuxError
+from tserve.mux._link import Link
 from tserve.mux._mailbox import Mailbox
-from tserve.mux._mux import Mux, MuxStats, open_mux
+from tserve.mux._mux import Mux, MuxStats
+from tserve.mux._open import open_mux
 
 __all__ = [
     "EngineDeadError",
+    "Link",
     "Mailbox",
     "Mux",
     "MuxClosedError",

@@ -18,14 +18,14 @@ The socket is a DEALER connected to the engine's ROUTER (which uses
 ``ROUTER_MANDATORY``). Its SNDHWM and RCVHWM are finite (``hwm`` frames): at
 the send bound the sender waits (submits keep accumulating in the inbox and go
 out in the next frame); at the receive bound the engine coalesces. Nothing is
-dropped anywhere.
+dropped anywhere. An engine reached by address alone (a :class:`Link`: CURVE,
+heartbeats, a monitor whose events can be its death) also sends the model's
+tokenizer files in the handshake (:attr:`Mux.tokenizer_bundle`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
@@ -34,6 +34,7 @@ from anyio.abc import TaskStatus
 
 from tserve.mux._errors import EngineDeadError, MuxClosedError, MuxError
 from tserve.mux._heartbeat import SilenceClock, watch_silence
+from tserve.mux._link import Link, engine_socket, watch_link
 from tserve.mux._mailbox import Mailbox
 from tserve.mux._router import Router
 from tserve.mux._zmqio import ZmqChannel
@@ -47,11 +48,14 @@ from tserve.protocol import (
     ProtocolError,
     Shutdown,
     StepOutputs,
+    TokenizerBundle,
     decode,
     encode,
 )
 
-__all__ = ["Mux", "MuxStats", "open_mux"]
+__all__ = ["Mux", "MuxStats"]
+
+_FromEngine = EngineReady | StepOutputs | Heartbeat | EngineDead | TokenizerBundle
 
 
 @dataclass(slots=True)
@@ -76,7 +80,8 @@ class Mux:
     ``hwm`` is the socket's SNDHWM and RCVHWM in frames; ``heartbeat_timeout``
     is how long silence from a ready engine may last before it is declared
     dead (the engine's silence, not the event loop's: see ``_heartbeat.py``);
-    ``ready_timeout`` bounds the wait for ``EngineReady``.
+    ``ready_timeout`` bounds the wait for ``EngineReady``. ``link``: the engine
+    is reached by address alone (``_link.py``).
     """
 
     def __init__(
@@ -86,14 +91,17 @@ class Mux:
         ready_timeout: float = 600.0,
         hwm: int = 1000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        link: Link | None = None,
     ) -> None:
         if heartbeat_timeout <= 0 or ready_timeout <= 0 or hwm < 1:
             raise ValueError("heartbeat_timeout, ready_timeout and hwm must be positive")
         self.address = ""  # set by run
-        self._heartbeat_timeout = heartbeat_timeout
         self._ready_timeout = ready_timeout
         self._hwm = hwm
         self._context = context
+        self._link = link
+        # With a link: the model's tokenizer files, from the handshake, until taken.
+        self.tokenizer_bundle: TokenizerBundle | None = None
         self.stats = MuxStats()
         self.engine_stats = EngineStats()  # the latest, from a step or heartbeat
         self._ready: EngineReady | None = None
@@ -209,25 +217,23 @@ class Mux:
         self._started = True
         self.address = address
         context = self._context or zmq.Context.instance()
-        socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
-        try:
-            socket.setsockopt(zmq.SNDHWM, self._hwm)
-            socket.setsockopt(zmq.RCVHWM, self._hwm)
-            socket.setsockopt(zmq.LINGER, 1000)  # ms to flush the last frames on close
-            socket.connect(address)
-            channel = ZmqChannel(socket)
-            async with anyio.create_task_group() as tg:
-                self._scope = tg.cancel_scope
-                tg.start_soon(channel.watch)
-                if await self._handshake(channel):
-                    self.silence.heard(anyio.current_time())
-                    tg.start_soon(watch_silence, self.silence, channel, self.engine_died)
-                    tg.start_soon(self._send_inputs, channel)
-                    task_status.started()
-                    await self._route_outputs(channel)
-                tg.cancel_scope.cancel()
-        finally:
-            self._close(socket)
+        with engine_socket(context, address, hwm=self._hwm, link=self._link) as (socket, monitor):
+            try:
+                channel = ZmqChannel(socket)
+                async with anyio.create_task_group() as tg:
+                    self._scope = tg.cancel_scope
+                    tg.start_soon(channel.watch)
+                    if monitor is not None and self._link is not None:
+                        tg.start_soon(watch_link, monitor, self._link, address, self.engine_died)
+                    if await self._handshake(channel):
+                        self.silence.heard(anyio.current_time())
+                        tg.start_soon(watch_silence, self.silence, channel, self.engine_died)
+                        tg.start_soon(self._send_inputs, channel)
+                        task_status.started()
+                        await self._route_outputs(channel)
+                    tg.cancel_scope.cancel()
+            finally:
+                self._close(socket)
         if self._ready is None:  # the engine died during the handshake
             raise EngineDeadError(self._dead_reason or "the engine died before it was ready")
 
@@ -246,18 +252,25 @@ class Mux:
         return self._ready
 
     async def _handshake(self, channel: ZmqChannel) -> bool:
-        """Send Hello, wait for EngineReady. False when the engine died instead."""
-        await channel.send(encode(Hello(os.getpid())))
+        """Send Hello, wait for EngineReady (and, over a link, the tokenizer's
+        files right after it). False when the engine died instead."""
+        bundle = self._link is not None
+        await channel.send(encode(Hello(os.getpid(), tokenizer=bundle)))
         self.stats.frames_sent += 1
+        ready: EngineReady | None = None
         with anyio.move_on_after(self._ready_timeout):
             while self._dead_reason is None:
                 message = self._decode(await channel.receive())
                 if isinstance(message, EngineReady):
-                    self._ready = message
+                    ready = message
+                elif isinstance(message, TokenizerBundle):
+                    self.tokenizer_bundle = message
+                elif isinstance(message, EngineDead):
+                    self.engine_died(message.reason)
+                if ready is not None and (self.tokenizer_bundle is not None or not bundle):
+                    self._ready = ready
                     self._notify_ready_changed()
                     return True
-                if isinstance(message, EngineDead):
-                    self.engine_died(message.reason)
             return False
         self.engine_died(f"no EngineReady from {self.address} within {self._ready_timeout:g} s")
         return False
@@ -322,20 +335,20 @@ class Mux:
         self.stats.unknown_deltas += unknown
         self.stats.deltas_routed += len(outputs) - unknown
 
-    def _decode(self, frame: bytes) -> EngineReady | StepOutputs | Heartbeat | EngineDead | None:
+    def _decode(self, frame: bytes) -> _FromEngine | None:
         """Decode an engine frame; a malformed one declares the engine dead."""
         try:
             message = decode(frame)
         except ProtocolError as exc:
             self.engine_died(f"malformed frame from the engine: {exc}")
             return None
-        if not isinstance(message, EngineReady | StepOutputs | Heartbeat | EngineDead):
+        if not isinstance(message, _FromEngine):
             self.engine_died(f"unexpected {type(message).__name__} from the engine")
             return None
         return message
 
     def _close(self, socket: zmq.Socket[bytes]) -> None:
-        """After run: fail what is open, flush what is queued, close the socket."""
+        """After run: fail what is open, queue what is left (the caller closes the socket)."""
         self._closed = True
         self._scope = None
         self._notify_ready_changed()
@@ -357,41 +370,3 @@ class Mux:
                 except zmq.ZMQError:
                     break
         self._shutdown = None
-        socket.close()
-
-
-@asynccontextmanager
-async def open_mux(
-    address: str,
-    *,
-    heartbeat_timeout: float = 10.0,
-    ready_timeout: float = 600.0,
-    hwm: int = 1000,
-    context: zmq.Context[zmq.Socket[bytes]] | None = None,
-) -> AsyncIterator[Mux]:
-    """Run a :class:`Mux` for the duration of the ``async with`` block.
-
-    Enters once the engine is ready (raises EngineDeadError if it is not);
-    on exit the mux is cancelled and what it had queued is flushed. As with
-    any task group, an exception from the block arrives inside an
-    ExceptionGroup.
-    """
-    mux = Mux(
-        heartbeat_timeout=heartbeat_timeout,
-        ready_timeout=ready_timeout,
-        hwm=hwm,
-        context=context,
-    )
-    failure: EngineDeadError | None = None
-    async with anyio.create_task_group() as tg:
-        try:
-            await tg.start(mux.run, address)
-        except EngineDeadError as exc:
-            failure = exc
-        if failure is None:
-            try:
-                yield mux
-            finally:
-                tg.cancel_scope.cancel()
-    if failure is not None:
-        raise failure

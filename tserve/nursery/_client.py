@@ -108,6 +108,10 @@ class EngineClient:
 
     @property
     def engine_pid(self) -> int:
+        """The engine's process on this host: what :func:`attach_llm` takes.
+        ValueError for an engine reached by address alone (``tserve engine``)."""
+        if self._engine.pid is None:
+            raise ValueError(f"the engine at {self._engine.address} is no process of this host")
         return self._engine.pid
 
     @property
@@ -116,7 +120,8 @@ class EngineClient:
         return self._engine.address
 
     def kill_engine(self) -> None:
-        """SIGKILL the engine process: for fault-injection tests and drills."""
+        """SIGKILL the engine process: for fault-injection tests and drills
+        (ValueError for an engine that is not a process of this host)."""
         self._engine.kill()
 
     def _check_running(self) -> None:

@@ -26,24 +26,35 @@ import anyio
 import anyio.abc
 import msgspec
 
+from tserve.mux import Link
 from tserve.protocol import EngineConfig
 
 __all__ = ["EngineProcess", "EngineRef", "exit_reason", "start_engine"]
 
 
 class EngineRef:
-    """An engine process on this host by its socket address and pid.
+    """An engine by its socket address: how to reach it and how to watch it.
 
-    Either one this process started (:class:`EngineProcess`, which also owns
-    its lifetime) or one another API process started and shares with us.
+    On this host, by pid: one this process started (:class:`EngineProcess`,
+    which also owns its lifetime) or one another API process started and
+    shares with us. Or by address alone (``pid`` None, a ``link``): a
+    ``tserve engine`` anywhere, whose liveness comes from its connection.
     """
 
-    def __init__(self, address: str, pid: int) -> None:
+    def __init__(self, address: str, pid: int | None, link: Link | None = None) -> None:
+        if pid is None and link is None:
+            raise ValueError("an engine without a pid on this host needs a Link")
         self.address = address
         self.pid = pid
+        self.link = link
 
     def kill(self) -> None:
-        """SIGKILL the engine (tests and drills use this to simulate a crash)."""
+        """SIGKILL the engine (tests and drills use this to simulate a crash).
+
+        Raises ValueError for an engine reached by address alone.
+        """
+        if self.pid is None:
+            raise ValueError(f"the engine at {self.address} is not a process of this host")
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
 
@@ -53,6 +64,7 @@ class EngineProcess(EngineRef):
 
     def __init__(self, process: anyio.abc.Process, address: str) -> None:
         super().__init__(address, process.pid)
+        self.pid: int = process.pid
         self.process = process
 
     @property

@@ -2,7 +2,8 @@
 
 Four entries, one path: :func:`open_llm` and :func:`open_embedder` start an
 engine process this process owns (``_engine_process.py``); :func:`attach_llm`
-and :func:`attach_embedder` reach one another API process owns. Each then
+and :func:`attach_embedder` reach one another API process owns (and
+``attach_llm`` one a ``tserve engine`` serves at a network address). Each then
 runs :func:`_connect`: the engine session (``_session.py``), the tokenizer
 loaded in a worker thread, and the client (``LLM`` or ``Embedder``) over them.
 
@@ -23,6 +24,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from tserve._curve import client_keys, require_keys
+from tserve.mux import Link
 from tserve.nursery._client import ClientSettings, EngineClient
 from tserve.nursery._embedder import Embedder, embedding_config
 from tserve.nursery._engine_process import EngineRef, start_engine
@@ -30,6 +33,7 @@ from tserve.nursery._gc import serving_gc
 from tserve.nursery._llm import LLM
 from tserve.nursery._session import EngineSession, engine_session
 from tserve.nursery._tokenizer import load_chat_tokenizer, load_encoder_tokenizer
+from tserve.nursery._tokenizer_files import load_unpacked
 from tserve.protocol import EngineConfig
 
 __all__ = ["attach_embedder", "attach_llm", "open_embedder", "open_llm"]
@@ -125,8 +129,11 @@ async def open_llm(
 @contextlib.asynccontextmanager
 async def attach_llm(
     address: str,
-    engine_pid: int,
+    engine_pid: int | None = None,
     *,
+    keys: str | os.PathLike[str] | None = None,
+    insecure: bool = False,
+    heartbeat_interval: float = 0.5,
     max_pending: int = 1024,
     overload: str = "wait",
     max_queued: int = 0,
@@ -139,21 +146,37 @@ async def attach_llm(
 ) -> AsyncIterator[LLM]:
     """Yield an :class:`LLM` over a running engine that another process owns.
 
-    For the extra API processes of ``--api-processes N``: each runs its own
-    mux to the one engine at ``address`` (process ``engine_pid`` on this
-    host). Enters once the engine answered Hello with EngineReady (it is
-    normally ready already) and the tokenizer is loaded; EngineDeadError if
-    it is gone. ``embedder`` (see ``attach_embedder``) serves :meth:`LLM.embed`.
+    Two kinds of engine. With ``engine_pid``: one that an API process on
+    this host started, for the extra API processes of ``--api-processes N``
+    (each runs its own mux to the one engine at ``address``), watched by
+    pid, its tokenizer read from the model directory. Without: a ``tserve
+    engine`` at ``address`` on any host, reached by address alone (a
+    :class:`~tserve.mux.Link`): ZMQ CURVE with the key directory ``keys``
+    (``tserve._curve``; a ``tcp://`` address without keys raises
+    ``KeyFileError`` unless ``insecure``), ZMTP heartbeats every half
+    ``heartbeat_interval``, and the tokenizer's files sent by the engine.
+
+    Enters once the engine answered Hello with EngineReady (it is normally
+    ready already) and the tokenizer is loaded; EngineDeadError if it is
+    gone, or (at once) if it refused this process's key. ``embedder`` (see
+    ``attach_embedder``) serves :meth:`LLM.embed`.
 
     Unlike :func:`open_llm`, leaving the block never sends Shutdown and never
     stops the engine: only its owner does. Engine death is seen from here
-    through the engine's exit (watched by pid), its EngineDead message, or
-    silence past ``heartbeat_timeout``; then every live request fails with
-    EngineDeadError, as with :func:`open_llm`.
+    through the engine's exit (watched by pid) or, for an engine reached by
+    address, the loss of its connection (its exit or kill at once; a host or
+    network gone within 1.5 ``heartbeat_interval``); also through its
+    EngineDead message, or silence past ``heartbeat_timeout``. Then every
+    live request fails with EngineDeadError, as with :func:`open_llm`.
     """
     settings = ClientSettings(max_pending, request_timeout, startup_timeout, heartbeat_timeout)
     settings = settings.queueing(overload, max_queued, max_queued_tokens)
-    engine = EngineRef(address, engine_pid)
+    link = None
+    if engine_pid is None:
+        require_keys(address, keys, insecure=insecure)
+        curve = None if keys is None else await anyio.to_thread.run_sync(client_keys, keys)
+        link = Link(curve, heartbeat_interval)
+    engine = EngineRef(address, engine_pid, link)
     what = f"the engine at {address}"
     async with _connect_llm(
         engine, what, settings, embedder, owned=False, freeze_gc=freeze_gc
@@ -224,8 +247,9 @@ async def _connect(
 ) -> AsyncIterator[_Client]:
     """The client ``make`` builds over ``engine``'s session (see
     :func:`~tserve.nursery._session.engine_session`), its tokenizer loaded
-    by ``load`` in a worker thread. Leaving the block sends Shutdown iff
-    ``owned``. The death of ``embedder``'s engine is this engine's death."""
+    by ``load`` in a worker thread (from the model directory, or from the
+    files the engine sent). Leaving the block sends Shutdown iff ``owned``.
+    The death of ``embedder``'s engine is this engine's death."""
     async with engine_session(
         engine,
         owned=owned,
@@ -234,7 +258,11 @@ async def _connect(
         heartbeat_timeout=settings.heartbeat_timeout,
         depends_on=None if embedder is None else embedder.session,
     ) as session:
-        tokens = await anyio.to_thread.run_sync(load, session.mux.ready.model_path)
+        bundle, session.mux.tokenizer_bundle = session.mux.tokenizer_bundle, None  # MBs
+        if bundle is None:
+            tokens = await anyio.to_thread.run_sync(load, session.mux.ready.model_path)
+        else:
+            tokens = await anyio.to_thread.run_sync(load_unpacked, bundle.files, load)
         yield make(session, settings, tokens)
 
 

@@ -64,7 +64,11 @@ async def engine_session(
     body_error: BaseException | None = None
     try:
         async with anyio.create_task_group() as tg:
-            mux = Mux(heartbeat_timeout=heartbeat_timeout, ready_timeout=startup_timeout)
+            mux = Mux(
+                heartbeat_timeout=heartbeat_timeout,
+                ready_timeout=startup_timeout,
+                link=engine.link,
+            )
             session = EngineSession(engine, mux, anyio.Event())
             try:
                 tg.start_soon(watch_engine, engine, mux, session.done)
@@ -123,12 +127,13 @@ async def _start_mux(tg: anyio.abc.TaskGroup, session: EngineSession, *, model: 
     """
     mux, engine = session.mux, session.engine
     async with anyio.create_task_group() as progress:
-        progress.start_soon(_log_waiting, engine.pid, model)
+        where = engine.address if engine.pid is None else f"pid {engine.pid}"
+        progress.start_soon(_log_waiting, where, model)
         try:
             await tg.start(_run_mux, mux, engine.address, session.done)
         finally:
             progress.cancel_scope.cancel()
-    log.info("engine ready: %s (pid %d, %s)", mux.ready.model, engine.pid, mux.ready.device)
+    log.info("engine ready: %s (%s, %s)", mux.ready.model, where, mux.ready.device)
     return mux.ready
 
 
@@ -145,9 +150,9 @@ async def _run_mux(
         done.set()
 
 
-async def _log_waiting(pid: int, model: str) -> None:
+async def _log_waiting(where: str, model: str) -> None:
     started = anyio.current_time()
     while True:
         await anyio.sleep(_PROGRESS_INTERVAL)
         waited = anyio.current_time() - started
-        log.info("waiting for the engine (pid %d) to load %s: %.0f s", pid, model, waited)
+        log.info("waiting for the engine (%s) to load %s: %.0f s", where, model, waited)

@@ -18,7 +18,8 @@ for a generation model):
 * ``generation_config.json``: the model's generation defaults.
 
 Reading is plain file IO and JSON: blocking (a worker thread), no
-tokenizer library involved. A special token in the config may be a string
+tokenizer library involved. An engine on another host sends these files
+instead (:func:`load_unpacked`). A special token in the config may be a string
 or an ``{"content": ...}`` object; both read as the token's flags.
 """
 
@@ -26,16 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tserve.nursery._errors import LLMError
+from tserve.protocol import tokenizer_file_allowed
 
 __all__ = [
     "AddedTokenSpec",
     "GenerationDefaults",
     "TokenizerFiles",
     "TokenizerFilesError",
+    "load_unpacked",
     "named_special_tokens",
     "read_generation_defaults",
     "read_tokenizer_config",
@@ -171,6 +176,24 @@ def read_generation_defaults(directory: str | Path) -> GenerationDefaults:
         max_new_tokens=_integer(config.get("max_new_tokens")),
         repetition_penalty=_number(config.get("repetition_penalty")),
     )
+
+
+_T = TypeVar("_T")
+
+
+def load_unpacked(files: Mapping[str, bytes], load: Callable[[str], _T]) -> _T:
+    """``load(directory)`` on a private temporary directory (0700, removed after)
+    holding ``files``, a :class:`~tserve.protocol.TokenizerBundle`'s: the
+    tokenizer of an engine on another host. Blocking (file IO). Raises
+    TokenizerFilesError for a name ``tokenizer_file_allowed`` refuses."""
+    with tempfile.TemporaryDirectory(prefix="tserve-tokenizer-") as directory:
+        root = Path(directory)
+        for name, data in files.items():
+            if not tokenizer_file_allowed(name):
+                raise TokenizerFilesError(f"the engine sent {name!r}, which is no tokenizer file")
+            (root / name).parent.mkdir(exist_ok=True)
+            (root / name).write_bytes(data)
+        return load(directory)
 
 
 # -- pieces ------------------------------------------------------------------------------

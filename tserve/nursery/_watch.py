@@ -43,12 +43,13 @@ _POLL_INTERVAL = 0.1  # s between pid probes where there is no pidfd
 async def watch_engine(engine: EngineRef, mux: Mux, mux_done: anyio.Event) -> None:
     """Watch ``engine`` until it exits, then declare it dead in ``mux``. Cancellable.
 
-    ``mux_done`` is set when the mux stops. Returns once the death is declared.
+    ``mux_done`` is set when the mux stops. Returns once the death is declared,
+    or at once for an engine with no process here (its mux's link watches it).
     """
     if isinstance(engine, EngineProcess):
         await _watch_child(engine, mux, mux_done)
-    else:
-        await _watch_shared(engine, mux, mux_done)
+    elif engine.pid is not None:
+        await _watch_shared(engine.pid, mux, mux_done)
 
 
 async def _watch_child(engine: EngineProcess, mux: Mux, mux_done: anyio.Event) -> None:
@@ -77,14 +78,14 @@ async def _watch_child(engine: EngineProcess, mux: Mux, mux_done: anyio.Event) -
         tg.cancel_scope.cancel()
 
 
-async def _watch_shared(engine: EngineRef, mux: Mux, mux_done: anyio.Event) -> None:
-    """Turn the exit of an engine another process owns into engine death.
+async def _watch_shared(pid: int, mux: Mux, mux_done: anyio.Event) -> None:
+    """Turn the exit of an engine another process owns (``pid``) into engine death.
 
     Not our child, so no exit status: a pidfd (exact, no pid reuse) says
     when it is gone, or polling every ``_POLL_INTERVAL`` s where there is none.
     """
     try:
-        pidfd: int | None = os.pidfd_open(engine.pid)
+        pidfd: int | None = os.pidfd_open(pid)
     except ProcessLookupError:
         pidfd = None
         gone = True
@@ -98,12 +99,12 @@ async def _watch_shared(engine: EngineRef, mux: Mux, mux_done: anyio.Event) -> N
         else:
             while not gone:
                 await anyio.sleep(_POLL_INTERVAL)
-                gone = not pid_alive(engine.pid)
+                gone = not pid_alive(pid)
     finally:
         if pidfd is not None:
             os.close(pidfd)
     await _grace(mux_done)
-    mux.engine_died(f"the engine process (pid {engine.pid}) exited")
+    mux.engine_died(f"the engine process (pid {pid}) exited")
 
 
 async def _grace(mux_done: anyio.Event) -> None:

@@ -160,8 +160,8 @@ class _Lifecycle:
         await self.drain(self.config.shutdown_timeout)
 
     async def watch_engine(self) -> None:
-        await self.llm.wait_engine_dead()  # either engine's death, as an event
-        log.error("the engine died: failing live requests and exiting")
+        reason = await self.llm.wait_engine_dead()  # either engine's death, as an event
+        log.error("the engine died (%s): failing live requests and exiting", reason)
         self.exit_code = EXIT_ENGINE_DEAD
         await trio.sleep(self.config.engine_death_grace)
         await self.drain(0.0)

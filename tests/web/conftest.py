@@ -21,11 +21,15 @@ API_KEY = "sk-test-key"
 
 
 class Server:
-    """A ``python -m tserve serve`` child process; ``url`` is its base URL."""
+    """A ``python -m tserve serve`` child process; ``url`` is its base URL.
 
-    def __init__(self, model_dir: Path, *args: str, log: Path) -> None:
+    ``model_dir`` None: no model argument (``serve --engine ADDRESS`` in ``args``).
+    """
+
+    def __init__(self, model_dir: Path | None, *args: str, log: Path) -> None:
         raise_fd_limit()
-        command = [sys.executable, "-m", "tserve", "serve", str(model_dir), "--port", "0"]
+        model = [] if model_dir is None else [str(model_dir)]
+        command = [sys.executable, "-m", "tserve", "serve", *model, "--port", "0"]
         self.log = log
         self._log_file = log.open("wb")
         self.process = subprocess.Popen(

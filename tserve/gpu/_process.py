@@ -16,10 +16,11 @@ Plain blocking pyzmq; no trio, anyio or quart. The main loop, in steps:
 A tick is the heartbeat interval, or half of it for ``tserve engine``, whose
 heartbeats also probe whether a peer is still there (``_bind.py``).
 
-The process stops cleanly when told (exit 0, after every live request's
-final ABORT output): by Shutdown from the API process that started it, or,
-for ``tserve engine``, by SIGTERM/SIGINT, after which each peer also gets
-EngineDead saying so. It also exits 0 when the API process that started it
+The process stops cleanly when told (exit 0): by Shutdown from the API
+process that started it, after every live request's final ABORT output; or,
+for ``tserve engine``, by SIGTERM/SIGINT: its live requests are aborted and
+each peer gets the outputs it was owed and then EngineDead saying why, so
+that its live requests fail with that reason (its API servers run on). It also exits 0 when the API process that started it
 is gone (``_lifeline.py``: checked every iteration, and while the model
 loads). Any exception out of the batch (the model, the device) is fatal:
 every peer gets EngineDead with the reason and the process exits 1. Errors
@@ -175,11 +176,14 @@ def _serve(
             _forget_peers(core, outbox.heartbeat(core.stats(), tick))
     except _Stop as stop:
         core.abort_all()
-        for peer, output in core.step():
+        aborted = core.step()
+        if lifeline.standalone:  # its peers run on: their requests fail with the reason
+            outbox.flush(core.stats())
+            _report_death(sock, outbox, str(stop), wait_for_peers=False)
+            return 0
+        for peer, output in aborted:
             outbox.queue(peer, output)
         outbox.flush(core.stats())
-        if lifeline.standalone:  # its peers run on: tell them why their engine is gone
-            _report_death(sock, outbox, str(stop), wait_for_peers=False)
         return 0
     except Exception:
         reason = traceback.format_exc(limit=8)

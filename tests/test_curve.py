@@ -37,7 +37,7 @@ def test_the_two_sides_read_matching_keys(tmp_path: Path) -> None:
     assert client.server_public == server.public
     assert zmq.curve_public(server.secret) == server.public
     assert zmq.curve_public(client.secret) == client.public != server.public
-    assert server.clients == tmp_path
+    assert server.clients == {client.public, server.public}  # every *.key of the directory
 
 
 def test_keys_are_never_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

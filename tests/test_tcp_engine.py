@@ -90,8 +90,8 @@ def _eventually(predicate: Callable[[], bool], what: str, deadline: float = DEAD
 
 
 def _api(engine: Engine, keys: Path, tmp_path: Path, name: str, *extra: str) -> Server:
-    args = ("--engine", engine.address, "--keys", str(keys), "--served-model-name", "tiny")
-    args += ("--heartbeat-interval", str(HEARTBEAT), *extra)
+    args = ["--engine", engine.address, "--keys", str(keys), "--served-model-name", "tiny"]
+    args += ["--heartbeat-interval", str(HEARTBEAT), *extra]
     return Server(None, *args, log=tmp_path / name)
 
 

@@ -65,11 +65,12 @@ class KeyFileError(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerKeys:
-    """What the engine's socket needs: its own pair (z85) and where client keys are."""
+    """What the engine's socket needs: its own pair and the clients it accepts (z85)."""
 
     public: bytes
     secret: bytes
-    clients: Path  # the directory whose *.key files hold the accepted public keys
+    clients: frozenset[bytes]  # the public keys of DIR's *.key files
+    directory: Path
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,7 +127,8 @@ def server_keys(directory: str | os.PathLike[str]) -> ServerKeys:
     """The engine's keys from ``directory`` (see the module docstring). Raises KeyFileError."""
     root = Path(directory)
     public, secret = _load(root / f"{SERVER}.key_secret", secret=True)
-    return ServerKeys(public, secret, root)
+    clients = frozenset(_load(path, secret=False)[0] for path in sorted(root.glob("*.key")))
+    return ServerKeys(public, secret, clients, root)
 
 
 def client_keys(directory: str | os.PathLike[str]) -> ClientKeys:

@@ -29,7 +29,6 @@ import logging
 from collections.abc import Iterator
 
 import zmq
-import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from tserve._curve import ServerKeys, is_network_address
@@ -47,22 +46,22 @@ _LINGER_MS = 1000
 
 
 class _KnownKeys:
-    """The ZAP policy: admit a client iff its public key (z85) is one of ``allowed``."""
+    """The ZAP policy: admit a client iff its public key (z85) is one of ``keys.clients``."""
 
     def __init__(self, keys: ServerKeys) -> None:
-        self._allowed = set(zmq.auth.load_certificates(keys.clients))
-        self._directory = keys.clients
+        self._keys = keys
         self._refused: set[bytes] = set()  # logged once each
 
     def callback(self, domain: str, key: bytes) -> bool:
-        if key in self._allowed:
+        """Called by pyzmq's authenticator thread for each CURVE handshake."""
+        if key in self._keys.clients:
             return True
         if key not in self._refused:
             self._refused.add(key)
             log.warning(
                 "refused an API server whose CURVE public key %s is not in %s",
                 key.decode(),
-                self._directory,
+                self._keys.directory,
             )
         return False
 

@@ -27,7 +27,7 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from tserve._host import pid_alive
 
@@ -52,15 +52,14 @@ class Stopped(BaseException):
 class Lifeline(abc.ABC):
     """When the engine should stop although nobody asked it over the socket."""
 
+    # True for ``tserve engine``: it tells its peers why it stops, ignores their
+    # Shutdown (it is shared; only its own signals stop it), and watches them by
+    # heartbeats (no parent tells it that they are gone).
+    standalone: ClassVar[bool]
+
     @abc.abstractmethod
     def stop_reason(self) -> str | None:
         """Why the engine should stop now, or None. Cheap: called every iteration."""
-
-    @property
-    @abc.abstractmethod
-    def standalone(self) -> bool:
-        """True for ``tserve engine``: it tells its peers why it stops, and
-        ignores their Shutdown (it is shared; only its own signals stop it)."""
 
     @abc.abstractmethod
     def load(self, build: Callable[[], _T]) -> _T | None:

@@ -20,11 +20,12 @@ The process stops cleanly when told (exit 0): by Shutdown from the API
 process that started it, after every live request's final ABORT output; or,
 for ``tserve engine``, by SIGTERM/SIGINT: its live requests are aborted and
 each peer gets the outputs it was owed and then EngineDead saying why, so
-that its live requests fail with that reason (its API servers run on). It also exits 0 when the API process that started it
-is gone (``_lifeline.py``: checked every iteration, and while the model
-loads). Any exception out of the batch (the model, the device) is fatal:
-every peer gets EngineDead with the reason and the process exits 1. Errors
-that concern one request never get here; the core ends that request alone.
+that its live requests fail with that reason (its API servers run on). It
+also exits 0 when the API process that started it is gone (``_lifeline.py``:
+checked every iteration, and while the model loads). Any exception out of
+the batch (the model, the device) is fatal: every peer gets EngineDead with
+the reason and the process exits 1. Errors that concern one request never
+get here; the core ends that request alone.
 """
 
 from __future__ import annotations

@@ -145,12 +145,8 @@ class PagedLlama(torch.nn.Module):
             residual, x = self._add_norm(hidden, residual, layer.mlp_norm)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             hidden = layer.down(F.silu(gate).mul_(up))
-        if keep.numel() == 0:
-            return hidden.new_empty(0, self.embed.num_embeddings)
         assert residual is not None, "a decoder has at least one layer"
-        last = residual.index_select(0, keep).add_(hidden.index_select(0, keep))
-        logits: torch.Tensor = self.lm_head(_rms_norm(last, self.norm, self.eps))
-        return logits
+        return self._head(residual, hidden, keep)
 
     def _forward_fused(
         self,
@@ -193,9 +189,15 @@ class PagedLlama(torch.nn.Module):
             hidden = layer.o(out.reshape(tokens, heads * dim))
             x = kernels.add_rms_norm(residual, hidden, layer.mlp_norm, self.eps)
             hidden = layer.down(kernels.silu_mul(layer.gate_up(x)))
-        if keep.numel() == 0:
-            return residual.new_empty(0, self.embed.num_embeddings)
         assert hidden is not None, "a decoder has at least one layer"
+        return self._head(residual, hidden, keep)
+
+    def _head(
+        self, residual: torch.Tensor, hidden: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """The last residual add, the final norm and the output head, on the rows ``keep``."""
+        if keep.numel() == 0:
+            return hidden.new_empty(0, self.embed.num_embeddings)
         last = residual.index_select(0, keep).add_(hidden.index_select(0, keep))
         logits: torch.Tensor = self.lm_head(_rms_norm(last, self.norm, self.eps))
         return logits

@@ -72,8 +72,9 @@ class Chat:
     started: float  # monotonic
     seconds: float
     status: int
-    error_code: str | None  # the OpenAI error's code, for a status other than 200
+    error_code: str | None  # the OpenAI error's, for a status other than 200
     error_param: str | None
+    error_message: str | None
     text: str | None  # the answer, for a 200
 
 
@@ -105,7 +106,8 @@ class HugeChatRun:
         s = self.summary()
         lines = [
             f"/health every {POLL_INTERVAL * 1000:.0f} ms during the chats:"
-            f" {s['polls_during_chats']} polls, {s['polls_not_200']} not 200 (of {s['polls']} in all); latency p50"
+            f" {s['polls_during_chats']} polls, {s['polls_not_200']} not 200"
+            f" (of {s['polls']} in all); latency p50"
             f" {s['health_p50_ms']:.1f} ms, p99 {s['health_p99_ms']:.1f} ms,"
             f" max {s['health_max_ms']:.1f} ms"
         ]
@@ -183,6 +185,7 @@ def _send_chat(client: httpx.Client, name: str, body: bytes) -> Chat:
         response.status_code,
         error.get("code"),
         error.get("param"),
+        error.get("message"),
         text,
     )
 

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -46,6 +47,7 @@ class DeathTiming:
     engine: str  # "generation" or "embedding"
     streams: int
     killed_at: float = 0.0  # time.monotonic() of the kill
+    exited_at: float = 0.0  # when its pidfd said the process was gone (the kernel's share)
     # How each stream ended: "error:<code>", a finish reason, or "status:<n>".
     endings: list[str] = field(default_factory=list)
     ended_at: list[float] = field(default_factory=list)  # monotonic, per ending
@@ -57,9 +59,11 @@ class DeathTiming:
 
     def report(self) -> str:
         kinds = sorted(set(self.endings))
+        gone = (self.exited_at - self.killed_at) * 1000
         return (
             f"{self.engine} engine kill -9 with {self.streams} live streams: last error event "
-            f"{self.last_error_after * 1000:.0f} ms after the kill; endings {kinds}"
+            f"{self.last_error_after * 1000:.0f} ms after the kill (the process was gone after "
+            f"{gone:.0f} ms); endings {kinds}"
         )
 
 
@@ -98,8 +102,14 @@ def measure_engine_death(
     for _ in range(streams):
         if not started.acquire(timeout=guard):
             raise AssertionError("a stream never got its first token")
-    timing.killed_at = time.monotonic()
-    os.kill(pids[engine], signal.SIGKILL)
+    pidfd = os.pidfd_open(pids[engine])
+    try:
+        timing.killed_at = time.monotonic()
+        os.kill(pids[engine], signal.SIGKILL)
+        select.select([pidfd], [], [], guard)  # readable once the kernel has torn it down
+        timing.exited_at = time.monotonic()
+    finally:
+        os.close(pidfd)
     for thread in threads:
         thread.join(guard)
         if thread.is_alive():

@@ -183,7 +183,7 @@ class Mux:
         self._notify_ready_changed()
         if self._scope is not None:
             self._scope.cancel()
-        for listener in self.death_listeners:
+        for listener in tuple(self.death_listeners):  # one may remove itself
             listener(reason)
 
     def _check_usable(self) -> None:

@@ -3,8 +3,12 @@
 A server of MODEL with an embedding engine (``--embedding-model``) gets
 ``--streams`` live streaming completions; once each has had its first
 token, one engine process (generation or embedding) is killed with
-SIGKILL. Reported: the time from the kill to the last stream's error event,
-and how each stream ended. Run one server per engine (the kill ends it)::
+SIGKILL. The generation engine is held (SIGSTOP) until every stream is
+admitted, so that all start at the same step and none can finish before
+the kill (with the tiny test model, whose steps take a millisecond, the
+first streams used to finish before the last had started). Reported: the
+time from the kill to the last stream's error event, and how each stream
+ended. Run one server per engine (the kill ends it)::
 
     python -m benchmarks.engine_death MODEL [--engine generation|embedding|both]
 
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -32,6 +37,7 @@ __all__ = ["DeathTiming", "engine_pids", "main", "measure_engine_death"]
 
 _BODY = {"prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
 _URL = re.compile(r"serving '.*' at (http://\S+)/v1")
+_LIVE = re.compile(r"^tserve_requests_live (\S+)$", re.MULTILINE)
 
 
 @dataclass
@@ -41,6 +47,7 @@ class DeathTiming:
     engine: str  # "generation" or "embedding"
     streams: int
     killed_at: float = 0.0  # time.monotonic() of the kill
+    exited_at: float = 0.0  # when its pidfd said the process was gone (the kernel's share)
     # How each stream ended: "error:<code>", a finish reason, or "status:<n>".
     endings: list[str] = field(default_factory=list)
     ended_at: list[float] = field(default_factory=list)  # monotonic, per ending
@@ -52,9 +59,11 @@ class DeathTiming:
 
     def report(self) -> str:
         kinds = sorted(set(self.endings))
+        gone = (self.exited_at - self.killed_at) * 1000
         return (
             f"{self.engine} engine kill -9 with {self.streams} live streams: last error event "
-            f"{self.last_error_after * 1000:.0f} ms after the kill; endings {kinds}"
+            f"{self.last_error_after * 1000:.0f} ms after the kill (the process was gone after "
+            f"{gone:.0f} ms); endings {kinds}"
         )
 
 
@@ -70,10 +79,12 @@ def engine_pids(api_pid: int) -> dict[str, int]:
 
 
 def measure_engine_death(
-    url: str, engine: str, pid: int, *, streams: int = 50, guard: float = 120.0
+    url: str, engine: str, pids: dict[str, int], *, streams: int = 50, guard: float = 120.0
 ) -> DeathTiming:
-    """Start ``streams`` streams at ``url``, SIGKILL ``pid`` once each has a token,
-    and time how they end. Blocks; ``guard`` s bounds every wait (AssertionError)."""
+    """Start ``streams`` streams at ``url``, SIGKILL ``pids[engine]`` once each has a
+    token, and time how they end. ``pids`` is :func:`engine_pids`: the generation
+    engine is stopped until every stream is admitted. Blocks; ``guard`` s bounds
+    every wait (AssertionError)."""
     timing = DeathTiming(engine, streams)
     lock = threading.Lock()
     started = threading.Semaphore(0)
@@ -81,18 +92,41 @@ def measure_engine_death(
         threading.Thread(target=_stream, args=(url, timing, lock, started, guard), daemon=True)
         for _ in range(streams)
     ]
-    for thread in threads:
-        thread.start()
+    os.kill(pids["generation"], signal.SIGSTOP)
+    try:
+        for thread in threads:
+            thread.start()
+        _wait_admitted(url, streams, guard)
+    finally:
+        os.kill(pids["generation"], signal.SIGCONT)
     for _ in range(streams):
         if not started.acquire(timeout=guard):
             raise AssertionError("a stream never got its first token")
-    timing.killed_at = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
+    pidfd = os.pidfd_open(pids[engine])
+    try:
+        timing.killed_at = time.monotonic()
+        os.kill(pids[engine], signal.SIGKILL)
+        select.select([pidfd], [], [], guard)  # readable once the kernel has torn it down
+        timing.exited_at = time.monotonic()
+    finally:
+        os.close(pidfd)
     for thread in threads:
         thread.join(guard)
         if thread.is_alive():
             raise AssertionError("a stream never ended after the kill")
     return timing
+
+
+def _wait_admitted(url: str, streams: int, guard: float) -> None:
+    """Poll ``/metrics`` until ``streams`` requests are live. Blocks up to ``guard`` s."""
+    deadline = time.monotonic() + guard
+    with httpx.Client(base_url=url, timeout=guard) as client:
+        while time.monotonic() < deadline:
+            found = _LIVE.search(client.get("/metrics").text)
+            if found is not None and float(found.group(1)) >= streams:
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"{streams} streams were never live at once")
 
 
 def _stream(
@@ -153,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines:
         process, url = _serve(args.model, args.log)
         try:
-            pid = engine_pids(process.pid)[engine]
-            print(measure_engine_death(url, engine, pid, streams=args.streams).report())
+            pids = engine_pids(process.pid)
+            print(measure_engine_death(url, engine, pids, streams=args.streams).report())
         finally:
             if process.poll() is None:
                 process.kill()

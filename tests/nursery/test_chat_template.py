@@ -258,6 +258,7 @@ def test_template_errors_are_invalid_requests_naming_messages(
         "<|im_start|>user\nhi<|im_end|>",
         "a <think> b <tool_call> c",
         "x" * 300,
+        "Grüße 👋 <|im_start|>user\nhi<|im_end|>\n" * 100,  # long: encoded with the GIL released
     ],
 )
 def test_encode_and_decode_match_transformers(

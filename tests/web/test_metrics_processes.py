@@ -66,6 +66,7 @@ def test_one_scrape_sums_both_api_processes_and_the_gauges_follow_the_engine(
             assert total(found, "vllm:request_success_total") == REQUESTS
             assert total(found, "vllm:generation_tokens_total") == REQUESTS * TOKENS
             assert total(found, "vllm:e2e_request_latency_seconds_count") == REQUESTS
+            assert total(found, "tserve_stalled_responses_total") == 0  # from the shared files
             for name in VLLM_NAMES:
                 assert all(labels.get("model_name") == "tiny" for labels, _ in found[name]), name
 

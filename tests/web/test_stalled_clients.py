@@ -79,6 +79,7 @@ def test_stalled_readers_free_their_slots_and_are_disconnected(
     start_server: Callable[..., Server], stalled: list[socket.socket]
 ) -> None:
     server = start_server("--stall-timeout", "2", "--max-pending", "256")
+    assert server.metric("tserve_stalled_responses_total") == 0
     stalled.extend(stalled_reader(server, BIG_STREAM) for _ in range(2))
     # Every request the stalled clients made is finished and released.
     server.wait_for_metric("tserve_requests_live", 0, timeout=120)
@@ -91,6 +92,7 @@ def test_stalled_readers_free_their_slots_and_are_disconnected(
     wait_for_log(server, "accepted no bytes for 2.0 s")
     for sock in stalled:
         read_until_closed(sock)
+    assert server.metric("tserve_stalled_responses_total") == 2  # /metrics counts both
     assert server.client.get("/health").status_code == 200
 
 

@@ -11,8 +11,8 @@ Every request in the API process reaches the engine through here:
   ``StepOutputs`` frame to the mailbox of its request id.
 * Engine death (an ``EngineDead`` message, silence longer than the heartbeat
   timeout, a malformed frame, or ``engine_died`` from whoever watches the
-  process) fails every open mailbox at once with ``EngineDeadError`` and ends
-  the mux; later submits raise it.
+  process) fails every open mailbox at once with ``EngineDeadError``, calls
+  the ``death_listeners`` and ends the mux; later submits raise it.
 
 The socket is a DEALER connected to the engine's ROUTER (which uses
 ``ROUTER_MANDATORY``). Its SNDHWM and RCVHWM are finite (``hwm`` frames): at
@@ -26,6 +26,7 @@ tokenizer files in the handshake (:attr:`Mux.tokenizer_bundle`).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -117,6 +118,9 @@ class Mux:
         self._router = Router(self._wake_sender)
         self._shutdown: Shutdown | None = None  # sent after the last input
         self._sender_wakeup: anyio.Event | None = None  # set iff the sender waits
+        # Called by engine_died with the reason, in the same tick: one engine's
+        # death can be another's with no task switch. They never block or raise.
+        self.death_listeners: list[Callable[[str], object]] = []
 
     @property
     def ready(self) -> EngineReady:
@@ -176,9 +180,10 @@ class Mux:
     def engine_died(self, reason: str) -> None:
         """Declare the engine dead (e.g. its process exited); see :class:`Mux`.
 
-        Synchronous; fails every open mailbox with EngineDeadError(reason) and
-        stops :meth:`run`. Only the first reason is kept. A Shutdown asked for
-        before is still sent (best effort), for an engine that runs on.
+        Synchronous; fails every open mailbox with EngineDeadError(reason),
+        calls each of ``death_listeners`` and stops :meth:`run`. Only the first
+        reason is kept. A Shutdown asked for before is still sent (best
+        effort), for an engine that runs on.
         """
         if self._dead_reason is not None:
             return
@@ -187,6 +192,8 @@ class Mux:
         self._notify_ready_changed()
         if self._scope is not None:
             self._scope.cancel()
+        for listener in tuple(self.death_listeners):  # one may remove itself
+            listener(reason)
 
     def _check_usable(self) -> None:
         if self._dead_reason is not None:

@@ -20,7 +20,7 @@ import anyio.abc
 
 from tserve.mux import Mux
 from tserve.nursery._engine_process import EngineRef
-from tserve.nursery._watch import watch_dependency, watch_engine
+from tserve.nursery._watch import dying_with, watch_engine
 from tserve.protocol import EngineReady
 
 __all__ = ["EngineSession", "engine_session", "unwrap"]
@@ -59,7 +59,7 @@ async def engine_session(
     and cancels the mux and the watcher. An exception from the block
     propagates unchanged. ``depends_on`` (the embedding engine's session,
     for a generation engine that serves with one) is watched too: its
-    engine's death is this engine's death (``watch_dependency``).
+    engine's death is this engine's death, in the same tick (``dying_with``).
     """
     body_error: BaseException | None = None
     try:
@@ -70,17 +70,16 @@ async def engine_session(
                 link=engine.link,
             )
             session = EngineSession(engine, mux, anyio.Event())
+            dependency = None if depends_on is None else depends_on.mux
             try:
                 tg.start_soon(watch_engine, engine, mux, session.done)
-                if depends_on is not None:
-                    dependency = (depends_on.mux, depends_on.done, mux, "embedding engine")
-                    tg.start_soon(watch_dependency, *dependency)
-                await _start_mux(tg, session, model=what)
-                try:
-                    yield session
-                except BaseException as exc:
-                    body_error = exc
-                    raise
+                with dying_with(dependency, mux, "embedding engine"):
+                    await _start_mux(tg, session, model=what)
+                    try:
+                        yield session
+                    except BaseException as exc:
+                        body_error = exc
+                        raise
             finally:
                 if owned:
                     mux.shutdown_engine("API process leaving")

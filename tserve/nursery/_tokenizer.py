@@ -46,8 +46,8 @@ _Input = TypeVar("_Input")
 # samples in that hand-off), while tokenizing costs about 20 us + 0.2 us per
 # character. Below ~512 characters the tokenizer is the cheaper of the two, and
 # at most ~0.15 ms of loop time per request. Above it, the thread wins and
-# the loop stays free: the Rust tokenizer releases the GIL, so a long prompt
-# tokenizes in parallel with the loop.
+# the loop stays free: a long text is tokenized with the GIL released
+# (ModelTokenizer.encode), in parallel with the loop.
 INLINE_TOKENIZE_CHARS = 512
 
 

@@ -12,16 +12,21 @@ give the message ``_DEATH_MESSAGE_GRACE`` s to arrive first: the reason is
 not lost in a race, and every live request still ends within a fraction
 of a second.
 
-:func:`watch_dependency` makes one engine's death another's: a generation
-engine serving with an embedding engine is declared dead, and asked to
-shut down, when the embedding engine dies, so that its live streams end at
-once too (a server treats either death as fatal).
+:func:`dying_with` makes one engine's death another's: a generation engine
+serving with an embedding engine is declared dead, and asked to shut down,
+when the embedding engine dies, so that its live streams end at once too (a
+server treats either death as fatal). It is a listener of the embedding
+mux's death, called in the same tick, not a task woken after that mux stops:
+the generation streams fail as directly as for the generation engine's own
+death, and the generation engine's exit is awaited in the background.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 import anyio
 
@@ -29,7 +34,7 @@ from tserve._host import pid_alive
 from tserve.mux import Mux
 from tserve.nursery._engine_process import EngineProcess, EngineRef, exit_reason
 
-__all__ = ["watch_dependency", "watch_engine"]
+__all__ = ["dying_with", "watch_engine"]
 
 log = logging.getLogger("tserve")
 
@@ -114,20 +119,31 @@ async def _grace(mux_done: anyio.Event) -> None:
             await mux_done.wait()
 
 
-async def watch_dependency(
-    dependency: Mux, dependency_done: anyio.Event, mux: Mux, what: str
-) -> None:
-    """When the engine behind ``dependency`` dies, declare ``mux``'s engine dead too. Cancellable.
+@contextlib.contextmanager
+def dying_with(dependency: Mux | None, mux: Mux, what: str) -> Iterator[None]:
+    """For the block, the death of ``dependency``'s engine is ``mux``'s engine's death.
 
-    ``dependency_done`` is set when ``dependency`` stops; ``what`` names
-    that engine in the reason. A dependency that
-    stopped without dying (its session ended) changes nothing. Otherwise
-    ``mux``'s engine, which still runs, is first asked to shut down (the
-    mux flushes that as it stops), then every request open in ``mux`` fails
-    with EngineDeadError naming the dependency's reason.
+    Synchronous, never blocks. When ``dependency``'s engine is declared dead
+    (before the block or in it), in the same tick and without a task switch:
+    ``mux``'s engine, which still runs, is asked to shut down (the mux
+    flushes that as it stops, and the process watcher kills the engine if it
+    has not exited ``_EXIT_GRACE`` s later), and every request open in
+    ``mux`` fails with EngineDeadError naming ``what`` and the dependency's
+    reason. A dependency that stops without dying changes nothing; nor does
+    its death after the block. ``dependency`` None: nothing to follow.
     """
-    await dependency_done.wait()
-    reason = dependency.dead_reason
-    if reason is not None:
+    if dependency is None:
+        yield
+        return
+
+    def died(reason: str) -> None:
         mux.shutdown_engine(f"{what} died: {reason}")
         mux.engine_died(f"{what}: {reason}")
+
+    dependency.death_listeners.append(died)
+    try:
+        if dependency.dead_reason is not None:
+            died(dependency.dead_reason)
+        yield
+    finally:
+        dependency.death_listeners.remove(died)

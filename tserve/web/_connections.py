@@ -54,9 +54,9 @@ class StallGuard:
     the hurry deadline.
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, on_stall: Callable[[], object] = lambda: None) -> None:
         self.timeout = timeout
-        self.stalled = 0  # connections closed for a stall, since start
+        self.on_stall = on_stall  # called once per connection closed for a stall
         self._hurry_at = math.inf
         self._writes: set[trio.CancelScope] = set()
 
@@ -115,7 +115,7 @@ class GuardedStream(trio.abc.HalfCloseableStream):
                 sent += moved
 
     async def _close_stalled(self) -> None:
-        self._guard.stalled += 1
+        self._guard.on_stall()
         try:
             peer = self.socket.getpeername()
         except OSError:

@@ -167,6 +167,12 @@ class Metrics:
             "tserve_embedding_inputs", "Inputs embedded (their tokens count as prompt tokens)",
             registry=r,
         )  # fmt: skip
+        # Incremented by the connections' StallGuard (_connections.py).
+        self.stalled_responses = Counter(
+            "tserve_stalled_responses",
+            "Responses ended, their connection closed, because the client took no byte in time",
+            registry=r,
+        )
         self.model = _ModelMetrics(model_name, r)
         cache_config = {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)}
         self.registry.register(_EngineCollector(stats, in_flight, model_name, cache_config))

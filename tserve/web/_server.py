@@ -122,7 +122,7 @@ class _Lifecycle:
         # hypercorn waits for idle keep-alive connections; after our drain has
         # ended every response there is nothing left to wait for.
         self.http_scope = trio.CancelScope()
-        self.stall_guard = StallGuard(config.stall_timeout)
+        self.stall_guard = StallGuard(config.stall_timeout, frontend.metrics.stalled_responses.inc)
         self._draining = False
         self._hurry = trio.Event()
 

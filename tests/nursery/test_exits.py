@@ -120,6 +120,9 @@ _CHILD = textwrap.dedent(
     import os, signal, sys, anyio, tserve
 
     model, backend, how = sys.argv[1:]
+    # As a terminal's Ctrl-C finds it, even when the suite runs as a background
+    # job (whose children inherit SIGINT ignored, and Python then leaves it so).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     async def main():
         async with tserve.open_llm(model, log_level="WARNING", threads=1) as llm:

@@ -1,7 +1,7 @@
 """The seed failure over HTTP: thousands of streaming completions at a fixed rate.
 
 Run: ``python -m benchmarks.seed_http [--requests 10000] [--rate 1000] [--max-tokens 8]
-[--model tiny|default|PATH] [--max-seconds 600]``
+[--model tiny|default|PATH] [--engine-kind model|echo] [--server-defaults] [--max-seconds 600]``
 
 Frontends that open one ZMQ socket per request died at about 1,000 in-flight
 requests (``zmq.MAX_SOCKETS``, the fd limit, then 500s). This benchmark
@@ -14,8 +14,10 @@ Three processes, all on loopback:
 
 * the **server**, ``python -m tserve serve`` (its API process plus its engine
   child), started with ``--port 0`` and a ``--max-pending`` above
-  ``--requests`` so that admission control refuses none of them
-  (:mod:`._server`);
+  ``--requests`` so that admission control refuses none of them, or with
+  ``--server-defaults`` at its own defaults for everything but the port
+  (admission, engine, request log, embedding model: ``make serve``'s
+  server) (:mod:`._server`);
 * the **load generator**, a child process so that it does not share this
   process's event loop (:mod:`._load`): open-loop arrivals at ``--rate``
   requests/s (a fixed or Poisson schedule), one TCP connection per request,
@@ -25,9 +27,10 @@ Three processes, all on loopback:
   error kind (:mod:`._outcome`, on ``tserve.bench``'s HTTP and SSE parsers);
 * **this process**, the sampler (:mod:`._sampler`): every ``--interval``
   seconds it counts the server's fds (``/proc/PID/fd``) and the engine's
-  accepted connections on its ``ipc://`` path (``/proc/PID/net/unix``), and
-  scrapes ``/metrics`` (live requests, HTTP generations in flight, engine
-  running and waiting); about once a second it also classifies every server
+  accepted connections on its ``ipc://`` path (``/proc/PID/net/unix``),
+  reads the API process's resident memory, and scrapes ``/metrics`` (live
+  requests, requests and prompt tokens queued for a slot, HTTP generations
+  in flight, engine running and waiting); about once a second it also classifies every server
   fd (TCP, unix, eventfd, ...) and counts the API-side ZMQ sockets exactly:
   the server's unix sockets whose peer is one of the engine's sockets on the
   ipc path (peer inodes from ``ss -x``) (:mod:`._census`).
@@ -39,7 +42,10 @@ a grace period), its engine is checked gone, and the result
 (:mod:`._summary`) is printed and written to ``results/seed_http-<time>.json``
 (and a timeline PNG when matplotlib is installed; :mod:`._report`). The exit
 status is 0 only if every request was a 200 with exactly ``--max-tokens``
-completion tokens and the ZMQ socket count never changed.
+completion tokens, the ZMQ socket count never changed, and the API process's
+memory grew by no more than the bound README's "Admission" states for the
+queue the server logged at start (``--max-queued`` requests at
+``WAITING_REQUEST_BYTES`` each, ``--max-queued-tokens`` at 40 bytes each).
 
 The package imports nothing, so that the load generator's process
 (``python -m benchmarks.seed_http._load``) loads only what it uses; the

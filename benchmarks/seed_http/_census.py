@@ -3,9 +3,10 @@
 Everything is read from ``/proc`` and from ``ss`` (iproute2); nothing here
 talks to the server. Two kinds of look:
 
-* cheap, for every sample: :func:`fd_count` (``/proc/PID/fd``) and
-  :func:`engine_ipc_connections`, the engine's accepted connections on its
-  ``ipc://`` path (``/proc/PID/net/unix``);
+* cheap, for every sample: :func:`fd_count` (``/proc/PID/fd``),
+  :func:`rss_bytes` (``/proc/PID/statm``) and :func:`engine_ipc_connections`,
+  the engine's accepted connections on its ``ipc://`` path
+  (``/proc/PID/net/unix``);
 * a full :func:`take_census`, about once a second: every API-process fd by
   kind, and the API-side ZMQ sockets counted exactly, as the API process's
   unix sockets whose peer is one of the engine's sockets on the ipc path
@@ -30,9 +31,17 @@ import trio
 
 from benchmarks.seed_http._server import ServerProcs
 
-__all__ = ["FdCensus", "engine_ipc_connections", "fd_count", "take_census", "tcp_counters"]
+__all__ = [
+    "FdCensus",
+    "engine_ipc_connections",
+    "fd_count",
+    "rss_bytes",
+    "take_census",
+    "tcp_counters",
+]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 _TCP_COUNTERS = (
     "ListenOverflows",
     "ListenDrops",
@@ -64,6 +73,14 @@ def fd_count(pid: int) -> int:
     try:
         return len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
+        return -1
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` in bytes, or -1 when it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
         return -1
 
 

@@ -27,6 +27,21 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
         ("peak in flight (client, exact)", result["peak_in_flight_client"]),
         ("peak live requests (server gauge)", result["peak_live_server"]),
         ("peak HTTP generations (server)", result["peak_http_in_flight_server"]),
+        ("peak queued for a slot: requests / tokens", (
+            f"{result['peak_queued_server']} / {result['peak_queued_tokens_server']}"
+        )),
+        ("server bounds: max pending / queued / tokens", (
+            f"{result['server_max_pending']} / {result['server_max_queued']} / "
+            f"{result['server_max_queued_tokens']}"
+        )),
+        ("API RSS MB: before first request / peak / after", (
+            f"{result['api_rss_before_mb']} / {result['api_rss_peak_mb']} / "
+            f"{result['api_rss_after_mb']}"
+        )),
+        ("API RSS growth MB / queue bound MB (within)", (
+            f"{result['api_rss_growth_mb']} / {result['queue_memory_bound_mb']} "
+            f"({result['api_rss_within_bound']})"
+        )),
         ("peak kernel accept queue (ss -l)", result["peak_accept_queue"]),
         ("kernel TCP counters (delta, netns-wide)", result["kernel_tcp_counters"]),
         ("failed requests: duration min / max (s)", (
@@ -87,11 +102,11 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     timeline = result["timeline"]
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 7))
+    fig, (top, bottom, memory) = plt.subplots(3, 1, sharex=True, figsize=(10, 9))
     client = timeline["client"]
     top.plot([r[0] for r in client], [r[1] for r in client], label="in flight (client)")
     metrics = timeline["metrics"]
-    for key in ("live", "running", "waiting"):
+    for key in ("live", "queued", "running", "waiting"):
         xs = [t for t, _, m in metrics if key in m]
         top.plot(xs, [m[key] for _, _, m in metrics if key in m], label=f"{key} (/metrics)")
     queue = timeline["accept_queue"]
@@ -105,13 +120,20 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     fds = timeline["server_fds"]
     bottom.plot([r[0] for r in fds], [r[1] for r in fds], label="server fds")
     bottom.set_ylabel("fds")
-    bottom.set_xlabel("seconds since the load started")
     ipc_axis = bottom.twinx()
     ipc_axis.plot([r[0] for r in fds], [r[2] for r in fds], color="C3", label="engine ipc conns")
     ipc_axis.set_ylabel("ZMQ ipc connections")
     ipc_axis.set_ylim(0, max(4, *(r[2] + 1 for r in fds)))
     bottom.legend(loc="upper left")
     ipc_axis.legend(loc="upper right")
+    rss = timeline.get("api_rss_mb", [])
+    memory.plot([r[0] for r in rss], [r[1] for r in rss], label="API process RSS")
+    if result.get("api_rss_before_mb") and result.get("queue_memory_bound_mb"):
+        limit = result["api_rss_before_mb"] + result["queue_memory_bound_mb"]
+        memory.axhline(limit, color="C3", linestyle="--", label="before + queue bound")
+    memory.set_ylabel("MB")
+    memory.set_xlabel("seconds since the load started")
+    memory.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

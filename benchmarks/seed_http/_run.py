@@ -60,6 +60,7 @@ class LoadRun:
     client: dict[str, Any] | None = None  # the load generator's result
     completions_by_status: dict[str, float] = field(default_factory=dict)  # from /metrics
     tcp_counters: dict[str, int] = field(default_factory=dict)  # kernel counters, deltas
+    admission: dict[str, int] | None = None  # the bounds the server logged at start
 
 
 async def run(args: argparse.Namespace, log_path: Path) -> tuple[LoadRun, Samples, dict[str, Any]]:
@@ -93,7 +94,7 @@ async def _run_load(
     args: argparse.Namespace, procs: ServerProcs, deadline: float, samples: Samples
 ) -> LoadRun:
     """Baseline, then the load generator with the samplers, then a short tail."""
-    load = LoadRun()
+    load = LoadRun(admission=procs.admission)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{procs.port}") as client:
         await sample_for(procs, client, samples, _BASELINE, args.interval)
         counters = tcp_counters()

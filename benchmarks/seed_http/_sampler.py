@@ -1,7 +1,8 @@
 """The sampler: time series of the server's fds, census and ``/metrics`` gauges.
 
 :func:`sample_for` runs two tasks for a given time, each at a fixed period:
-one counts the API process's fds and the engine's ipc connections (and takes
+one counts the API process's fds and the engine's ipc connections and reads
+its resident memory (and takes
 a full census about once a second, see :mod:`._census`); the other scrapes
 ``/metrics`` for the gauges in :data:`GAUGES`. Both append to one
 :class:`Samples`, which grows by a few entries per period: the run's
@@ -17,7 +18,13 @@ from typing import Any
 import httpx
 import trio
 
-from benchmarks.seed_http._census import FdCensus, engine_ipc_connections, fd_count, take_census
+from benchmarks.seed_http._census import (
+    FdCensus,
+    engine_ipc_connections,
+    fd_count,
+    rss_bytes,
+    take_census,
+)
 from benchmarks.seed_http._server import ServerProcs
 
 __all__ = ["GAUGES", "Samples", "parse_metrics", "sample_for"]
@@ -27,6 +34,8 @@ GAUGES = {
     b"tserve_http_generations_in_flight": "http_in_flight",
     b"tserve_requests_running": "running",
     b"tserve_requests_waiting": "waiting",
+    b"tserve_requests_queued": "queued",
+    b"tserve_requests_queued_tokens": "queued_tokens",
 }
 _COMPLETIONS = b'tserve_http_requests_total{route="/v1/completions"'
 _CENSUS_PERIOD = 1.0  # seconds between two full censuses
@@ -38,6 +47,7 @@ class Samples:
     """Everything the sampler saw, as parallel time series (time.monotonic())."""
 
     fds: list[tuple[float, int, int]] = field(default_factory=list)  # t, fds, ipc conns
+    rss: list[tuple[float, int]] = field(default_factory=list)  # t, API process RSS bytes
     # t, scrape latency, parse_metrics' values (or {"error": kind})
     metrics: list[tuple[float, float, dict[str, Any]]] = field(default_factory=list)
     censuses: list[FdCensus] = field(default_factory=list)
@@ -73,6 +83,7 @@ async def _sample_fds(procs: ServerProcs, samples: Samples, interval: float) -> 
     while True:
         now = time.monotonic()
         samples.fds.append((now, fd_count(procs.api_pid), engine_ipc_connections(procs)))
+        samples.rss.append((now, rss_bytes(procs.api_pid)))
         if now >= next_census:
             samples.censuses.append(await take_census(procs))
             next_census = now + _CENSUS_PERIOD

@@ -36,6 +36,10 @@ __all__ = [
 ]
 
 _URL_LINE = re.compile(rb"serving '.*' at http://127\.0\.0\.1:(\d+)/v1")
+_ADMISSION_LINE = re.compile(
+    rb"admission: (\d+) requests run at once; up to (\d+) more may wait, "
+    rb"holding at most (\d+) prompt tokens"
+)
 _TERM_GRACE = 30.0  # seconds between SIGTERM and SIGKILL (the server drains for 10)
 _ENGINE_GRACE = 10.0  # seconds the engine gets to follow its API process out
 
@@ -48,6 +52,8 @@ class ServerProcs:
     engine_pid: int
     ipc_path: str  # the engine's ipc:// socket path
     port: int = 0  # the HTTP port the API process listens on
+    # The admission bounds the server logged at start (--max-queued auto resolved).
+    admission: dict[str, int] | None = None
 
 
 def build_model(spec: str, scratch: Path) -> str:
@@ -71,19 +77,20 @@ def build_model(spec: str, scratch: Path) -> str:
 
 def server_command(args: argparse.Namespace, model: str) -> list[str]:
     """The server's argv: loopback, any free port, admission above the request count
-    (or the server's defaults, ``--server-defaults``)."""
+    (or, with ``--server-defaults``, every admission, engine and logging option
+    at its default)."""
     command = [
         sys.executable, "-m", "tserve", "serve", model,
         "--host", "127.0.0.1", "--port", "0",
         "--served-model-name", MODEL_NAME,
         "--engine-kind", args.engine_kind,
         "--shutdown-timeout", "10",
-        "--no-request-log",
     ]  # fmt: skip
     if args.server_defaults:
         return command
     return [
         *command,
+        "--no-request-log",
         "--max-pending", str(args.max_pending),
         "--max-num-seqs", str(args.max_num_seqs),
         "--kv-cache-tokens", str(args.kv_cache_tokens),
@@ -121,7 +128,8 @@ def _running(pid: int) -> bool:
 
 
 def _find_engine(api_pid: int) -> ServerProcs | None:
-    """The API process's engine child (``python -m tserve.gpu ipc://...``), if started."""
+    """The API process's generation engine child (``python -m tserve.gpu ipc://...``),
+    if started; an embedding engine (``"task":"embed"`` in its config) is not it."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -132,6 +140,8 @@ def _find_engine(api_pid: int) -> ServerProcs | None:
                 continue
             argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
+            continue
+        if any(b'"task":"embed"' in arg for arg in argv):
             continue
         for arg in argv:
             if arg.startswith(b"ipc://"):
@@ -165,6 +175,10 @@ async def wait_ready(process: trio.Process, log_path: Path) -> ServerProcs:
     if procs is None:
         raise RuntimeError(f"no engine process under the server (pid {process.pid})")
     procs.port = port
+    bounds = _ADMISSION_LINE.search(await trio.Path(log_path).read_bytes())
+    if bounds:
+        names = ("max_pending", "max_queued", "max_queued_tokens")
+        procs.admission = dict(zip(names, map(int, bounds.groups()), strict=True))
     return procs
 
 

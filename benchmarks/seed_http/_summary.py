@@ -24,10 +24,13 @@ from benchmarks.seed_http._load import DUE, END, FIRST, KIND, START, TOKENS
 from benchmarks.seed_http._run import LoadRun
 from benchmarks.seed_http._sampler import GAUGES, Samples
 from tserve.bench._metrics import percentile
+from tserve.nursery._admission import WAITING_REQUEST_BYTES
 
 __all__ = ["passed", "summarize"]
 
 _GAUGE_KEYS = frozenset(GAUGES.values())
+_BYTES_PER_QUEUED_TOKEN = 40  # a waiting prompt's id as a Python int in a list (README)
+_MB = 2**20
 
 
 def _rounded(x: float | None, digits: int = 4) -> float | None:
@@ -140,6 +143,41 @@ def _server_summary(load: LoadRun, samples: Samples) -> dict[str, Any]:
         "engine_ipc_connections_max": max(ipc, default=None),
         "cpu_cores_api": _rounded(api_cpu, 2),
         "cpu_cores_engine": _rounded(engine_cpu, 2),
+        "peak_queued_server": peak("queued"),
+        "peak_queued_tokens_server": peak("queued_tokens"),
+        **_memory_summary(load, samples),
+    }
+
+
+def _memory_summary(load: LoadRun, samples: Samples) -> dict[str, Any]:
+    """The API process's resident memory before the first request, at its peak and after,
+    against the bound README's "Admission" states for the server's queue.
+
+    The bound: ``--max-queued`` requests at ``WAITING_REQUEST_BYTES`` each plus
+    ``--max-queued-tokens`` prompt tokens at 40 bytes each, above the idle
+    server's memory.
+    """
+    before = [r for t, r in samples.rss if t < load.start and r > 0]
+    seen = [r for _, r in samples.rss if r > 0]
+    baseline = statistics.median(before) if before else None
+    peak = max(seen, default=None)
+    bound = None
+    if load.admission:
+        bound = (
+            load.admission["max_queued"] * WAITING_REQUEST_BYTES
+            + load.admission["max_queued_tokens"] * _BYTES_PER_QUEUED_TOKEN
+        )
+    growth = None if baseline is None or peak is None else peak - baseline
+    return {
+        "server_max_pending": (load.admission or {}).get("max_pending"),
+        "server_max_queued": (load.admission or {}).get("max_queued"),
+        "server_max_queued_tokens": (load.admission or {}).get("max_queued_tokens"),
+        "api_rss_before_mb": _rounded(baseline / _MB, 1) if baseline else None,
+        "api_rss_peak_mb": _rounded(peak / _MB, 1) if peak else None,
+        "api_rss_after_mb": _rounded(seen[-1] / _MB, 1) if seen else None,
+        "api_rss_growth_mb": _rounded(growth / _MB, 1) if growth is not None else None,
+        "queue_memory_bound_mb": _rounded(bound / _MB, 1) if bound is not None else None,
+        "api_rss_within_bound": None if bound is None or growth is None else growth <= bound,
     }
 
 
@@ -160,17 +198,21 @@ def _timeline(load: LoadRun, samples: Samples) -> dict[str, Any]:
             for c in samples.censuses
             if c.accept_queue is not None
         ],
+        "api_rss_mb": [(round(t - t0, 3), round(r / _MB, 1)) for t, r in samples.rss[::10]],
     }
 
 
 def summarize(args: argparse.Namespace, load: LoadRun, samples: Samples) -> dict[str, Any]:
     """The run's settings, the client's and the server's figures, and every sample."""
     settings: tuple[str, ...] = ("requests", "rate", "arrivals", "max_tokens", "model")
-    settings += ("max_pending", "max_num_seqs", "kv_cache_tokens", "max_num_batched_tokens")
+    settings += ("engine_kind", "server_defaults")
+    overridden = ("max_pending", "max_num_seqs", "kv_cache_tokens", "max_num_batched_tokens")
     return {
         "benchmark": "seed_http",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         **{name: getattr(args, name) for name in settings},
+        # The server's own defaults (None here) when it ran with them.
+        **{name: None if args.server_defaults else getattr(args, name) for name in overridden},
         **_client_summary(args, load.client or {}),
         **_server_summary(load, samples),
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
@@ -181,7 +223,8 @@ def summarize(args: argparse.Namespace, load: LoadRun, samples: Samples) -> dict
 
 
 def passed(result: dict[str, Any]) -> bool:
-    """No failed request, no wrong token count, and never a change in the ZMQ sockets."""
+    """No failed request, no wrong token count, never a change in the ZMQ sockets, and
+    the API process's memory within the queue's stated bound (when the bound is known)."""
     zmq_constant = result["zmq_sockets_to_engine_min"] == result["zmq_sockets_to_engine_max"]
     ipc_constant = result["engine_ipc_connections_min"] == result["engine_ipc_connections_max"]
     return bool(
@@ -189,4 +232,5 @@ def passed(result: dict[str, Any]) -> bool:
         and result["wrong_token_counts"] == 0
         and zmq_constant
         and ipc_constant
+        and result["api_rss_within_bound"] is not False
     )

@@ -70,6 +70,21 @@ def test_engine_gauges_come_from_the_engine_report() -> None:
     assert found["tserve_requests_running"] == [({}, 3.0)]  # tserve's own name stays
 
 
+def test_the_admission_queue_is_reported_by_this_process() -> None:
+    stats = LLMStats(
+        live_requests=1030,
+        aborts_sent=0,
+        engine=EngineStats(),
+        engine_alive=True,
+        queued_requests=6,
+        queued_tokens=90,
+    )
+    m = Metrics(lambda: stats, lambda: 0, "smol", block_size=16, num_gpu_blocks=64)
+    found = render(m)
+    assert found["tserve_requests_queued"] == [({}, 6.0)]
+    assert found["tserve_requests_queued_tokens"] == [({}, 90.0)]
+
+
 def test_prefix_cache_counters_carry_the_engine_totals() -> None:
     found = render(metrics(EngineStats(prefix_cache_queries=1500, prefix_cache_hits=1488)))
     assert found["vllm:prefix_cache_queries_total"] == [({"model_name": "smol"}, 1500.0)]

@@ -77,6 +77,14 @@ class _EngineCollector(Collector):
             "tserve_requests_live", "Admitted requests not yet closed", s.live_requests
         )
         yield GaugeMetricFamily(
+            "tserve_requests_queued", "Admitted requests waiting for a slot", s.queued_requests
+        )
+        yield GaugeMetricFamily(
+            "tserve_requests_queued_tokens",
+            "Prompt tokens of the requests waiting for a slot",
+            s.queued_tokens,
+        )
+        yield GaugeMetricFamily(
             "tserve_http_generations_in_flight",
             "Completion requests being answered",
             self._in_flight(),

@@ -33,6 +33,8 @@ What each module owns:
   engine death) around ``_connections``.
 * ``_connections``: the HTTP connections: hypercorn's protocol over our own
   accept loop, every write bounded by ``--stall-timeout``.
+* ``_accept``: the accept loop: every connection the kernel has ready at
+  each wake-up, up to a bound on the connections held.
 * ``_workers``: the extra API processes of ``--api-processes N`` (main
   process side); ``_worker_main``: what runs inside one of them.
 """

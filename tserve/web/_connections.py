@@ -21,13 +21,16 @@ to close (``Connection: close``) must not stay open.
 
 :func:`serve_http` runs hypercorn's per-connection ``TCPServer`` and the
 app's lifespan the way hypercorn's trio worker does, on plain TCP only (no
-TLS, no QUIC: tserve never configures them).
+TLS, no QUIC: tserve never configures them), over the accept loop of
+:mod:`tserve.web._accept` (every ready connection at each wake-up, up to a
+bound on those held) instead of ``trio.serve_listeners``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -41,7 +44,9 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState, Framework, LifespanState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
-__all__ = ["GuardedListener", "GuardedStream", "StallGuard", "serve_http"]
+from tserve.web._accept import accept_connections
+
+__all__ = ["GuardedStream", "StallGuard", "serve_http"]
 
 log = logging.getLogger("tserve.web")
 
@@ -154,54 +159,47 @@ class GuardedStream(trio.abc.HalfCloseableStream):
         await trio.lowlevel.checkpoint()
 
 
-class GuardedListener(trio.abc.Listener[GuardedStream]):
-    """A TCP listener whose connections are :class:`GuardedStream` s."""
-
-    def __init__(self, inner: trio.SocketListener, guard: StallGuard) -> None:
-        self._inner = inner
-        self._guard = guard
-
-    async def accept(self) -> GuardedStream:
-        return GuardedStream(await self._inner.accept(), self._guard)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
 async def serve_http(
     app: Framework,
     config: HypercornConfig,
     guard: StallGuard,
     *,
+    max_connections: int,
     shutdown_trigger: Callable[[], Awaitable[object]],
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``config.bind`` until ``shutdown_trigger`` returns.
 
     Blocks. ``task_status.started`` gets the bound URLs once the sockets
-    listen. After the trigger: no new connections; idle keep-alive ones are
-    closed; the others get ``config.graceful_timeout`` seconds, then are
-    cancelled (a write still bounded by ``guard``); then the lifespan's
-    shutdown runs. A cancel from outside ends it all at once.
+    listen. At most ``max_connections`` connections are held at once
+    (:mod:`tserve.web._accept`). After the trigger: no new connections (the
+    listening sockets close); idle keep-alive ones are closed; the others get
+    ``config.graceful_timeout`` seconds, then are cancelled (a write still
+    bounded by ``guard``); then the lifespan's shutdown runs. A cancel from
+    outside ends it all at once.
     """
     config.set_statsd_logger_class(StatsdLogger)
     asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
     state: LifespanState = {}
     lifespan = Lifespan(asgi, config, state)
     context = WorkerContext(None)
+    room = trio.Semaphore(max_connections)
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as connections:
-            listeners, binds = _listen(config, guard)
+            listeners, binds = _listen(config)
             task_status.started(binds)
             handler: Callable[[GuardedStream], Any] = partial(
                 TCPServer, asgi, config, context, ConnectionState(state.copy())
             )
+
+            def start(conn: socket.socket) -> None:
+                connections.start_soon(_run_connection, conn, guard, room, handler)
+
             async with trio.open_nursery() as accepting:
-                accepting.start_soon(
-                    partial(trio.serve_listeners, handler, listeners, handler_nursery=connections)
-                )
+                for listener in listeners:
+                    accepting.start_soon(_accept_until_cancelled, listener, room, start)
                 await shutdown_trigger()
                 accepting.cancel_scope.cancel()
             await context.terminated.set()  # idle keep-alive connections close
@@ -210,13 +208,43 @@ async def serve_http(
         lifespan_nursery.cancel_scope.cancel()
 
 
-def _listen(config: HypercornConfig, guard: StallGuard) -> tuple[list[GuardedListener], list[str]]:
+async def _accept_until_cancelled(
+    listener: socket.socket, room: trio.Semaphore, start: Callable[[socket.socket], None]
+) -> None:
+    """:func:`accept_connections`, closing ``listener`` however it ends."""
+    with listener:
+        await accept_connections(listener, room, start)
+
+
+async def _run_connection(
+    conn: socket.socket,
+    guard: StallGuard,
+    room: trio.Semaphore,
+    handler: Callable[[GuardedStream], Any],
+) -> None:
+    """One connection's task: hypercorn's protocol over it; then close it and free its place."""
+    try:
+        stream = GuardedStream(trio.SocketStream(trio.socket.from_stdlib_socket(conn)), guard)
+    except BaseException:
+        conn.close()
+        room.release()
+        raise
+    try:
+        await handler(stream)
+    finally:
+        try:
+            await trio.aclose_forcefully(stream)
+        finally:
+            room.release()
+
+
+def _listen(config: HypercornConfig) -> tuple[list[socket.socket], list[str]]:
+    """hypercorn's sockets for ``config.bind``, listening and non-blocking; their URLs."""
     sockets = config.create_sockets()
     listeners, binds = [], []
     for sock in sockets.insecure_sockets:
         sock.listen(config.backlog)
-        listeners.append(
-            GuardedListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)), guard)
-        )
+        sock.setblocking(False)
+        listeners.append(sock)
         binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
     return listeners, binds

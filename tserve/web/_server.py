@@ -38,6 +38,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from tserve._host import raise_fd_limit
 from tserve.nursery import LLM, ShuttingDown
+from tserve.web._accept import connection_bound
 from tserve.web._app import AppConfig, Frontend, create_app
 from tserve.web._browser import is_loopback
 from tserve.web._connections import StallGuard, serve_http
@@ -59,7 +60,10 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     stall_timeout: float = 30.0  # seconds a response's write may wait for its client
     engine_death_grace: float = 1.0
-    backlog: int = 4096
+    backlog: int = 4096  # the kernel's accept queue (capped by net.core.somaxconn)
+    # Connections held at once; None: the LLM's max_pending + max_queued +
+    # CONNECTION_HEADROOM, within the fd limit (tserve.web._accept).
+    max_connections: int | None = None
     keep_alive_timeout: float = 75.0
     handle_signals: bool = True  # False when not in the main thread (tests)
     # Bind with SO_REUSEPORT, so that several API processes (--api-processes)
@@ -199,7 +203,19 @@ async def serve(
     acts on it: ``--api-processes`` forwards them to its other processes.
     """
     config = config or ServerConfig()
-    raise_fd_limit()
+    fd_limit = raise_fd_limit()
+    max_connections = config.max_connections or connection_bound(
+        llm.max_pending, llm.admission.max_queued, fd_limit
+    )
+    admission = llm.admission
+    log.info(
+        "admission: %d requests run at once; up to %d more may wait, holding at most %s "
+        "prompt tokens; at most %d connections are held",
+        admission.max_pending,
+        admission.max_queued,
+        admission.max_queued_tokens,
+        max_connections,
+    )
     app = create_app(llm, config.app, bind_host=config.host)
     _warn_if_open(config)
     frontend: Frontend = app.extensions["tserve"]
@@ -217,6 +233,7 @@ async def serve(
                     app,
                     _hypercorn_config(config),
                     life.stall_guard,
+                    max_connections=max_connections,
                     shutdown_trigger=life.stop_listening.wait,
                     task_status=task_status,
                 )

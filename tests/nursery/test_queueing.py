@@ -3,7 +3,8 @@
 Many more concurrent ``generate`` calls than ``max_pending`` slots all
 complete with exact token counts (the tiny model for 2,000, the echo engine
 for 20,000), on both backends; a call cancelled while it waits leaves no
-trace in the mux or the engine.
+trace in the mux or the engine. ``open_llm(overload="raise")`` still refuses
+exactly the calls beyond its slots and its queue.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import anyio
 import pytest
 
 from tests.nursery.conftest import ENGINE, HANG_GUARD, eventually, fd_count, settled
-from tserve import LLM, SamplingParams, open_llm
+from tserve import LLM, Overloaded, SamplingParams, open_llm
+from tserve.nursery import RequestStream
 
 pytestmark = pytest.mark.anyio
 
@@ -106,3 +108,41 @@ async def test_a_cancelled_waiter_releases_nothing_it_never_held(echo: LLM) -> N
         stream.close()
     assert echo.stats.live_requests == 0
     await settled(echo)
+
+
+@pytest.mark.parametrize("max_queued", [0, 200])
+async def test_raise_mode_refuses_exactly_the_excess(tiny_model_dir: Path, max_queued: int) -> None:
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    async with open_llm(
+        tiny_model_dir,
+        max_pending=100,
+        overload="raise",
+        max_queued=max_queued,
+        engine_kind="echo",
+        echo_step_time=0.001,
+        **ENGINE,
+    ) as llm:
+        streams: list[RequestStream] = []
+        refused = 0
+        for i in range(1000):  # no checkpoint between the calls: none ends meanwhile
+            try:
+                streams.append(llm.generate([3 + i % 300], params))
+            except Overloaded as exc:
+                assert exc.retry_after > 0
+                refused += 1
+        assert refused == 1000 - 100 - max_queued
+        assert llm.stats.queued_requests == max_queued
+        counts: list[int] = []
+
+        async def read(stream: RequestStream) -> None:
+            tokens = 0
+            async for delta in stream:
+                tokens += len(delta.token_ids)
+            counts.append(tokens)
+
+        with anyio.fail_after(HANG_GUARD):
+            async with anyio.create_task_group() as tg:
+                for stream in streams:
+                    tg.start_soon(read, stream)
+        assert counts == [3] * len(streams)
+        await settled(llm)

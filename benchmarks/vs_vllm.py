@@ -90,7 +90,7 @@ def main() -> int:
 
     env = {**OFFLINE, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"}
     vllm = Peer("vLLM", command, env, start_timeout=600.0)
-    levels = {1: 8, 4: 16, 16: 48, 64: 128}
+    levels = {1: 8, 4: 32, 16: 48, 64: 128}
     work = Workload(levels, args.input_len, args.output_len, args.level_duration, args.rounds)
     return run_side_by_side("vs_vllm", tserve_peer(model_dir), vllm, model_dir, work)
 

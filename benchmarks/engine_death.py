@@ -24,8 +24,6 @@ import os
 import re
 import select
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,10 +31,11 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks._serve import serve
+
 __all__ = ["DeathTiming", "engine_pids", "main", "measure_engine_death"]
 
 _BODY = {"prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
-_URL = re.compile(r"serving '.*' at (http://\S+)/v1")
 _LIVE = re.compile(r"^tserve_requests_live (\S+)$", re.MULTILINE)
 
 
@@ -163,19 +162,6 @@ def _stream(
         timing.endings.append(ending)
 
 
-def _serve(model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``python -m tserve serve`` with an embedding engine; its process and URL."""
-    command = [sys.executable, "-m", "tserve", "serve", model, "--port", "0"]
-    options = ["--embedding-model", "default", "--max-num-seqs", "64"]
-    process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, stderr=log.open("wb"))
-    assert process.stdout is not None
-    for raw in process.stdout:
-        found = _URL.search(raw.decode())
-        if found:
-            return process, found.group(1)
-    raise RuntimeError(f"the server exited ({process.wait()}): see {log}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a model directory for tserve serve")
@@ -185,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     engines = ["generation", "embedding"] if args.engine == "both" else [args.engine]
     for engine in engines:
-        process, url = _serve(args.model, args.log)
+        options = ("--embedding-model", "default", "--max-num-seqs", "64")
+        process, url = serve(args.model, args.log, *options)
         try:
             pids = engine_pids(process.pid)
             print(measure_engine_death(url, engine, pids, streams=args.streams).report())

@@ -31,9 +31,6 @@ import dataclasses
 import http.client
 import json
 import platform
-import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -42,6 +39,7 @@ from typing import Any
 import httpx
 
 from benchmarks._results import result_stem, write_json
+from benchmarks._serve import serve
 from tserve.bench._metrics import percentile
 from tserve.web._app import AppConfig
 from tserve.web._bodies import MAX_MESSAGES
@@ -51,7 +49,6 @@ __all__ = ["Chat", "HugeChatRun", "Poll", "huge_chats", "main", "measure_huge_ch
 POLL_INTERVAL = 0.05  # s between the starts of two /health polls
 OVER_BOUND_MESSAGES = 50_000
 _SONNETS = Path(__file__).with_name("sonnet.txt")
-_URL = re.compile(r"serving '.*' at (http://\S+)/v1")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,26 +208,13 @@ def _poll_health(url: str, run: HugeChatRun, stop: threading.Event, guard: float
         stop.wait(max(0.0, next_poll - time.monotonic()))
 
 
-def _serve(model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``python -m tserve serve MODEL`` without an embedding engine; its process and URL."""
-    command = [sys.executable, "-m", "tserve", "serve", model, "--port", "0"]
-    command += ["--embedding-model", "none"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log.open("wb"))
-    assert process.stdout is not None
-    for raw in process.stdout:
-        found = _URL.search(raw.decode())
-        if found:
-            return process, found.group(1)
-    raise RuntimeError(f"the server exited ({process.wait()}): see {log}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a model directory for tserve serve, or 'default'")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--log", type=Path, default=Path("/tmp/tserve-huge-chat.log"))
     args = parser.parse_args(argv)
-    process, url = _serve(args.model, args.log)
+    process, url = serve(args.model, args.log, "--embedding-model", "none")
     try:
         run = measure_huge_chat(url, huge_chats(), repeats=args.repeats)
         alive = httpx.get(f"{url}/health", timeout=60).status_code == 200

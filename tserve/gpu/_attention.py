@@ -97,7 +97,8 @@ class AttentionGroup:
     out_index: torch.Tensor  # [n] long: packed token index of each of those rows
     kv_slots: torch.Tensor  # [B * Kmax] long: pool slot of each key position; empty if fresh
     # [B, ceil(Kmax / block_size)] long: each sequence's blocks (padding -> block 0), and
-    # [B] long: its number of keys. Both empty if fresh.
+    # [B] long: its number of keys. Only for a decode group that reads the pool (empty
+    # otherwise), for the fused CPU kernel alone: kept on the CPU by to().
     block_tables: torch.Tensor
     kv_lens: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, Qmax, Kmax] bool: True where the query may attend
@@ -119,8 +120,6 @@ class AttentionGroup:
             self,
             q_index=move(self.q_index),
             kv_slots=move(self.kv_slots),
-            block_tables=move(self.block_tables),
-            kv_lens=move(self.kv_lens),
             mask=None if self.mask is None else move(self.mask),
             key_bias=None if self.key_bias is None else move(self.key_bias),
             out_rows=move(self.out_rows),
@@ -201,8 +200,9 @@ def _group(
     fresh = not any(starts)  # keys are the queries' own tokens: no pool gather
     kv_slots = tables = lens = torch.empty(0, dtype=torch.long)
     if not fresh:
-        tables, kv_slots = _kv_slots(members, chunks, kv_lens, kv_max, block_size)
-        lens = torch.tensor(kv_lens, dtype=torch.long)
+        blocks, kv_slots = _kv_slots(members, chunks, kv_lens, kv_max, block_size)
+        if q_max == 1:  # read by the fused decode kernel
+            tables, lens = blocks, torch.tensor(kv_lens, dtype=torch.long)
 
     mask = None
     unpadded = all(n == q_max for n in q_lens) and all(k == kv_max for k in kv_lens)

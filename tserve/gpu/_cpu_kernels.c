@@ -77,9 +77,9 @@ void tserve_add_rms_norm(float *residual, const float *hidden, const float *weig
     }
 }
 
-/* RoPE (the rotate-half form) in place on the first `rotated` heads of each
- * token's row of `qkv` ([tokens, row_stride]: Q heads, K heads, V heads, each
- * `head_dim` wide), with cos/sin tables [positions, head_dim / 2]; then copies
+/* RoPE (the rotate-half form) in place on the Q and K heads (the first
+ * heads + kv_heads) of each token's row of `qkv` ([tokens, row_stride]: Q
+ * heads, K heads, V heads, each `head_dim` wide), with cos/sin tables [positions, head_dim / 2]; then copies
  * each token's K and V heads into the pool ([kv_heads, slots, head_dim] each)
  * at its slot. */
 void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,

@@ -70,21 +70,9 @@ class CpuKernels:
             library.tserve_add_rms_norm, ptr, ptr, ptr, ptr, i64, i64, _F32, _INT
         )
         self._rope_store = _declare(
-            library.tserve_rope_store,
-            ptr,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-        )
+            library.tserve_rope_store, ptr, i64, i64, i64, i64, i64,
+            ptr, ptr, ptr, ptr, ptr, ptr, i64,
+        )  # fmt: skip
         self._silu_mul = _declare(library.tserve_silu_mul, ptr, i64, i64, ptr, ptr)
         self._paged_decode = _declare(
             library.tserve_paged_decode, ptr, i64, ptr, ptr, i64, ptr, i64, ptr,

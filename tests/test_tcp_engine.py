@@ -25,10 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
 import pytest
 
 from tests.web.conftest import Server
+from tests.web.test_live import (
+    check_disconnect_during_non_streaming_aborts,
+    check_disconnect_mid_stream_aborts,
+)
 from tests.web.test_torch_free_api import ENGINE_ONLY, mapped_files
 from tserve.nursery._tokenizer import load_chat_tokenizer
 
@@ -237,22 +240,8 @@ def _check_the_tokenizer_came_over_the_wire(server: Server, model_dir: Path) -> 
 
 def _check_disconnects_free_the_engine(server: Server) -> None:
     """tests/web/test_live.py's disconnect checks, over tcp."""
-    aborts = server.metric("tserve_aborts_sent_total")
-    body = {"prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
-    with server.client.stream("POST", "/v1/completions", json=body) as r:
-        assert next(r.iter_lines()).startswith("data: ")
-    server.wait_for_metric("tserve_requests_live", 0)
-    server.wait_for_metric("tserve_requests_running", 0)
-    server.wait_for_metric("tserve_kv_cache_used_tokens", 0)
-    assert server.metric("tserve_aborts_sent_total") > aborts
-
-    aborts = server.metric("tserve_aborts_sent_total")
-    body = {"prompt": "x", "max_tokens": 480, "ignore_eos": True, "n": 8}
-    with pytest.raises(httpx.ReadTimeout):
-        server.client.post("/v1/completions", json=body, timeout=0.3)
-    server.wait_for_metric("tserve_requests_live", 0)
-    server.wait_for_metric("tserve_kv_cache_used_tokens", 0)
-    assert server.metric("tserve_aborts_sent_total") > aborts
+    check_disconnect_mid_stream_aborts(server)
+    check_disconnect_during_non_streaming_aborts(server)
 
 
 def _check_an_unknown_key_is_refused(engine: Engine, keys: Path, tmp_path: Path) -> None:

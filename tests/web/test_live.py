@@ -198,6 +198,15 @@ def test_stop_strings_and_echo(server: Server) -> None:
 
 
 def test_disconnect_mid_stream_aborts(server: Server) -> None:
+    check_disconnect_mid_stream_aborts(server)
+
+
+def test_disconnect_during_non_streaming_aborts(server: Server) -> None:
+    check_disconnect_during_non_streaming_aborts(server)
+
+
+def check_disconnect_mid_stream_aborts(server: Server) -> None:
+    """A client that hangs up mid-stream: its request is aborted and its KV freed."""
     aborts = server.metric("tserve_aborts_sent_total")
     body = {"prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
     with server.client.stream("POST", "/v1/completions", json=body) as r:
@@ -209,7 +218,8 @@ def test_disconnect_mid_stream_aborts(server: Server) -> None:
     assert server.metric("tserve_aborts_sent_total") > aborts
 
 
-def test_disconnect_during_non_streaming_aborts(server: Server) -> None:
+def check_disconnect_during_non_streaming_aborts(server: Server) -> None:
+    """A client that gives up on a non-streamed n=8: all 8 aborted, the KV freed."""
     aborts = server.metric("tserve_aborts_sent_total")
     body = {"prompt": "x", "max_tokens": 480, "ignore_eos": True, "n": 8}
     with pytest.raises(httpx.ReadTimeout):

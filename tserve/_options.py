@@ -122,9 +122,9 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "--cpu-gemm",
         str,
         d.cpu_gemm,
-        "linear layers on CPU: 'auto' (measure BLAS vs prepacked oneDNN per layer at "
-        "startup), 'blas' or 'onednn'",
-        choices=("auto", "blas", "onednn"),
+        "linear layers on CPU: 'auto' (measure BLAS, prepacked oneDNN and tserve's "
+        "AVX-512 few-rows kernel per layer at startup), 'blas', 'onednn' or 'avx512'",
+        choices=("auto", "blas", "onednn", "avx512"),
     )
     _flag(
         eng,

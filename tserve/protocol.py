@@ -131,7 +131,7 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True):
     deadline: float | None = None
 
 
-CpuGemm: TypeAlias = Literal["auto", "blas", "onednn"]
+CpuGemm: TypeAlias = Literal["auto", "blas", "onednn", "avx512"]
 """The library behind linear layers on CPU: measured per layer, or forced."""
 
 ModelImpl: TypeAlias = Literal["auto", "hf"]
@@ -146,8 +146,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     requests; ``max_model_len`` None = the model's own (capped by the KV
     budget). ``threads``: torch's CPU threads. ``device``/``dtype`` "auto" =
     CUDA with bf16 when present, else CPU with fp32. ``cpu_gemm``: the library
-    behind linear layers on CPU ("auto" measures BLAS against prepacked
-    oneDNN per layer shape and row count; "blas", "onednn" force one).
+    behind linear layers on CPU ("auto" measures BLAS, prepacked oneDNN
+    and tserve's AVX-512 kernel per layer shape and row count; "blas",
+    "onednn", "avx512" force one).
     ``enable_prefix_caching`` keeps the K/V of full blocks after their request
     ends, for a later prompt that starts with the same tokens.
     ``max_decode_slowdown``: while requests decode, a step that also runs

@@ -122,3 +122,22 @@ def test_a_build_is_cached_under_a_name_of_the_source_and_the_cpu(
     assert first.parent == tmp_path / "tserve" / "kernels"
     assert _cpu_kernels._build() == first  # found, not rebuilt
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no scratch file left
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k"), [(1, 960, 576), (4, 200, 96), (13, 33, 40), (30, 7, 5)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_over_panels_is_the_product(
+    kernels: CpuKernels, rows: int, n: int, k: int, bias: bool
+) -> None:
+    """Partial last panels (n not a multiple of 32) and more rows than one
+    register tile holds (13, 30 > 12) are where such a kernel goes wrong."""
+    if not kernels.linear_available:
+        pytest.skip("no AVX-512 here")
+    torch.manual_seed(rows * n)
+    weight, x = torch.randn(n, k), torch.randn(2, rows, k)
+    b = torch.randn(n) if bias else None
+    out = kernels.linear(x, kernels.pack_linear(weight), b, n)
+    assert out.shape == (2, rows, n)
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)

@@ -14,6 +14,7 @@ from tserve.gpu._gemm import (
     TUNED_ROWS,
     Plan,
     TunedLinear,
+    available_libraries,
     measure,
     onednn_available,
     tune_linears,
@@ -24,6 +25,8 @@ from tserve.gpu._models import load_model
 pytestmark = pytest.mark.skipif(
     not onednn_available(torch.float32), reason="this torch has no oneDNN linear"
 )
+LIBRARIES = available_libraries(torch.float32)
+needs_avx512 = pytest.mark.skipif("avx512" not in LIBRARIES, reason="no AVX-512 kernel here")
 
 
 def test_a_plan_uses_the_lower_measured_row_count() -> None:
@@ -34,11 +37,11 @@ def test_a_plan_uses_the_lower_measured_row_count() -> None:
     assert plan.describe() == "blas from 1 row, onednn from 4 rows, blas from 16 rows"
 
 
-@pytest.mark.parametrize("library", ["blas", "onednn"])
+@pytest.mark.parametrize("library", ["blas", "onednn", pytest.param("avx512", marks=needs_avx512)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_both_libraries_compute_the_same_product(library: str, bias: bool) -> None:
+def test_every_library_computes_the_same_product(library: str, bias: bool) -> None:
     torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 200, bias=bias)
+    linear = torch.nn.Linear(96, 200, bias=bias)  # 200: the last 32-column panel is partial
     tuned = TunedLinear(linear, Plan((1,), (library,)))  # type: ignore[arg-type]
     assert (tuned.packed is not None) == (library == "onednn")
     with torch.inference_mode():
@@ -63,13 +66,13 @@ def test_a_mixed_plan_switches_library_by_row_count() -> None:
 
 def test_measure_returns_a_library_per_row_count() -> None:
     linear = torch.nn.Linear(64, 64)
-    plan = measure(linear, TUNED_ROWS, timer=time.perf_counter)
+    plan = measure(linear, TUNED_ROWS, time.perf_counter, LIBRARIES)
     assert plan.rows == TUNED_ROWS
     assert len(plan.libraries) == len(TUNED_ROWS)
-    assert set(plan.libraries) <= {"blas", "onednn"}
+    assert set(plan.libraries) <= set(LIBRARIES)
 
 
-@pytest.mark.parametrize("cpu_gemm", ["auto", "onednn"])
+@pytest.mark.parametrize("cpu_gemm", ["auto", "onednn", pytest.param("avx512", marks=needs_avx512)])
 def test_tuning_a_model_keeps_its_logits_and_tied_weights(
     tiny_model_dir: Path, cpu_gemm: Any
 ) -> None:
@@ -90,6 +93,8 @@ def test_tuning_a_model_keeps_its_logits_and_tied_weights(
     assert tune_linears(model, cpu_gemm) == {}  # already tuned: left alone
     if cpu_gemm == "onednn":
         assert all(t.packed is not None for t in tuned)
+    if cpu_gemm == "avx512":
+        assert all(set(t.plan.libraries) == {"avx512"} for t in tuned)
     with torch.inference_mode():
         after = model(ids).logits
     # Logits of magnitude ~10 through two layers: float rounding only (measured <= 4e-5).

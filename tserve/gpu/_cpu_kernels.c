@@ -9,6 +9,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 
@@ -159,3 +162,75 @@ void tserve_paged_decode(const float *q, int64_t q_stride, const float *k_pool,
         }
     }
 }
+
+/* Linear layers for few rows, where the weight's bytes are the cost: y[M, N]
+ * = x[M, K] W^T (+ bias), W packed once into panels of PANEL output columns,
+ * each stored k-major ([panels][K][PANEL], zero padded past N), so a panel
+ * is one sequential stream. Every panel is read from memory once whatever M
+ * is: blocks of up to BLOCK_ROWS rows in turn reuse it from L2 (a panel is
+ * K * 128 bytes). A BLOCK_ROWS x PANEL tile of the output lives in 24 of the
+ * 32 vector registers for the whole K loop. AVX-512 only:
+ * tserve_linear_available() says whether this build has it. */
+#define PANEL 32
+#define BLOCK_ROWS 12
+#define PREFETCH_ROWS 32 /* k rows ahead (4 KiB): the hardware prefetcher alone lags */
+
+int tserve_linear_available(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void linear_tile(
+    int rows, const float *x, int64_t k_dim, const float *panel, const float *bias,
+    float *y, int64_t n_dim, __mmask16 low, __mmask16 high) {
+    __m512 acc[BLOCK_ROWS][2];
+    __m512 b0 = bias ? _mm512_maskz_loadu_ps(low, bias) : _mm512_setzero_ps();
+    __m512 b1 = bias ? _mm512_maskz_loadu_ps(high, bias + 16) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; m++) acc[m][0] = b0, acc[m][1] = b1;
+    for (int64_t k = 0; k < k_dim; k++) {
+        const float *w = panel + k * PANEL;
+        _mm_prefetch((const char *)(w + PREFETCH_ROWS * PANEL), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH_ROWS * PANEL + 16), _MM_HINT_T0);
+        __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        for (int m = 0; m < rows; m++) {
+            __m512 xm = _mm512_set1_ps(x[m * k_dim + k]);
+            acc[m][0] = _mm512_fmadd_ps(xm, w0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(xm, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        _mm512_mask_storeu_ps(y + m * n_dim, low, acc[m][0]);
+        _mm512_mask_storeu_ps(y + m * n_dim + 16, high, acc[m][1]);
+    }
+}
+
+#define TILE(R) \
+    case R: linear_tile(R, xs, k_dim, panel, b, ys, n_dim, low, high); break;
+
+void tserve_linear(const float *x, int64_t m_dim, int64_t k_dim, const float *packed,
+                   const float *bias, int64_t n_dim, float *y) {
+    for (int64_t p = 0; p * PANEL < n_dim; p++) {
+        int64_t cols = n_dim - p * PANEL;
+        __mmask16 low = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+        __mmask16 high = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+        const float *panel = packed + p * k_dim * PANEL, *b = bias ? bias + p * PANEL : 0;
+        for (int64_t m0 = 0; m0 < m_dim; m0 += BLOCK_ROWS) {
+            const float *xs = x + m0 * k_dim;
+            float *ys = y + m0 * n_dim + p * PANEL;
+            switch (m_dim - m0 < BLOCK_ROWS ? (int)(m_dim - m0) : BLOCK_ROWS) {
+                TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+                TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
+            }
+        }
+    }
+}
+#else
+void tserve_linear(const float *x, int64_t m_dim, int64_t k_dim, const float *packed,
+                   const float *bias, int64_t n_dim, float *y) {
+    (void)x, (void)m_dim, (void)k_dim, (void)packed, (void)bias, (void)n_dim, (void)y;
+}
+#endif

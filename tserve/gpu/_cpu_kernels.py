@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["CpuKernels", "cpu_kernels"]
+__all__ = ["LINEAR_PANEL", "CpuKernels", "cpu_kernels"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ _SOURCE: Final = Path(__file__).with_name("_cpu_kernels.c")
 # Without -ffast-math (which would change the whole process's float mode).
 _FLAGS: Final = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
 _BUILD_TIMEOUT: Final = 120.0
+LINEAR_PANEL: Final = 32  # PANEL in _cpu_kernels.c
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
@@ -78,6 +80,10 @@ class CpuKernels:
             library.tserve_paged_decode, ptr, i64, ptr, ptr, i64, ptr, i64, ptr,
             i64, i64, i64, i64, i64, _F32, ptr, ptr,
         )  # fmt: skip
+        self._linear = _declare(library.tserve_linear, ptr, i64, i64, ptr, ptr, i64, ptr)
+        library.tserve_linear_available.restype = _INT
+        self.linear_available = bool(library.tserve_linear_available())
+        """Whether :meth:`linear` runs here (this CPU has AVX-512)."""
 
     def add_rms_norm(
         self, residual: torch.Tensor, hidden: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -140,6 +146,34 @@ class CpuKernels:
         scratch = torch.empty(width // 2)
         self._silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr(), scratch.data_ptr())
         return out
+
+    @staticmethod
+    def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` in :meth:`linear`'s layout: column panels of
+        :data:`LINEAR_PANEL`, each k-major, zero padded (a copy)."""
+        n, k = weight.shape
+        padded = F.pad(weight.detach(), (0, 0, 0, -n % LINEAR_PANEL))
+        return padded.view(-1, LINEAR_PANEL, k).transpose(1, 2).contiguous()
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """``x [..., K] @ W.T (+ bias)`` with ``packed`` from :meth:`pack_linear`
+        of ``W [n, K]``: a new ``[..., n]``. Reads the weight once whatever the
+        row count; meant for few rows (it is not blocked for the caches as a
+        large GEMM is). Only where :attr:`linear_available`."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty(rows.shape[0], n)
+        self._linear(
+            rows.data_ptr(),
+            rows.shape[0],
+            rows.shape[1],
+            packed.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            n,
+            out.data_ptr(),
+        )
+        return out.view(*x.shape[:-1], n)
 
     def paged_decode(
         self,

@@ -1,34 +1,44 @@
 """Linear layers on CPU, each run by the matrix-product library that measured fastest.
 
-``F.linear`` on CPU goes to the BLAS torch was built with (MKL in the PyPI
-wheels). That BLAS may be far from the machine's peak: on this project's AMD
-EPYC test machine MKL's fp32 GEMM reaches about 110 GFLOP/s on one thread,
-while oneDNN with the weight reordered once into its blocked layout
-("prepacked", as inductor's CPU backend and IPEX do) reaches about 250, and
-MKL streams a weight that does not fit in the caches once PER ROW when the
-rows are few (SmolLM2's 113 MB output head: 2 rows take twice as long as 1).
-Measured there, one thread, fp32, ``F.linear`` vs prepacked oneDNN:
+Three libraries, all over the same weights:
 
-===========  ========  ======  =======  =======  ========
-weight       library   1 row   8 rows   64 rows  512 rows
-===========  ========  ======  =======  =======  ========
-1536 x 576   F.linear  47 us   207 us   1076 us  8.3 ms
-1536 x 576   oneDNN    49 us   78 us    449 us   3.5 ms
-49152 x 576  F.linear  6.8 ms  14.2 ms  43.9 ms
-49152 x 576  oneDNN    2.8 ms  4.4 ms   16.6 ms
-===========  ========  ======  =======  =======  ========
+* ``blas``: ``F.linear``, the BLAS torch was built with (MKL in the PyPI
+  wheels). Fine for one row; with a few rows MKL streams a weight that does
+  not fit in the caches once PER ROW (SmolLM2's 113 MB output head: 2 rows
+  take twice as long as 1).
+* ``onednn``: oneDNN over a copy of the weight reordered once into its
+  blocked layout ("prepacked", as inductor's CPU backend and IPEX do); the
+  best at many rows.
+* ``avx512``: tserve's own kernel (``_cpu_kernels``, where the CPU has
+  AVX-512) over a copy packed in column panels, which reads each weight byte
+  from memory once whatever the row count. A decode step of a small model
+  on one core is bound by reading its weights, so this is the few-rows case.
 
-Which one wins depends on the CPU, the BLAS and the row count (one row of a
-small weight: the BLAS), so it is measured once per weight shape when the
-runner is built, at each row count of :data:`TUNED_ROWS`; above the last one
-that one's choice holds.
+Measured on this project's 2-core Xeon (AVX-512), one thread, fp32, one pass
+over SmolLM2's linear layers (538 MB, each weight read cold from memory, as
+in a decode step), ms:
 
-The two give the same products up to float rounding (the summation order
-inside the libraries differs), the same kind of difference that batching
+=======  =====  ======  ======  ======  =======
+library  1 row  4 rows  8 rows  16 rows  64 rows
+=======  =====  ======  ======  ======  =======
+blas     42     77      108     91       218
+onednn   50     59      64      71       181
+avx512   40     43      44      61       152
+=======  =====  ======  ======  ======  =======
+
+Which one wins depends on the CPU, the BLAS and the row count, so it is
+measured once per weight shape when the runner is built, at each row count
+of :data:`TUNED_ROWS`; above the last one that one's choice holds. That
+measurement repeats one weight, warm in the caches as it is not in a real
+pass, so it underrates ``avx512``, whose gain is in reading memory; here it
+still picks ``avx512`` from 4 rows up on every SmolLM2 shape.
+
+The libraries give the same products up to float rounding (the summation
+order inside each differs), the same kind of difference that batching
 itself makes: ``F.linear`` over 1 row and over 8 rows differ in the last bits
-too. Memory: a layer that uses oneDNN at any row count keeps a packed copy of
-its weight next to the original (which tied embeddings and the BLAS rows
-still read), so the linear weights take up to twice their size.
+too. Memory: a layer keeps a packed copy of its weight for each of
+``onednn`` and ``avx512`` that its plan uses, next to the original (which
+tied embeddings and the BLAS rows still read).
 """
 
 from __future__ import annotations
@@ -43,14 +53,24 @@ from typing import Final, Literal
 import torch
 import torch.nn.functional as F
 
+from tserve.gpu._cpu_kernels import CpuKernels, cpu_kernels
 from tserve.protocol import CpuGemm
 
-__all__ = ["TUNED_ROWS", "Plan", "TunedLinear", "measure", "onednn_available", "tune_linears"]
+__all__ = [
+    "TUNED_ROWS",
+    "Plan",
+    "TunedLinear",
+    "available_libraries",
+    "measure",
+    "onednn_available",
+    "tune_linears",
+]
 
 log = logging.getLogger(__name__)
 
-Library = Literal["blas", "onednn"]
-"""``blas``: ``F.linear``; ``onednn``: oneDNN over a prepacked copy of the weight."""
+Library = Literal["blas", "onednn", "avx512"]
+"""``blas``: ``F.linear``; ``onednn``: oneDNN over a prepacked copy of the
+weight; ``avx512``: tserve's few-rows kernel over a panel-packed copy."""
 
 TUNED_ROWS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """Row counts measured; a count between two uses the lower one's choice."""
@@ -78,13 +98,39 @@ class Plan:
         return ", ".join(changes)
 
 
+class _Weights:
+    """One layer's weight in the layout of each library its plan uses."""
+
+    def __init__(self, linear: torch.nn.Linear, libraries: Sequence[Library]) -> None:
+        self.weight, self.bias = linear.weight, linear.bias
+        self.out_features = linear.out_features
+        self.onednn = _pack(linear.weight) if "onednn" in libraries else None
+        self.kernels = cpu_kernels() if "avx512" in libraries else None
+        self.panels = None
+        if self.kernels is not None:
+            with torch.inference_mode():
+                self.panels = self.kernels.pack_linear(linear.weight)
+
+    def product(self, library: Library, x: torch.Tensor) -> torch.Tensor:
+        if library == "onednn":
+            assert self.onednn is not None, "a layer that uses oneDNN keeps a packed weight"
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.onednn, self.bias, "none", [], ""
+            )
+            return out
+        if library == "avx512":
+            assert self.kernels is not None and self.panels is not None
+            return self.kernels.linear(x, self.panels, self.bias, self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
 class TunedLinear(torch.nn.Linear):
     """An ``nn.Linear`` that runs on the library its plan names for the row count.
 
     Shares the original layer's parameters, so tied weights stay tied. For
-    inference only: the packed copy is not a parameter and does not follow
+    inference only: the packed copies are not parameters and do not follow
     later changes to the weight. The hot path is one list lookup and one
-    call: a decode step of SmolLM2 runs 211 of these.
+    call: a decode step of SmolLM2 runs 121 of these.
     """
 
     def __init__(self, linear: torch.nn.Linear, plan: Plan) -> None:
@@ -93,18 +139,19 @@ class TunedLinear(torch.nn.Linear):
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.plan = plan
-        self.packed = _pack(linear.weight) if "onednn" in plan.libraries else None
-        # Plain attributes, read without nn.Module's __getattr__ on every call.
-        self._tensors = (linear.weight, linear.bias, self.packed)
+        # A plain attribute, read without nn.Module's __getattr__ on every call.
+        self._weights = _Weights(linear, plan.libraries)
         self._last = plan.rows[-1]
-        self._onednn = [plan.library(n) == "onednn" for n in range(self._last + 1)]
+        self._choice = [plan.library(n) for n in range(self._last + 1)]
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """oneDNN's copy of the weight (None unless the plan uses oneDNN)."""
+        return self._weights.onednn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias, packed = self._tensors
-        if packed is not None and self._onednn[min(x.numel() // x.shape[-1], self._last)]:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-            return out
-        return F.linear(x, weight, bias)
+        rows = x.numel() // x.shape[-1]
+        return self._weights.product(self._choice[min(rows, self._last)], x)
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -113,28 +160,26 @@ def onednn_available(dtype: torch.dtype) -> bool:
         return False
     try:
         linear = torch.nn.Linear(4, 4, bias=False, dtype=dtype)
-        _product("onednn", torch.ones(2, 4, dtype=dtype), linear, _pack(linear.weight))
+        _Weights(linear, ("onednn",)).product("onednn", torch.ones(2, 4, dtype=dtype))
     except (RuntimeError, AttributeError):  # no such op in this build, or not for this dtype
         return False
     return True
+
+
+def available_libraries(dtype: torch.dtype) -> tuple[Library, ...]:
+    """The libraries that can run a CPU linear layer in ``dtype`` here."""
+    kernels: CpuKernels | None = cpu_kernels() if dtype == torch.float32 else None
+    return (
+        "blas",
+        *(("onednn",) if onednn_available(dtype) else ()),
+        *(("avx512",) if kernels is not None and kernels.linear_available else ()),
+    )
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
     return packed
-
-
-def _product(
-    library: Library, rows: torch.Tensor, linear: torch.nn.Linear, packed: torch.Tensor | None
-) -> torch.Tensor:
-    if library == "blas":
-        return F.linear(rows, linear.weight, linear.bias)
-    assert packed is not None, "a layer that uses oneDNN keeps a packed weight"
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-        rows, packed, linear.bias, "none", [], ""
-    )
-    return out
 
 
 def tune_linears(
@@ -145,12 +190,12 @@ def tune_linears(
 ) -> dict[str, Plan]:
     """Replace every CPU ``nn.Linear`` of ``model`` with a :class:`TunedLinear`.
 
-    ``cpu_gemm`` "auto" measures: blocks while it does (SmolLM2: about a
-    second, mostly its output head); weights of one shape and dtype are
-    measured once. "onednn" is used at every row count instead; "blas"
-    leaves the model alone. Layers on another device are left alone, and
-    so is everything when oneDNN cannot run here (logged when it was asked
-    for). Returns the plan of each replaced module.
+    ``cpu_gemm`` "auto" measures: blocks while it does (SmolLM2: a second
+    or two, mostly its output head); weights of one shape and dtype are
+    measured once. "onednn" or "avx512" is used at every row count instead
+    (where it cannot run here: logged, and the model is left alone);
+    "blas" leaves the model alone. Layers on another device are left alone.
+    Returns the plan of each replaced module.
     """
     if cpu_gemm == "blas":
         return {}
@@ -161,18 +206,22 @@ def tune_linears(
         and not isinstance(module, TunedLinear)
         and module.weight.device.type == "cpu"
     ]
-    if not linears or not onednn_available(linears[0][1].weight.dtype):
-        if cpu_gemm == "onednn":
-            log.warning("oneDNN cannot run linear layers here; they stay on the BLAS")
+    if not linears:
+        return {}
+    libraries = available_libraries(linears[0][1].weight.dtype)
+    if cpu_gemm != "auto" and cpu_gemm not in libraries:
+        log.warning("%s cannot run linear layers here; they stay on the BLAS", cpu_gemm)
+        return {}
+    if len(libraries) == 1:
         return {}
     by_shape: dict[tuple[object, ...], Plan] = {}
     plans: dict[str, Plan] = {}
     for name, linear in linears:
         key = (*linear.weight.shape, linear.weight.dtype, linear.bias is not None)
-        if key not in by_shape and cpu_gemm == "onednn":
-            by_shape[key] = Plan((1,), ("onednn",))  # from one row up
+        if key not in by_shape and cpu_gemm != "auto":
+            by_shape[key] = Plan((1,), (cpu_gemm,))  # from one row up
         elif key not in by_shape:
-            by_shape[key] = measure(linear, TUNED_ROWS, timer)
+            by_shape[key] = measure(linear, TUNED_ROWS, timer, libraries)
             log.info("%s %s: %s", name, tuple(linear.weight.shape), by_shape[key].describe())
         plans[name] = by_shape[key]
         parent, _, leaf = name.rpartition(".")
@@ -180,24 +229,25 @@ def tune_linears(
     return plans
 
 
-def measure(linear: torch.nn.Linear, rows: Sequence[int], timer: Callable[[], float]) -> Plan:
-    """The fastest library for ``linear`` at each row count (fastest of a few runs)."""
-    weight = linear.weight
-    packed = _pack(weight)
-    libraries: list[Library] = []
+def measure(
+    linear: torch.nn.Linear,
+    rows: Sequence[int],
+    timer: Callable[[], float],
+    libraries: Sequence[Library] = ("blas", "onednn"),
+) -> Plan:
+    """The fastest of ``libraries`` for ``linear`` at each row count (fastest of a few runs)."""
+    weights = _Weights(linear, libraries)
+    chosen: list[Library] = []
     with torch.inference_mode():
         for n in rows:
-            x = torch.randn(n, weight.shape[1], dtype=weight.dtype)
-            best: tuple[float, Library] | None = None
-            for library in ("blas", "onednn"):
-                _product(library, x, linear, packed)  # warm-up
-                seconds = float("inf")
+            x = torch.randn(n, linear.in_features, dtype=linear.weight.dtype)
+            seconds: dict[Library, float] = {}
+            for library in libraries:
+                weights.product(library, x)  # warm-up
+                seconds[library] = float("inf")
                 for _ in range(_REPEATS):
                     start = timer()
-                    _product(library, x, linear, packed)
-                    seconds = min(seconds, timer() - start)
-                if best is None or seconds < best[0]:
-                    best = (seconds, library)
-            assert best is not None
-            libraries.append(best[1])
-    return Plan(tuple(rows), tuple(libraries))
+                    weights.product(library, x)
+                    seconds[library] = min(seconds[library], timer() - start)
+            chosen.append(min(seconds, key=seconds.__getitem__))
+    return Plan(tuple(rows), tuple(chosen))

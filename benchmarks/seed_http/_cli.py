@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--rate", type=float, default=1000.0, help="arrivals per second (open loop)")
     add("--arrivals", choices=["fixed", "poisson"], default="fixed")
     add("--seed", type=int, default=0, help="seed of the Poisson schedule")
+    add("--clients", type=int, default=2, help="load generator processes (each sends rate/N)")
     add("--max-tokens", type=int, default=8, help="completion tokens per request (ignore_eos)")
     add("--model", default="tiny", help="tiny (built now), default, or a model directory")
     add("--max-pending", type=int, help="server admission bound (default: requests + 1000)")

@@ -17,7 +17,10 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     rows: list[tuple[str, Any]] = [
         ("requests", result["requests"]),
         ("target rate (req/s)", f"{result['rate']:g} ({result['arrivals']})"),
-        ("achieved rate (req/s)", result["achieved_rate"]),
+        ("achieved rate (req/s), first to last start", (
+            f"{result['achieved_rate']} ({result['arrival_span_s']} s, "
+            f"{result['client_processes']} client processes)"
+        )),
         ("send lag p99 / max (s)", f"{result['send_lag_p99_s']} / {result['send_lag_max_s']}"),
         ("ok (200, [DONE], usage)", result["ok"]),
         ("errors", result["errors"]),
@@ -78,6 +81,7 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
             f"{result['cpu_cores_client']} (of {result['cpus']}; load avg "
             f"{result['loadavg_1m_at_end']})"
         )),
+        ("client CPU per request (us)", result["client_cpu_us_per_request"]),
         ("server exit code (SIGTERM)", result.get("server", {}).get("exit_code")),
     ]  # fmt: skip
     for census_key in ("fd_census_baseline", "fd_census_peak"):

@@ -79,6 +79,7 @@ def _client_summary(args: argparse.Namespace, client: dict[str, Any]) -> dict[st
         "achieved_rate": _rounded((len(starts) - 1) / (starts[-1] - starts[0]), 1)
         if len(starts) > 1
         else None,
+        "arrival_span_s": _rounded(starts[-1] - starts[0]) if starts else None,
         "send_lag_p99_s": _rounded(percentile(lag, 99)),
         "send_lag_max_s": _rounded(max(lag, default=None)),
         "wall_s": _rounded(wall, 2),
@@ -91,7 +92,11 @@ def _client_summary(args: argparse.Namespace, client: dict[str, Any]) -> dict[st
         "first_byte_p99_s": _rounded(percentile(first_byte, 99)),
         "peak_in_flight_client": client.get("peak_in_flight"),
         "client_fd_limit": client.get("fd_limit"),
+        "client_processes": client.get("clients"),
         "cpu_cores_client": _rounded(client.get("cpu_s", math.nan) / wall, 2) if wall else None,
+        "client_cpu_us_per_request": _rounded(1e6 * client.get("cpu_s", math.nan) / len(records), 1)
+        if records
+        else None,
     }
 
 

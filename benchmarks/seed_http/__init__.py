@@ -18,13 +18,18 @@ Three processes, all on loopback:
   ``--server-defaults`` at its own defaults for everything but the port
   (admission, engine, request log, embedding model: ``make serve``'s
   server) (:mod:`._server`);
-* the **load generator**, a child process so that it does not share this
-  process's event loop (:mod:`._load`): open-loop arrivals at ``--rate``
-  requests/s (a fixed or Poisson schedule), one TCP connection per request,
-  raw HTTP/1.1 over trio sockets. Each request streams ``--max-tokens``
-  tokens with ``ignore_eos`` and ``stream_options.include_usage``; the client
-  reads every SSE event to ``[DONE]`` and records its status, token count and
-  error kind (:mod:`._outcome`, on ``tserve.bench``'s HTTP and SSE parsers);
+* the **load generator**, ``--clients`` child processes (2 by default) so
+  that it shares no event loop with this process and no process needs an fd
+  per stream for all of them (:mod:`._load`): open-loop arrivals at
+  ``--rate`` requests/s in all (a fixed or Poisson schedule, each process
+  taking every ``--clients``-th request), one TCP connection per request
+  from one of 16 loopback source addresses, raw HTTP/1.1 on one ``epoll``
+  per process (it opens 5,000 connections/s on 2 shared cores). Each
+  request streams ``--max-tokens`` tokens with ``ignore_eos`` and
+  ``stream_options.include_usage``; the client reads the response to the end
+  of its chunked body and records its status, token count and error kind
+  (:mod:`._outcome`, on ``tserve.bench``'s HTTP and SSE parsers: every event,
+  ``[DONE]`` last, the usage chunk's count);
 * **this process**, the sampler (:mod:`._sampler`): every ``--interval``
   seconds it counts the server's fds (``/proc/PID/fd``) and the engine's
   accepted connections on its ``ipc://`` path (``/proc/PID/net/unix``),

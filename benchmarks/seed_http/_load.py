@@ -15,10 +15,10 @@ What it took to open 5,000 connections a second on 2 shared cores:
 * Many source addresses: ``connect`` picks a local port whose 4-tuple is
   free, trying even ports first; from one address, once some 14,000
   connections are open, each ``connect`` searches the kernel's port table
-  for milliseconds (1,200 connections/s measured here). Request ``j`` of a
-  child binds to one of :data:`_SOURCES` (all loopback) with
-  ``IP_BIND_ADDRESS_NO_PORT``, so the port is still chosen at ``connect``,
-  among the connections from that address alone.
+  for milliseconds (1,200 connections/s measured here). A child's requests
+  bind to the 16 loopback addresses of :data:`_SOURCES` in turn, with
+  ``IP_BIND_ADDRESS_NO_PORT``, so that the port is still chosen at
+  ``connect``, among the connections from that address alone.
 
 In order:
 
@@ -73,7 +73,6 @@ __all__ = [
     "TOKENS",
     "ClientConfig",
     "merge",
-    "request_bytes",
     "run_client",
 ]
 
@@ -107,7 +106,7 @@ class ClientConfig:
     part: int = 0  # which of them this is
 
 
-def request_bytes(port: int, index: int, max_tokens: int) -> bytes:
+def _request_bytes(port: int, index: int, max_tokens: int) -> bytes:
     """Request ``index``: a streamed completion with usage, ``Connection: close``."""
     prompt = f"Request {index}: tell me a story about sockets."
     body = request_body(RunConfig(ignore_eos=True), MODEL_NAME, BenchRequest(prompt, 0, max_tokens))
@@ -145,7 +144,7 @@ class _Client:
             offsets = [index / config.rate for index in range(config.requests)]
         mine = range(config.part, config.requests, config.clients)
         self.due = [offsets[index] for index in mine]  # from request 0's due time, until set
-        self.requests = [request_bytes(config.port, index, config.max_tokens) for index in mine]
+        self.requests = [_request_bytes(config.port, index, config.max_tokens) for index in mine]
         self.records: list[list[Any] | None] = [None] * len(self.due)
         self.epoll = select.epoll()
         self.open: dict[int, _Open] = {}  # fd -> its request; bound: the fd limit

@@ -33,6 +33,7 @@ from tserve._options import COMMANDS, engine_options, parser
 if TYPE_CHECKING:
     from tserve.nursery import LLM
     from tserve.web import ServerConfig
+    from tserve.web._workers import MetricsSpec
 
 __all__ = ["main"]
 
@@ -62,6 +63,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--api-key (or TSERVE_API_KEY) is empty: give a key, or unset it")
     if args.stall_timeout <= 0:
         raise SystemExit("--stall-timeout must be positive")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise SystemExit("--metrics-port must be a port number (0: any free port)")
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     return ServerConfig(
         host=args.host,
@@ -69,6 +72,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout=args.shutdown_timeout,
         stall_timeout=args.stall_timeout,
         reuse_port=args.api_processes > 1,
+        publish_stats=args.metrics_port is not None,
         app=AppConfig(
             served_model_names=names,
             api_key=args.api_key,
@@ -132,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         async with _llm(args) as llm:
-            if args.api_processes > 1:
+            if _children(args):
                 return await _serve_with_workers(llm, server, args)
             codes: list[int] = []
 
@@ -180,12 +184,39 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _children(args: argparse.Namespace) -> bool:
+    """Whether ``serve`` starts processes besides the engine: API workers, a metrics
+    process. They share the request metrics through a directory (tserve._metrics_dir)."""
+    return bool(args.api_processes > 1 or args.metrics_port is not None)
+
+
+def _metrics_spec(llm: LLM, server: ServerConfig, args: argparse.Namespace) -> MetricsSpec | None:
+    """What the metrics process of ``--metrics-port`` needs, or None without one."""
+    from tserve.web._workers import MetricsSpec
+
+    if args.metrics_port is None:
+        return None
+    names = server.app.served_model_names
+    block_size = llm.ready.kv_block_size
+    return MetricsSpec(
+        parent_pid=os.getpid(),
+        host=server.host,
+        port=args.metrics_port,
+        allowed_hosts=server.app.allowed_hosts,
+        model_name=names[0] if names else llm.model,
+        block_size=block_size,
+        num_gpu_blocks=llm.ready.kv_tokens_total // max(block_size, 1),
+        log_level=args.log_level,
+    )
+
+
 def _print_serving(name: str, url: str) -> None:
     print(f"tserve: serving '{name}' at {url}/v1", flush=True)
 
 
 async def _serve_with_workers(llm: LLM, server: ServerConfig, args: argparse.Namespace) -> int:
-    """Serve from this process and ``--api-processes`` - 1 workers (see tserve.web._workers).
+    """Serve from this process and ``--api-processes`` - 1 workers, and with
+    ``--metrics-port`` a metrics process (see tserve.web._workers).
 
     This process listens first (to learn the port when it is 0), then starts
     the workers, and says "serving" once all of them listen. Each SIGTERM or
@@ -239,7 +270,7 @@ async def _serve_with_workers(llm: LLM, server: ServerConfig, args: argparse.Nam
             request_timeout=args.request_timeout,
             log_level=args.log_level,
         )
-        async with workers.run(spec):
+        async with workers.run(spec, _metrics_spec(llm, server, args)):
             logging.getLogger("tserve").info(
                 "API processes: %d (main) and workers %s", os.getpid(), workers.pids
             )
@@ -263,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "engine":
             return _engine(args)
-        if args.api_processes > 1:  # before anything imports prometheus_client
+        if _children(args):  # before anything imports prometheus_client
             with shared_metrics_dir():
                 return _serve(args)
         return _serve(args)

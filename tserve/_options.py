@@ -209,6 +209,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "API processes serving the port (SO_REUSEPORT), each with its own connection to "
         "the one engine; --max-pending applies to each",
     )
+    _option(
+        http,
+        "--metrics-port",
+        int,
+        None,
+        "also serve /metrics on this port (0: any free port), from a process of its own "
+        "that answers while the API processes are saturated",
+    )
     _option(http, "--log-level", str, "info", "debug, info, warning or error")
     _flag(http, "--no-request-log", "do not log one line per request")
 

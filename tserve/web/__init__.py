@@ -29,14 +29,19 @@ What each module owns:
 * ``_errors``: the one mapping of exceptions to OpenAI error JSON.
 * ``_metrics``: Prometheus metrics (vLLM's names for the model-server
   contract, summed over API processes) and the per-request log line.
+* ``_stats_files``: each API process's live numbers as a file in the shared
+  metrics directory, for the metrics process of ``--metrics-port``.
 * ``_server``: :func:`serve`: the server's lifecycle (signals, the drain,
   engine death) around ``_connections``.
 * ``_connections``: the HTTP connections: hypercorn's protocol over our own
   accept loop, every write bounded by ``--stall-timeout``.
 * ``_accept``: the accept loop: every connection the kernel has ready at
   each wake-up, up to a bound on the connections held.
-* ``_workers``: the extra API processes of ``--api-processes N`` (main
-  process side); ``_worker_main``: what runs inside one of them.
+* ``_workers``: the extra API processes of ``--api-processes N`` and the
+  metrics process of ``--metrics-port`` (main process side);
+  ``_worker_main``: what runs inside one extra API process.
+* ``_metrics_main``: what runs inside the metrics process;
+  ``_metrics_http``: its ``GET /metrics`` over h11, from one trio thread.
 """
 
 from tserve.web._app import AppConfig, Frontend, create_app

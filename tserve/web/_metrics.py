@@ -11,6 +11,10 @@ Two kinds of number, read two ways:
 * Engine metrics (running, waiting, KV usage, steps, prefix cache) are read
   from ``LLM.stats``, the engine's latest report, at scrape time by a
   collector, so nothing polls; every API process holds the same report.
+  The metrics process of ``--metrics-port`` renders the same families from
+  :func:`request_registry` and :func:`engine_registry`: the engine's
+  numbers and the live counts from the stats files the API processes write
+  (``_stats_files``).
 
 The model-server contract carries vLLM's names and a ``model_name`` label
 (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, ...), so
@@ -35,7 +39,16 @@ from prometheus_client.registry import Collector
 
 from tserve.nursery import Delta, LLMStats
 
-__all__ = ["CONTENT_TYPE", "FINISHED_REASONS", "Metrics", "RequestRecord"]
+__all__ = [
+    "CONTENT_TYPE",
+    "FINISHED_REASONS",
+    "EngineCollector",
+    "LiveNumbers",
+    "Metrics",
+    "RequestRecord",
+    "engine_registry",
+    "request_registry",
+]
 
 access_log = logging.getLogger("tserve.access")
 
@@ -48,29 +61,27 @@ SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # The finish reasons vllm:request_success_total counts, present from the start.
 FINISHED_REASONS = ("stop", "length", "abort")
 
+# What EngineCollector reads at each scrape: the LLM's stats and the requests in flight.
+LiveNumbers = Callable[[], tuple[LLMStats, int]]
+
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 
 
-class _EngineCollector(Collector):
-    """The engine's numbers and this process's live work, read at scrape time."""
+class EngineCollector(Collector):
+    """The engine's numbers and the live work, read once per scrape from ``numbers``
+    (:data:`LiveNumbers`): one API process's own, or in the metrics process the whole
+    server's."""
 
-    def __init__(
-        self,
-        stats: Callable[[], LLMStats],
-        in_flight: Callable[[], int],
-        model_name: str,
-        cache_config: dict[str, str],
-    ) -> None:
-        self._stats = stats
-        self._in_flight = in_flight
+    def __init__(self, numbers: LiveNumbers, model_name: str, cache_config: dict[str, str]) -> None:
+        self._numbers = numbers
         self._model_name = model_name
         self._cache_config = cache_config  # vllm:cache_config_info's labels
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
+        s, in_flight = self._numbers()
         e = s.engine
         yield GaugeMetricFamily("tserve_engine_alive", "1 while the engine runs", s.engine_alive)
         yield GaugeMetricFamily(
@@ -87,7 +98,7 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "tserve_http_generations_in_flight",
             "Completion requests being answered",
-            self._in_flight(),
+            in_flight,
         )
         yield GaugeMetricFamily("tserve_requests_running", "Requests in the batch", e.running)
         yield GaugeMetricFamily(
@@ -182,12 +193,37 @@ class Metrics:
             registry=r,
         )
         self.model = _ModelMetrics(model_name, r)
-        cache_config = {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)}
-        self.registry.register(_EngineCollector(stats, in_flight, model_name, cache_config))
+        cache_config = _cache_config(block_size, num_gpu_blocks)
+        live = EngineCollector(lambda: (stats(), in_flight()), model_name, cache_config)
+        self.registry.register(live)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def _cache_config(block_size: int, num_gpu_blocks: int) -> dict[str, str]:
+    """vllm:cache_config_info's labels besides ``model_name``."""
+    return {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)}
+
+
+def request_registry(shared_dir: str) -> CollectorRegistry:
+    """The request metrics of every API process that writes to ``shared_dir``, for a
+    process that serves none of the requests. Rendering it reads their files."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=shared_dir)  # type: ignore[no-untyped-call]
+    return registry
+
+
+def engine_registry(
+    numbers: LiveNumbers, model_name: str, *, block_size: int, num_gpu_blocks: int
+) -> CollectorRegistry:
+    """The engine's numbers and the live work from ``numbers`` alone: with
+    :func:`request_registry`, the families of :class:`Metrics`."""
+    registry = CollectorRegistry()
+    cache_config = _cache_config(block_size, num_gpu_blocks)
+    registry.register(EngineCollector(numbers, model_name, cache_config))
+    return registry
 
 
 class _ModelMetrics:

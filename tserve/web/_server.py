@@ -20,7 +20,9 @@ socket listens. ``serve`` itself returns an exit code:
 
 At any time, a connection whose client accepts no bytes of a response for
 ``stall_timeout`` seconds is closed, which ends its request
-(:mod:`tserve.web._connections`).
+(:mod:`tserve.web._connections`). With ``publish_stats``, the server writes
+its live numbers to the shared metrics directory for the metrics process of
+``--metrics-port`` (:mod:`tserve.web._stats_files`) until it returns.
 
 Stopping the engine is the caller's part: leaving ``open_llm``.
 """
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -42,6 +46,8 @@ from tserve.web._accept import connection_bound
 from tserve.web._app import AppConfig, Frontend, create_app
 from tserve.web._browser import is_loopback
 from tserve.web._connections import StallGuard, serve_http
+from tserve.web._metrics import SHARED_DIR_ENV
+from tserve.web._stats_files import publish_stats
 
 __all__ = ["ServerConfig", "serve"]
 
@@ -69,6 +75,9 @@ class ServerConfig:
     # Bind with SO_REUSEPORT, so that several API processes (--api-processes)
     # serve one port, each with its own accept queue that the kernel fills.
     reuse_port: bool = False
+    # Write this process's LLM.stats and in-flight count to the shared metrics
+    # directory (SHARED_DIR_ENV, required) for the metrics process (--metrics-port).
+    publish_stats: bool = False
     app: AppConfig = dataclasses.field(default_factory=AppConfig)
 
 
@@ -203,6 +212,9 @@ async def serve(
     acts on it: ``--api-processes`` forwards them to its other processes.
     """
     config = config or ServerConfig()
+    shared_dir = os.environ.get(SHARED_DIR_ENV)
+    if config.publish_stats and not shared_dir:
+        raise ValueError(f"publish_stats needs {SHARED_DIR_ENV} (tserve._metrics_dir)")
     fd_limit = raise_fd_limit()
     max_connections = config.max_connections or connection_bound(
         llm.max_pending, llm.admission.max_queued, fd_limit
@@ -226,6 +238,9 @@ async def serve(
         if shutdown_trigger is not None:
             nursery.start_soon(life.watch_trigger, shutdown_trigger)
         nursery.start_soon(life.watch_engine)
+        if config.publish_stats and shared_dir:
+            stats, count = (lambda: llm.stats), (lambda: frontend.in_flight.count)
+            nursery.start_soon(publish_stats, Path(shared_dir), stats, count)
 
         async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
             with life.http_scope:

@@ -25,6 +25,11 @@ Lifecycle rules:
 * A worker that exits on its own while the server runs makes the whole
   server shut down and exit non-zero, as a dead engine does: a supervisor
   restarts it whole rather than let it serve with part of its capacity.
+
+With ``--metrics-port`` one more child runs under the same rules,
+``python -m tserve.web._metrics_main`` with a :class:`MetricsSpec`, except
+that forwarded signals skip it: it answers scrapes until the main process's
+server has drained, and gets its SIGTERM on the way out with the rest.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import trio
 
 from tserve.web._server import ServerConfig
 
-__all__ = ["READY", "WorkerSpec", "Workers"]
+__all__ = ["READY", "MetricsSpec", "WorkerSpec", "Workers"]
 
 log = logging.getLogger("tserve")
 
@@ -72,36 +77,58 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "INFO"
 
 
+class MetricsSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What the metrics process needs: where to listen, and the labels of the engine's numbers.
+
+    ``port`` 0: any free port (it prints the URL). The shared metrics
+    directory comes in the environment, as for the workers.
+    """
+
+    parent_pid: int
+    host: str
+    port: int
+    allowed_hosts: tuple[str, ...] = ()
+    model_name: str
+    block_size: int
+    num_gpu_blocks: int
+    log_level: str = "INFO"
+
+
 class Workers:
     """The worker processes of one main process. Use :meth:`run`; call from its trio thread."""
 
     def __init__(self, count: int, *, stop_grace: float) -> None:
         self._count = count
         self._stop_grace = stop_grace
-        self._processes: list[trio.Process] = []
+        self._processes: list[trio.Process] = []  # the API workers, then the metrics process
+        self._api_count = 0  # of those, the API workers: the ones forward() signals
         self._signalled: set[int] = set()  # pids that got a forwarded signal
         self._stopping = False
         self.failed = trio.Event()  # a worker exited while the server ran
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
+        """The API workers' pids."""
+        return [p.pid for p in self._processes[: self._api_count]]
 
     @property
     def exit_codes(self) -> list[int | None]:
         return [p.returncode for p in self._processes]
 
     def forward(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to every worker still running. Synchronous, never raises."""
-        for process in self._processes:
+        """Send ``sig`` to every API worker still running. Synchronous, never raises."""
+        for process in self._processes[: self._api_count]:
             if process.returncode is None:
                 self._signalled.add(process.pid)
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(sig)
 
     @contextlib.asynccontextmanager
-    async def run(self, spec: WorkerSpec) -> AsyncIterator[Workers]:
-        """Start the workers; enter once every one listens; stop them all on the way out.
+    async def run(
+        self, spec: WorkerSpec, metrics: MetricsSpec | None = None
+    ) -> AsyncIterator[Workers]:
+        """Start the workers (and the metrics process, given ``metrics``); enter once
+        every one listens; stop them all on the way out.
 
         Raises RuntimeError if a worker exits before it is ready (its reason
         is in the log it shares with us). Leaving the block in any way stops
@@ -110,8 +137,12 @@ class Workers:
         async with trio.open_nursery() as nursery:
             try:
                 for _ in range(self._count):
-                    process = await self._start_one(spec)
-                    await nursery.start(self._follow, process)
+                    process = await self._start_one("tserve.web._worker_main", spec)
+                    self._api_count += 1
+                    await nursery.start(self._follow, process, "API worker")
+                if metrics is not None:
+                    process = await self._start_one("tserve.web._metrics_main", metrics)
+                    await nursery.start(self._follow, process, "metrics process")
                 yield self
             finally:
                 self._stopping = True
@@ -119,9 +150,9 @@ class Workers:
                     await self._stop_all()
                 nursery.cancel_scope.cancel()
 
-    async def _start_one(self, spec: WorkerSpec) -> trio.Process:
+    async def _start_one(self, module: str, spec: msgspec.Struct) -> trio.Process:
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "tserve.web._worker_main"],
+            [sys.executable, "-m", module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # signals reach workers through forward() only
@@ -135,6 +166,7 @@ class Workers:
     async def _follow(
         self,
         process: trio.Process,
+        name: str,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -155,9 +187,9 @@ class Workers:
                     sys.stdout.flush()
         code = await process.wait()
         if not ready:
-            raise RuntimeError(f"API worker {process.pid} exited with {code} before it was ready")
+            raise RuntimeError(f"{name} {process.pid} exited with {code} before it was ready")
         if not self._stopping and process.pid not in self._signalled:
-            log.error("API worker %d exited with %d: shutting the server down", process.pid, code)
+            log.error("%s %d exited with %d: shutting the server down", name, process.pid, code)
             self.failed.set()
 
     async def _stop_all(self) -> None:

@@ -21,7 +21,8 @@ API_KEY = "sk-test-key"
 
 
 class Server:
-    """A ``python -m tserve serve`` child process; ``url`` is its base URL.
+    """A ``python -m tserve serve`` child process; ``url`` is its base URL, and
+    ``metrics_url`` that of its metrics process (``--metrics-port``), if any.
 
     ``model_dir`` None: no model argument (``serve --engine ADDRESS`` in ``args``).
     """
@@ -42,6 +43,7 @@ class Server:
             # a test can signal the group (Ctrl-C) without signalling pytest.
             start_new_session=True,
         )
+        self.metrics_url: str | None = None
         self.url = self._wait_for_url()
         self.client = httpx.Client(base_url=self.url, timeout=60)
 
@@ -53,6 +55,8 @@ class Server:
             assert self.process.stdout is not None
             for raw in self.process.stdout:
                 line = raw.decode()
+                if line.startswith("tserve: metrics at "):
+                    self.metrics_url = line.rsplit(" at ", 1)[1].strip().removesuffix("/metrics")
                 if line.startswith("tserve: serving"):
                     found.append(line.rsplit(" at ", 1)[1].strip().removesuffix("/v1"))
                     return

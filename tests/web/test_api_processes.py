@@ -70,12 +70,13 @@ def stream_one(url: str, i: int) -> tuple[int, int]:
     return 200, json.loads(events[-2])["usage"]["completion_tokens"]
 
 
-def start(tiny_model_dir: Path, tmp_path: Path) -> tuple[Server, int, int]:
-    """A server with two API processes and request logs: (server, worker pid, engine pid)."""
+def start(tiny_model_dir: Path, tmp_path: Path, *args: str) -> tuple[Server, int, int]:
+    """A server with two API processes and request logs, and ``args``: (server, worker pid,
+    engine pid)."""
     server = Server(
         tiny_model_dir,
         *("--api-processes", "2", "--log-level", "info", "--served-model-name", "tiny"),
-        *("--embedding-model", "none"),
+        *("--embedding-model", "none", *args),
         log=tmp_path / "server.log",
     )
     kids = children(server.process.pid)
@@ -111,13 +112,14 @@ def test_two_api_processes_share_the_port_and_the_engine(
     assert set(served_by) == {server.process.pid, worker}
 
 
-def test_kill_9_of_the_main_process_ends_the_workers_and_the_engine(
+def test_kill_9_of_the_main_process_ends_the_workers_the_metrics_process_and_the_engine(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    server, worker, engine = start(tiny_model_dir, tmp_path)
+    server, worker, engine = start(tiny_model_dir, tmp_path, "--metrics-port", "0")
+    (metrics,) = [p for p, cmd in children(server.process.pid).items() if "_metrics_main" in cmd]
     server.process.kill()
     server.process.wait(60)
-    assert wait_until_gone([worker, engine]) == []
+    assert wait_until_gone([worker, metrics, engine]) == []
 
 
 def test_api_processes_appear_in_help() -> None:

@@ -1,4 +1,5 @@
-"""One scrape sees the whole server: ``--api-processes 2`` and vLLM's metric names."""
+"""One scrape sees the whole server: ``--api-processes 2`` and vLLM's metric names,
+on the serving port and on the metrics process's (``--metrics-port``) alike."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ REQUESTS = 100
 
 
 def scrape(url: str) -> Samples:
-    """/metrics on a fresh connection, so the kernel may hand it to either process."""
+    """/metrics on a fresh connection, so that on the serving port the kernel may hand
+    it to either process."""
     response = httpx.get(f"{url}/metrics", timeout=30)
     assert response.status_code == 200
     return samples(response.text)
@@ -29,25 +31,40 @@ def total(found: Samples, name: str) -> float:
     return sum(value for _, value in found[name])
 
 
+def wait_for_total(url: str, name: str, value: float) -> None:
+    """Scrape until ``name`` sums to ``value``: the metrics process's request metrics
+    may be up to its MAX_AGE old. A hang guard, not a timing check."""
+    deadline = time.monotonic() + 30
+    while total(scrape(url), name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value} at {url}"
+        time.sleep(0.1)
+
+
 def test_one_scrape_sums_both_api_processes_and_the_gauges_follow_the_engine(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    server, _, _ = start(tiny_model_dir, tmp_path)
+    server, _, _ = start(tiny_model_dir, tmp_path, "--metrics-port", "0")
+    assert server.metrics_url is not None
+    urls = (server.url, server.metrics_url)
     try:
-        for name in VLLM_NAMES:
-            assert all(labels.get("model_name") == "tiny" for labels, _ in scrape(server.url)[name])
+        for url in urls:
+            for name in VLLM_NAMES:
+                assert all(labels.get("model_name") == "tiny" for labels, _ in scrape(url)[name])
 
-        seen_busy: list[float] = []
+        seen_busy: dict[str, list[float]] = {url: [] for url in urls}
+        seen_live: list[float] = []  # on the metrics port: summed over both processes
         done = threading.Event()
 
         def watch() -> None:
             while not done.is_set():
-                found = scrape(server.url)
-                seen_busy.append(
-                    total(found, "vllm:num_requests_running")
-                    + total(found, "vllm:num_requests_waiting")
-                    + total(found, "vllm:kv_cache_usage_perc")
-                )
+                for url in urls:
+                    found = scrape(url)
+                    seen_busy[url].append(
+                        total(found, "vllm:num_requests_running")
+                        + total(found, "vllm:num_requests_waiting")
+                        + total(found, "vllm:kv_cache_usage_perc")
+                    )
+                seen_live.append(total(found, "tserve_requests_live"))
 
         watcher = threading.Thread(target=watch)
         watcher.start()
@@ -58,36 +75,42 @@ def test_one_scrape_sums_both_api_processes_and_the_gauges_follow_the_engine(
             done.set()
             watcher.join()
         assert results == [(200, TOKENS)] * REQUESTS
-        assert max(seen_busy) > 0, "the engine gauges never moved under load"
+        for url in urls:
+            assert max(seen_busy[url]) > 0, f"the engine gauges never moved under load at {url}"
+        assert max(seen_live) > 0
 
         # Every scrape, whichever process answers, counts all 100.
-        for _ in range(12):
-            found = scrape(server.url)
-            assert total(found, "vllm:request_success_total") == REQUESTS
-            assert total(found, "vllm:generation_tokens_total") == REQUESTS * TOKENS
-            assert total(found, "vllm:e2e_request_latency_seconds_count") == REQUESTS
-            assert total(found, "tserve_stalled_responses_total") == 0  # from the shared files
-            for name in VLLM_NAMES:
-                assert all(labels.get("model_name") == "tiny" for labels, _ in found[name]), name
+        wait_for_total(server.metrics_url, "vllm:request_success_total", REQUESTS)
+        for _ in range(6):
+            for url in urls:
+                found = scrape(url)
+                assert total(found, "vllm:request_success_total") == REQUESTS
+                assert total(found, "vllm:generation_tokens_total") == REQUESTS * TOKENS
+                assert total(found, "vllm:e2e_request_latency_seconds_count") == REQUESTS
+                assert total(found, "tserve_stalled_responses_total") == 0  # the shared files
+                for name in VLLM_NAMES:
+                    assert all(labels.get("model_name") == "tiny" for labels, _ in found[name])
 
-        # At idle the engine gauges return to 0 in every process's view (each
+        # At idle the engine gauges return to 0 in every view (each API process
         # hears the engine at least once per heartbeat). A hang guard only.
-        idle = 0
-        deadline = time.monotonic() + 30
-        while idle < 6:
-            assert time.monotonic() < deadline, "the engine gauges never returned to 0"
-            busy = scrape(server.url)
-            if all(
-                total(busy, name) == 0
-                for name in (
-                    "vllm:num_requests_running",
-                    "vllm:num_requests_waiting",
-                    "vllm:kv_cache_usage_perc",
-                )
-            ):
-                idle += 1
-            else:
-                idle = 0
-                time.sleep(0.1)
+        for url in urls:
+            idle = 0
+            deadline = time.monotonic() + 30
+            while idle < 6:
+                assert time.monotonic() < deadline, f"the engine gauges stayed up at {url}"
+                busy = scrape(url)
+                if all(
+                    total(busy, name) == 0
+                    for name in (
+                        "vllm:num_requests_running",
+                        "vllm:num_requests_waiting",
+                        "vllm:kv_cache_usage_perc",
+                    )
+                ):
+                    idle += 1
+                else:
+                    idle = 0
+                    time.sleep(0.1)
+        assert total(scrape(server.metrics_url), "tserve_requests_live") == 0
     finally:
         server.stop()

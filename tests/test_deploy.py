@@ -47,6 +47,25 @@ def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+def env(c: dict[str, Any], name: str) -> str:
+    (value,) = [e["value"] for e in c["env"] if e["name"] == name]
+    assert isinstance(value, str)
+    return value
+
+
+def metrics_port(deployment: dict[str, Any]) -> int:
+    """The port of the pod's metrics process (``--metrics-port``), checked three ways:
+    the environment that sets it, the container port named for it, Prometheus's
+    annotation."""
+    c = container(deployment)
+    port = int(env(c, "TSERVE_METRICS_PORT"))
+    assert {"name": "metrics", "containerPort": port} in c["ports"]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+    return port
+
+
 def test_replicas_behind_a_service_with_liveness_and_readiness() -> None:
     objects = render("replicas")
     deployment = objects["Deployment", "tserve"]
@@ -56,6 +75,8 @@ def test_replicas_behind_a_service_with_liveness_and_readiness() -> None:
     service = objects["Service", "tserve"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
+    http = {p["containerPort"] for p in c["ports"] if p["name"] == "http"}
+    assert http and metrics_port(deployment) not in http
 
 
 def test_split_engine_and_api_share_one_address_and_the_curve_keys() -> None:
@@ -75,6 +96,7 @@ def test_split_engine_and_api_share_one_address_and_the_curve_keys() -> None:
         assert mount["name"] == volume["name"] and mount["readOnly"] is True
         assert flag(c["args"], "--keys") == mount["mountPath"]
     assert api["spec"]["replicas"] != engine["spec"]["replicas"]  # scaled apart
+    metrics_port(api)
 
 
 def _exported_names() -> set[str]:
@@ -90,16 +112,16 @@ def test_the_inference_pool_picks_tserve_pods_by_the_metrics_tserve_exports() ->
     deployment = objects["Deployment", "tserve"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    http = {p["containerPort"] for p in container(deployment)["ports"]}
-    assert {p["number"] for p in pool["spec"]["targetPorts"]} <= http
+    http = {p["containerPort"] for p in container(deployment)["ports"] if p["name"] == "http"}
+    assert {p["number"] for p in pool["spec"]["targetPorts"]} <= http  # requests, not metrics
     picker_name = pool["spec"]["endpointPickerRef"]["name"]
     picker = container(objects["Deployment", picker_name])
     service = objects["Service", picker_name]
     picker_port = pool["spec"]["endpointPickerRef"]["port"]["number"]
     assert service["spec"]["ports"][0]["port"] == picker_port
-    metrics = {
-        arg.split("=", 1)[1] for arg in picker["args"] if arg.split("=", 1)[0].endswith("-metric")
-    }
+    flags = dict(arg.split("=", 1) for arg in picker["args"])
+    assert int(flags["--model-server-metrics-port"]) == metrics_port(deployment)
+    metrics = {value for name, value in flags.items() if name.endswith("-metric")}
     assert metrics == {
         "vllm:num_requests_waiting",
         "vllm:num_requests_running",

@@ -28,6 +28,7 @@ import math
 import socket
 import time
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import NoReturn
 
 import h11
@@ -137,7 +138,8 @@ def _answer(
     headers = [("content-type", content_type), ("content-length", str(len(body)))]
     if status == 405:
         headers.append(("allow", "GET"))
-    return h11.Response(status_code=status, headers=headers), body
+    reason = HTTPStatus(status).phrase.encode()
+    return h11.Response(status_code=status, headers=headers, reason=reason), body
 
 
 async def _next_request(stream: trio.SocketStream, conn: h11.Connection) -> h11.Request | None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tserve.__main__ import main, parse_args
+from tserve.__main__ import _server_config, main, parse_args
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,3 +76,17 @@ def test_model_impl_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyP
     with pytest.raises(SystemExit) as info:
         parse_args(["--model-impl", "vllm"])
     assert info.value.code == 2
+
+
+def test_metrics_port_from_the_flag_or_the_environment_and_apart_from_the_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse_args([]).metrics_port is None
+    monkeypatch.setenv("TSERVE_METRICS_PORT", "9090")
+    args = parse_args([])
+    assert args.metrics_port == 9090
+    assert _server_config(args).publish_stats  # every API process writes its stats file
+    assert not _server_config(parse_args(["--metrics-port", "0"])).reuse_port
+    for bad in (["--port", "9090"], ["--metrics-port", "70000"]):
+        with pytest.raises(SystemExit, match="--metrics-port"):
+            _server_config(parse_args(bad))

@@ -65,6 +65,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--stall-timeout must be positive")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise SystemExit("--metrics-port must be a port number (0: any free port)")
+    if args.metrics_port and args.metrics_port == args.port:
+        raise SystemExit("--metrics-port must differ from --port")
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     return ServerConfig(
         host=args.host,

@@ -160,7 +160,7 @@ async def _next_request(stream: trio.SocketStream, conn: h11.Connection) -> h11.
             request = event
         elif isinstance(event, h11.EndOfMessage):
             return request
-        elif isinstance(event, h11.ConnectionClosed):
+        elif not isinstance(event, h11.Data):  # ConnectionClosed (PAUSED cannot come here)
             return None
         # h11.Data: a request body, dropped
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -108,6 +109,17 @@ class Server:
         self.client.close()
         self._log_file.close()
         return code
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A non-blocking TCP listener on 127.0.0.1 (any free port), closed after the test."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    sock.setblocking(False)
+    with sock:
+        yield sock
 
 
 @pytest.fixture

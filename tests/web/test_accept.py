@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Iterator
 from typing import cast
 
 import pytest
@@ -19,16 +18,6 @@ import trio.testing
 from tserve.web._accept import CONNECTION_HEADROOM, accept_connections, connection_bound
 
 HANG_GUARD = 30.0
-
-
-@pytest.fixture
-def listener() -> Iterator[socket.socket]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    sock.setblocking(False)
-    with sock:
-        yield sock
 
 
 def connect(listener: socket.socket, n: int) -> list[socket.socket]:

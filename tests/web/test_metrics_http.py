@@ -12,11 +12,9 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import pytest
 import trio
 import trio.testing
 
@@ -159,16 +157,6 @@ def test_the_metrics_process_renders_the_families_of_the_serving_port(tmp_path: 
     for name in ("vllm:request_success_total", "vllm:num_requests_running", "tserve_requests_live"):
         assert serving[name] == metrics_port[name], name
     assert metrics_port["vllm:cache_config_info"][0][0]["num_gpu_blocks"] == "64"
-
-
-@pytest.fixture
-def listener() -> Iterator[socket.socket]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    sock.setblocking(False)
-    with sock:
-        yield sock
 
 
 def get(conn: http.client.HTTPConnection, path: str, **headers: str) -> tuple[int, str, bytes]:

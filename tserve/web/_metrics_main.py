@@ -34,6 +34,7 @@ from tserve._host import configure_logging
 from tserve.web._browser import BrowserGuard
 from tserve.web._metrics import SHARED_DIR_ENV, engine_registry, request_registry
 from tserve.web._metrics_http import Rendering, serve_metrics
+from tserve.web._server import bound_socket
 from tserve.web._stats_files import read_stats
 from tserve.web._workers import READY, MetricsSpec
 
@@ -47,11 +48,8 @@ _PARENT_POLL = 0.2  # s between checks that the main process is still there
 
 def _listen(host: str, port: int) -> socket.socket:
     """A listening, non-blocking socket on ``host:port``; raises OSError."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = bound_socket(host, port)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host.strip("[]"), port))
         sock.listen(_BACKLOG)
         sock.setblocking(False)
     except BaseException:

@@ -49,7 +49,7 @@ from tserve.web._connections import StallGuard, serve_http
 from tserve.web._metrics import SHARED_DIR_ENV
 from tserve.web._stats_files import publish_stats
 
-__all__ = ["ServerConfig", "serve"]
+__all__ = ["ServerConfig", "bound_socket", "serve"]
 
 log = logging.getLogger("tserve.web")
 
@@ -81,28 +81,33 @@ class ServerConfig:
     app: AppConfig = dataclasses.field(default_factory=AppConfig)
 
 
-def _reuse_port_socket(host: str, port: int) -> int:
-    """A TCP socket bound to ``host:port`` with SO_REUSEPORT; returns its fd, ours to hand on.
+def bound_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 where ``host`` has a colon,
+    brackets or not), with SO_REUSEADDR and TCP_NODELAY; raises OSError.
 
-    Any process of this user may bind the same port this way, and the kernel
-    spreads new connections over all of them (by a hash of the addresses).
+    ``reuse_port``: SO_REUSEPORT too. Any process of this user may then bind
+    the same port, and the kernel spreads new connections over all of them
+    (by a hash of the addresses).
     """
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
+        sock.bind((host.strip("[]"), port))
     except BaseException:
         sock.close()
         raise
-    return sock.detach()
+    return sock
 
 
 def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hc = HypercornConfig()
     if config.reuse_port:
-        hc.bind = [f"fd://{_reuse_port_socket(config.host, config.port)}"]  # hypercorn listens
+        # The fd is hypercorn's from here: it listens on it and closes it.
+        sock = bound_socket(config.host, config.port, reuse_port=True)
+        hc.bind = [f"fd://{sock.detach()}"]
     else:
         host = f"[{config.host}]" if ":" in config.host else config.host
         hc.bind = [f"{host}:{config.port}"]

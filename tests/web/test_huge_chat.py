@@ -8,8 +8,9 @@ megabyte-sized prompt, tokenized off the loop). Every one gets a clear 400
 (the bound on messages; the other two do not fit the context), ``/health``
 answers 200 every 50 ms throughout, and the engine serves a normal chat
 after. The poll latencies are printed (``pytest -s``;
-``python -m benchmarks.huge_chat`` reports p50/p99): the only timing checked
-here is a hang guard, the heartbeat timeout.
+``python -m benchmarks.huge_chat`` reports p50/p99); no timing is asserted:
+a poll that waits past the hang guard (the heartbeat timeout, the client's
+socket timeout) fails, and its status 0 fails the test.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def test_huge_chats_get_a_clear_400_while_health_stays_200(start_server: StartSe
         assert chat[name].status == 400, chat[name]
         assert "exceeds the context length of 512 tokens" in (chat[name].error_message or "")
     assert len(run.during_chats()) >= 1  # polls overlapped the chats
+    # Each poll's socket times out at the guard: a stalled loop shows as status 0 here.
     assert {p.status for p in run.polls} == {200}
-    assert max(p.seconds for p in run.polls) < HEARTBEAT_TIMEOUT
 
     os.kill(engine, 0)  # the engine process is alive: ProcessLookupError otherwise
     assert server.client.get("/health").status_code == 200

@@ -233,7 +233,7 @@ def measure(
     linear: torch.nn.Linear,
     rows: Sequence[int],
     timer: Callable[[], float],
-    libraries: Sequence[Library] = ("blas", "onednn"),
+    libraries: Sequence[Library],
 ) -> Plan:
     """The fastest of ``libraries`` for ``linear`` at each row count (fastest of a few runs)."""
     weights = _Weights(linear, libraries)

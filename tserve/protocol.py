@@ -29,13 +29,15 @@ Framing rules:
 from __future__ import annotations
 
 import enum
-from typing import Final, Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
 
 __all__ = [
     "TOKENIZER_FILES",
     "AddRequest",
+    "Choice",
+    "Constraint",
     "EngineConfig",
     "EngineDead",
     "EngineInput",
@@ -44,9 +46,12 @@ __all__ = [
     "FinishReason",
     "Heartbeat",
     "Hello",
+    "JsonSchema",
     "Kind",
+    "LarkGrammar",
     "Message",
     "ProtocolError",
+    "Regex",
     "RequestOutput",
     "SamplingParams",
     "Shutdown",
@@ -93,6 +98,37 @@ class FinishReason(enum.IntEnum):
 _OPENAI_FINISH: Final = {reason: reason.name.lower() for reason in FinishReason}
 
 
+class JsonSchema(msgspec.Struct, tag=1, array_like=True, frozen=True):
+    """Output is one JSON value matching ``schema`` (a JSON Schema as a dict);
+    ``schema`` None = any JSON object (OpenAI's ``json_object``)."""
+
+    schema: dict[str, Any] | None = None
+
+
+class Regex(msgspec.Struct, tag=2, array_like=True, frozen=True):
+    """Output matches ``pattern`` in full (the grammar engine's regex dialect)."""
+
+    pattern: str
+
+
+class Choice(msgspec.Struct, tag=3, array_like=True, frozen=True):
+    """Output is exactly one of ``choices``."""
+
+    choices: tuple[str, ...]
+
+
+class LarkGrammar(msgspec.Struct, tag=4, array_like=True, frozen=True):
+    """Output is a sentence of ``grammar``, a Lark grammar in llguidance's dialect
+    (``start`` is the start rule; ``%json {...}`` embeds a JSON Schema)."""
+
+    grammar: str
+
+
+Constraint: TypeAlias = JsonSchema | Regex | Choice | LarkGrammar
+"""What a request's output must match (structured outputs, tool calls).
+Tagged on the wire by its first element."""
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """How to pick each next token of one request.
 
@@ -103,6 +139,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     None = no logprobs). EOS ends the request unless ``ignore_eos``.
     ``stop`` strings are matched on text by the API process, which strips
     them before sending; the engine never sees text.
+    ``logit_bias``: (token id, bias in [-100, 100]) pairs added to the raw
+    logits before sampling; +100 forces a token, -100 bans it.
+    ``constraint``: the output must match it; the engine masks the logits of
+    tokens the grammar forbids (after penalties and ``logit_bias``).
     """
 
     max_tokens: int = 16
@@ -116,6 +156,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
 
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True):

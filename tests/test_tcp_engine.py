@@ -42,6 +42,9 @@ BOUND = 2 * HEARTBEAT  # the README's detection bound
 DEADLINE = 20 * HEARTBEAT  # how long a poll waits for an outcome: a hang guard
 REFUSAL_BOUND = 10.0  # s, the issue's bound for "refused, and says so"
 LONG = {"prompt": "hold", "max_tokens": 400, "ignore_eos": True, "stream": True}
+# The echo engine at 5 steps a second: a LONG stream needs 80 s, far longer
+# than any test here holds one, so none can finish while it is held.
+ECHO = ("--engine-kind", "echo", "--echo-step-time", "0.2")
 
 
 class Engine:
@@ -159,8 +162,7 @@ def test_api_servers_share_an_engine_and_outlive_each_other_but_not_it(
     count back to what the two survivors hold, who keep serving; kill -9 of
     the engine turns both survivors' /health 503 and ends their streams with
     an error event."""
-    echo = ("--engine-kind", "echo", "--echo-step-time", "0.05")
-    engine = Engine(tiny_model_dir, keys, *echo, log=tmp_path / "engine.log")
+    engine = Engine(tiny_model_dir, keys, *ECHO, log=tmp_path / "engine.log")
     servers: list[Server] = []
     try:
         with ThreadPoolExecutor(4) as pool:
@@ -202,8 +204,7 @@ def test_a_model_engine_over_tcp(tiny_model_dir: Path, keys: Path, tmp_path: Pat
     """The tiny model's engine and one API server: it tokenizes exactly as the
     model directory says without having it, holds no torch, frees the KV of
     a client that hangs up (as over ipc); a server with a key the engine does
-    not know is refused and says so within 10 s; SIGTERM stops the engine
-    cleanly, ending the live stream with an error event."""
+    not know is refused and says so within 10 s."""
     engine = Engine(tiny_model_dir, keys, log=tmp_path / "engine.log")
     server: Server | None = None
     try:
@@ -213,7 +214,22 @@ def test_a_model_engine_over_tcp(tiny_model_dir: Path, keys: Path, tmp_path: Pat
         assert [f for f in mapped if any(part in f for part in ENGINE_ONLY)] == []
         _check_disconnects_free_the_engine(server)
         _check_an_unknown_key_is_refused(engine, keys, tmp_path)
+    finally:
+        if server is not None:
+            server.stop(signal.SIGKILL)
+        engine.stop()
 
+
+def test_sigterm_stops_an_engine_over_tcp_cleanly(
+    tiny_model_dir: Path, keys: Path, tmp_path: Path
+) -> None:
+    """SIGTERM stops the engine cleanly (exit 0), ending a live stream (the echo
+    engine's, which cannot finish meanwhile) with an error event that says
+    so; the API server then exits 1."""
+    engine = Engine(tiny_model_dir, keys, *ECHO, log=tmp_path / "engine.log")
+    server: Server | None = None
+    try:
+        server = _api(engine, keys, tmp_path, "api.log")
         with _held_streams([server]) as (held,):
             engine.process.send_signal(signal.SIGTERM)
             assert engine.process.wait(DEADLINE) == 0

@@ -36,10 +36,12 @@ async def test_attached_llm_shares_the_engine_and_never_stops_it(tiny_model_dir:
 
 async def test_attached_llm_sees_the_engine_die(tiny_model_dir: Path) -> None:
     """kill -9 of the engine: the attached LLM (not its parent) fails its live
-    request with EngineDeadError and reports the engine dead."""
+    request with EngineDeadError and reports the engine dead. The echo engine
+    at 10 steps a second needs 40 s for the request, so it is mid-stream at
+    the kill."""
     with anyio.fail_after(HANG_GUARD):
         async with (
-            open_llm(tiny_model_dir, **ENGINE) as owner,
+            open_llm(tiny_model_dir, engine_kind="echo", echo_step_time=0.1, **ENGINE) as owner,
             attach_llm(owner.engine_address, owner.engine_pid, heartbeat_timeout=60) as attached,
         ):
             long = SamplingParams(max_tokens=400, ignore_eos=True)

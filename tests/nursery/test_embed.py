@@ -7,6 +7,8 @@ backend serves the module; the test that kills the embedding engine runs last.
 from __future__ import annotations
 
 import math
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -130,7 +132,9 @@ async def test_a_dead_embedding_engine_ends_generation_too(llm: LLM) -> None:
     """Last in the module: it kills this backend's embedding engine. Either
     engine's death is the LLM's: live generation streams end with
     EngineDeadError naming the embedding engine, and the generation engine,
-    asked to shut down, exits."""
+    asked to shut down, exits. The generation engine is stopped (SIGSTOP)
+    from before the streams start until they have failed, so none can finish
+    first."""
     embedder = embedder_of(llm)
     failures: list[str] = []
 
@@ -140,12 +144,16 @@ async def test_a_dead_embedding_engine_ends_generation_too(llm: LLM) -> None:
                 pass
         failures.append(str(caught.value))
 
-    with anyio.fail_after(HANG_GUARD):
-        async with anyio.create_task_group() as tg:
-            for _ in range(5):
-                tg.start_soon(stream)
-            await eventually(lambda: llm.stats.engine.running == 5, "five streams run")
-            embedder.kill_engine()
+    os.kill(llm.engine_pid, signal.SIGSTOP)
+    try:
+        with anyio.fail_after(HANG_GUARD):
+            async with anyio.create_task_group() as tg:
+                for _ in range(5):
+                    tg.start_soon(stream)
+                await eventually(lambda: llm.stats.live_requests == 5, "five streams are live")
+                embedder.kill_engine()
+    finally:
+        os.kill(llm.engine_pid, signal.SIGCONT)
     assert len(failures) == 5
     assert all(f.startswith("embedding engine: ") and "SIGKILL" in f for f in failures)
     assert not llm.engine_alive

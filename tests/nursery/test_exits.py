@@ -76,7 +76,10 @@ async def test_leaving_open_llm_in_any_way_stops_the_engine(tiny_model_dir: Path
 
         async with anyio.create_task_group() as outside:
             with anyio.CancelScope() as scope:
-                async with open_llm(tiny_model_dir, **ENGINE) as llm:
+                # The echo engine at 10 steps a second: the outer request needs
+                # 48 s, so it still runs when the block is left.
+                paced = open_llm(tiny_model_dir, engine_kind="echo", echo_step_time=0.1, **ENGINE)
+                async with paced as llm:
                     pids["cancel"] = llm.engine_pid
                     outside.start_soon(outlives_the_block, llm)
                     async with anyio.create_task_group() as tg:

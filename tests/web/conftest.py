@@ -78,6 +78,23 @@ class Server:
         assert len(pids) == 1, pids
         return pids[0]
 
+    @contextlib.contextmanager
+    def engine_stopped(self) -> Iterator[None]:
+        """The engine process stopped (SIGSTOP) for the block, continued after it.
+
+        A gate, not a pace: nothing the engine runs can make progress or finish
+        meanwhile, while the API process admits, queues and refuses as usual.
+        The API process takes an engine silent for its heartbeat timeout (30 s)
+        for dead, so a block holds only a few quick requests (a hang guard's
+        margin, not a timing assumption).
+        """
+        engine = self.engine_pid
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(engine, signal.SIGCONT)
+
     def metric(self, name: str) -> float:
         """The value of ``name`` on one scrape, summed over its label sets."""
         values = [

@@ -20,6 +20,9 @@ pytestmark = pytest.mark.slow
 
 StartServer = Callable[..., Server]
 LONG = {"prompt": "x", "max_tokens": 480, "ignore_eos": True}
+# The echo engine at 10 steps a second: a LONG request needs 48 s, so a test
+# that ends it long before cannot race it.
+PACED = ("--engine-kind", "echo", "--echo-step-time", "0.1")
 
 
 def read_stream(url: str, body: dict[str, object], out: list[list[str]]) -> None:
@@ -63,19 +66,22 @@ def start_streams(
 
 
 def test_overload_gets_503_at_once_and_admitted_complete(start_server: StartServer) -> None:
+    """Four streams take the four slots while the engine is stopped, so none can
+    finish before the burst is refused; once it runs again, all four complete."""
     server = start_server("--max-pending", "4", "--max-queued", "0", "--max-num-seqs", "1")
-    threads, out = start_streams(server, 4, LONG)
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        burst = [client.post("/v1/completions", json=LONG) for _ in range(40)]
-        assert client.get("/health").status_code == 200
-        assert client.get("/ready").status_code == 503  # saturated
+    with server.engine_stopped():
+        threads, out = start_streams(server, 4, LONG)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            burst = [client.post("/v1/completions", json=LONG) for _ in range(40)]
+            assert client.get("/health").status_code == 200
+            assert client.get("/ready").status_code == 503  # saturated
+        sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as info:
+            sdk.completions.create(model="tiny", prompt="x", max_tokens=480)
+        assert info.value.status_code == 503
     assert {r.status_code for r in burst} == {503}
     assert all(r.headers["Retry-After"].isdigit() for r in burst)
     assert {r.json()["error"]["code"] for r in burst} == {"overloaded"}
-    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.APIStatusError) as info:
-        sdk.completions.create(model="tiny", prompt="x", max_tokens=480)
-    assert info.value.status_code == 503
     for t in threads:
         t.join(120)
     assert [finish_of(events) for events in out] == ["length"] * 4
@@ -84,13 +90,15 @@ def test_overload_gets_503_at_once_and_admitted_complete(start_server: StartServ
 
 
 def test_requests_queue_up_to_the_bound_then_get_503(start_server: StartServer) -> None:
-    """2 running and 3 waiting for a slot fill the queue: the next get 503 at
-    once, /ready says saturated, and all 5 admitted complete."""
+    """2 running and 3 waiting for a slot fill the queue (the engine stopped, so
+    none leaves it): the next get 503 at once, /ready says saturated, and all
+    5 admitted complete once the engine runs again."""
     server = start_server("--max-pending", "2", "--max-queued", "3", "--max-num-seqs", "1")
-    threads, out = start_streams(server, 5, LONG)
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        burst = [client.post("/v1/completions", json=LONG) for _ in range(10)]
-        assert client.get("/ready").status_code == 503  # saturated
+    with server.engine_stopped():
+        threads, out = start_streams(server, 5, LONG)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            burst = [client.post("/v1/completions", json=LONG) for _ in range(10)]
+            assert client.get("/ready").status_code == 503  # saturated
     assert {r.status_code for r in burst} == {503}
     assert {r.json()["error"]["code"] for r in burst} == {"overloaded"}
     for t in threads:
@@ -100,8 +108,20 @@ def test_requests_queue_up_to_the_bound_then_get_503(start_server: StartServer) 
     assert server.client.get("/ready").status_code == 200
 
 
+def wait_for_a_started_stream(server: Server) -> None:
+    """Until some stream has its second token: its headers were sent, so it must
+    end with an error event rather than a status."""
+    deadline = time.monotonic() + 60  # a hang guard
+    while server.metric("vllm:inter_token_latency_seconds_count") < 1:
+        assert time.monotonic() < deadline, "no stream ever got past its first token"
+        time.sleep(0.05)
+
+
 def test_engine_kill_fails_every_request_and_exits_nonzero(start_server: StartServer) -> None:
-    server = start_server("--max-num-seqs", "1")
+    """The echo engine at 10 steps a second runs one request at a time: the
+    running stream needs 48 s for its 480 tokens, so at the kill (its second
+    token) it is mid-stream, and the others are still waiting for a first one."""
+    server = start_server("--max-num-seqs", "1", *PACED)
     threads, out = start_streams(server, 3, LONG)
     plain: list[httpx.Response] = []
     blocker = threading.Thread(
@@ -111,21 +131,14 @@ def test_engine_kill_fails_every_request_and_exits_nonzero(start_server: StartSe
     )
     blocker.start()
     server.wait_for_metric("tserve_requests_live", 4)
-    # A second token observed means the running stream sent its headers, so
-    # it must end with an error event rather than a status.
-    deadline = time.monotonic() + 60
-    while server.metric("vllm:inter_token_latency_seconds_count") < 1:
-        assert time.monotonic() < deadline, "no stream ever got past its first token"
-        time.sleep(0.05)
-    engine = server.engine_pid
-    os.kill(engine, signal.SIGKILL)
+    wait_for_a_started_stream(server)
+    os.kill(server.engine_pid, signal.SIGKILL)
     for t in [*threads, blocker]:
         t.join(60)
-    # A stream that had started ends with an error event; one still waiting for
-    # its first token (max-num-seqs 1) gets a plain 503.
-    finishes = [finish_of(e) for e in out]
-    assert set(finishes) <= {"error:engine_dead", "status:503:engine_dead"}
-    assert "error:engine_dead" in finishes
+    # The started stream ends with an error event; the two still waiting for
+    # their first token get a plain 503, as does the non-streamed request.
+    finishes = sorted(str(finish_of(e)) for e in out)
+    assert finishes == ["error:engine_dead", "status:503:engine_dead", "status:503:engine_dead"]
     assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "engine_dead"
     health = httpx.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 503
@@ -142,14 +155,16 @@ def test_sigterm_drains_streams_then_exits_zero(
 ) -> None:
     """SIGTERM or Ctrl-C drains; a signal to the whole process group (a terminal's
     Ctrl-C, a supervisor's stop) does not reach the engine, which lives in a
-    session of its own, so the streams still finish."""
+    session of its own, so the streams still finish. The signal comes while
+    the engine is stopped, so all three streams are in flight when it does."""
     server = start_server("--max-num-seqs", "1", "--shutdown-timeout", "60")
-    threads, out = start_streams(server, 3, LONG)
     engine = server.engine_pid
-    if to_group:
-        os.killpg(server.process.pid, sig)
-    else:
-        server.process.send_signal(sig)
+    with server.engine_stopped():
+        threads, out = start_streams(server, 3, LONG)
+        if to_group:
+            os.killpg(server.process.pid, sig)
+        else:
+            server.process.send_signal(sig)
     for t in threads:
         t.join(120)
     assert [finish_of(e) for e in out] == ["length"] * 3
@@ -163,25 +178,22 @@ def test_sigterm_past_the_timeout_ends_streams_with_an_error_event(
 ) -> None:
     """Past --shutdown-timeout every request still running ends with an error, never a cut.
 
-    One request runs at a time (max-num-seqs 1) and the others queue in the
-    engine. A response whose headers were sent (it had its first token)
-    ends with a final ``shutting_down`` error event and ``[DONE]``; one
-    still waiting for its first token has sent nothing yet, so it gets the
-    plain 503 + Retry-After error JSON; one that finished in time says
-    ``length``. The four need 1,920 tokens decoded one request after
-    another, far more than 0.2 s of work, so some are cut either way.
+    The echo engine at 10 steps a second runs one request at a time and the
+    others queue in it. SIGTERM comes once the running stream had its second
+    token; it needs 48 s for its 480, far past the 0.2 s timeout. A response
+    whose headers were sent ends with a final ``shutting_down`` error event
+    and ``[DONE]``; one still waiting for its first token has sent nothing
+    yet, so it gets the plain 503 + Retry-After error JSON.
     """
-    server = start_server("--max-num-seqs", "1", "--shutdown-timeout", "0.2")
+    server = start_server("--max-num-seqs", "1", "--shutdown-timeout", "0.2", *PACED)
     threads, out = start_streams(server, 4, {**LONG, "prompt": "y"})
     engine = server.engine_pid
+    wait_for_a_started_stream(server)
     server.process.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)
-    finishes = [finish_of(e) for e in out]  # each stream ends with a final event and [DONE]
-    assert len(finishes) == 4
-    assert set(finishes) <= {"length", "error:shutting_down", "status:503:shutting_down"}
-    assert "error:shutting_down" in finishes  # a started stream was cut: it says so
-    assert "status:503:shutting_down" in finishes  # the queued ones never started
+    finishes = sorted(str(finish_of(e)) for e in out)  # each stream ends with a final event
+    assert finishes == ["error:shutting_down"] + ["status:503:shutting_down"] * 3
     assert server.process.wait(60) == 0
     assert not Path(f"/proc/{engine}").exists() or _is_zombie(engine)
 

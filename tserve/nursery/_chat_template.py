@@ -38,6 +38,7 @@ from typing import Any, TypedDict, TypeVar, Unpack
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
@@ -108,10 +109,19 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens)
         self._template: jinja2.Template | None = None
         self._compile_error: str | None = None
+        # The variables the template reads (empty when it does not compile).
+        self.variables: frozenset[str] = frozenset()
         try:
-            self._template = _sandbox().from_string(source)
+            env = _sandbox()
+            self._template = env.from_string(source)
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateError as exc:
             self._compile_error = f"the model's chat template does not compile: {exc}"
+
+    @property
+    def reads_tools(self) -> bool:
+        """Whether the template reads the ``tools`` variable (else it ignores tools)."""
+        return "tools" in self.variables
 
     def render(self, messages: object, **options: Unpack[ChatOptions]) -> str:
         """The prompt text for ``messages``. Blocking (template work).

@@ -133,6 +133,11 @@ class ModelTokenizer:
                 text = text.replace(before, after)
         return text
 
+    def chat_template(self, *, tools: bool) -> ChatTemplate:
+        """The template a chat uses (with ``tools``: its "tool_use" one if it has one).
+        Raises ChatTemplateError when the model has none to use."""
+        return select_template(self._templates, tools=tools)
+
     def render_chat(self, messages: object, **options: Unpack[ChatOptions]) -> str:
         """The prompt text of a chat, by the model's template (its "tool_use"
         one when given tools and it has one). Raises ChatTemplateError (an

@@ -17,7 +17,8 @@ never torch or transformers, and only once a loader runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 Message = dict[str, Any]
+Tools = Sequence[Mapping[str, Any]] | None  # the template's ``tools`` variable
 _Input = TypeVar("_Input")
 
 # Prompts (or chats, counting their messages' contents) shorter than this many
@@ -76,19 +78,22 @@ class ChatTokenizer:
         """
         return await self._run(self.encode, text, len(text))
 
-    async def tokenize_chat(self, messages: list[Message]) -> list[int]:
+    async def tokenize_chat(self, messages: list[Message], tools: Tools = None) -> list[int]:
         """Prompt ids for a chat (:meth:`apply_chat_template`), inline or in a
         thread by its messages' length, like :meth:`tokenize`."""
-        return await self._run(self.apply_chat_template, messages, _chat_chars(messages))
+        work = partial(self.apply_chat_template, tools=tools)
+        return await self._run(work, messages, _chat_chars(messages, tools))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``. Blocking (tokenizer work): :meth:`tokenize` decides where."""
         return self.tokenizer.encode(text)
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        """Prompt ids for a chat, the assistant's turn opened. Blocking; raises
-        InvalidRequest (``param`` "messages") for a chat the template rejects."""
-        return self.encode(self.tokenizer.render_chat(messages, add_generation_prompt=True))
+    def apply_chat_template(self, messages: list[Message], tools: Tools = None) -> list[int]:
+        """Prompt ids for a chat, the assistant's turn opened, ``tools`` the template's
+        ``tools`` variable. Blocking; raises InvalidRequest (``param`` "messages")
+        for a chat the template rejects."""
+        text = self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
+        return self.encode(text)
 
     async def _run(self, work: Callable[[_Input], list[int]], arg: _Input, chars: int) -> list[int]:
         if chars < INLINE_TOKENIZE_CHARS:
@@ -123,10 +128,13 @@ class EncoderTokenizer:
 _MESSAGE_CHARS = 100
 
 
-def _chat_chars(messages: list[Message]) -> int:
+def _chat_chars(messages: list[Message], tools: Tools = None) -> int:
     """A chat's cost in characters: its contents (a content that is not text
-    counts as its repr) plus :data:`_MESSAGE_CHARS` per message."""
+    counts as its repr) plus :data:`_MESSAGE_CHARS` per message and per tool
+    (tools count as their repr too)."""
     total = _MESSAGE_CHARS * len(messages)
+    for tool in tools or ():
+        total += _MESSAGE_CHARS + len(str(tool))
     for message in messages:
         content = message.get("content")
         total += len(content) if isinstance(content, str) else len(str(content))

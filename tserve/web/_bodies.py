@@ -29,7 +29,10 @@ __all__ = [
     "EmbeddingBody",
     "MessageBody",
     "SamplingBody",
+    "StructuredOutputsBody",
     "TokenizeBody",
+    "ToolBody",
+    "ToolCallBody",
 ]
 
 MAX_CHOICES = 128  # n * len(prompts) per HTTP request
@@ -38,6 +41,8 @@ MAX_STOP_LENGTH = 1000  # characters per stop string; past it, 400 naming "stop"
 MAX_MESSAGES = 2048  # chat messages per request (also /tokenize); past it, 400 naming "messages"
 MAX_STOP_TOKEN_IDS = 256
 MAX_EMBEDDING_INPUTS = 2048
+MAX_TOOLS = 512  # tools per chat request; past it, 400 naming "tools"
+MAX_CHOICE_STRINGS = 4096  # strings of a "choice" constraint; past it, 400 naming the field
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _Int64 = Annotated[int, msgspec.Meta(ge=_INT64_MIN, le=_INT64_MAX)]
@@ -50,6 +55,31 @@ _Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None  # accepted, not honoured
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: what the ``openai`` SDK's ``parse()`` sends."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs``: at most one of these may be set."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], msgspec.Meta(max_length=MAX_CHOICE_STRINGS)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
 
 
 class SamplingBody(msgspec.Struct, kw_only=True):
@@ -72,8 +102,15 @@ class SamplingBody(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[_TokenId] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # structured outputs: OpenAI's, vLLM's, and vLLM's older top-level names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], msgspec.Meta(max_length=MAX_CHOICE_STRINGS)] | None = None
+    guided_grammar: str | None = None
     # known, refused unless harmless
-    logit_bias: dict[str, float] | None = None
     best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
@@ -89,19 +126,42 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallBody(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCallBody(msgspec.Struct, kw_only=True):
+    """One call of an assistant message's ``tool_calls`` (a conversation's history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class MessageBody(msgspec.Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[ToolCallBody] | None = None
     tool_call_id: str | None = None
 
 
 _Messages = Annotated[list[MessageBody], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str
+class FunctionBody(msgspec.Struct, kw_only=True):
+    """A tool's function: ``parameters`` is a JSON Schema (None = no arguments)."""
+
+    name: Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_.:-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolBody(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionBody
 
 
 class ChatBody(SamplingBody, kw_only=True):
@@ -109,11 +169,10 @@ class ChatBody(SamplingBody, kw_only=True):
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT64_MAX)] | None = None
     logprobs: bool | None = None
     top_logprobs: _Logprobs | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Annotated[list[ToolBody], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type", "function": {"name"}}
     functions: Any = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None

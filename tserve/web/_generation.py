@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from functools import partial
 
 import msgspec
@@ -19,6 +19,7 @@ import trio
 from quart import Response
 
 from tserve.nursery import LLM, EngineDeadError, InvalidRequest, RequestStream, ShuttingDown
+from tserve.protocol import SamplingParams
 from tserve.validity import tokens_problem
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import RequestRecord
@@ -36,7 +37,10 @@ from tserve.web._routing import json_response, read_body
 from tserve.web._send_buffer import BufferBudget
 from tserve.web._sse import SSEEvents
 from tserve.web._streaming import Choice, SSEBody, closed_on_error, collect, first_deltas
+from tserve.web._structured import rename_constraint_error
 from tserve.web._tokens import TokenTexts
+from tserve.web._tool_formats import detect_format
+from tserve.web._tools import ToolPlan
 
 __all__ = ["Generation"]
 
@@ -64,13 +68,34 @@ class Generation:
         req = parse_completion(await read_body())
         model = self._models.resolve(req.model)
         self._precheck(len(req.prompts) * req.n)
-        return await self._in_flight.abortable(partial(self._completions, record, req, model))
+        run = partial(self._completions, record, req, model)
+        return await self._named(req.constraint_field, self._in_flight.abortable(run))
 
     async def chat_completions(self, record: RequestRecord) -> Response:
         req = parse_chat(await read_body())
         model = self._models.resolve(req.model)
         self._precheck(req.n)
-        return await self._in_flight.abortable(partial(self._chat, record, req, model))
+        plan = self._tool_plan(req)
+        field = req.constraint_field or (plan.request.field if plan is not None else None)
+        run = partial(self._chat, record, req, model, plan)
+        return await self._named(field, self._in_flight.abortable(run))
+
+    @staticmethod
+    async def _named(field: str | None, response: Awaitable[Response]) -> Response:
+        """``response``, a problem the nursery found with the constraint named by ``field``."""
+        try:
+            return await response
+        except InvalidRequest as exc:
+            if field is None:
+                raise
+            raise rename_constraint_error(exc, field) from None
+
+    def _tool_plan(self, req: ChatRequest) -> ToolPlan | None:
+        """The request's tools for this model's template (its format read from its source)."""
+        if req.tools is None:
+            return None
+        template = self._llm.tokenizer.chat_template(tools=True)
+        return ToolPlan(req.tools, detect_format(template.source, reads_tools=template.reads_tools))
 
     def _precheck(self, count: int) -> None:
         """Refuse at once what admission would refuse, before any tokenizing."""
@@ -100,12 +125,14 @@ class Generation:
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, COMPLETION)
         return await self._respond(record, req, envelope, streams, choices)
 
-    async def _chat(self, record: RequestRecord, req: ChatRequest, model: str) -> Response:
-        streams = await self._start_chat(req)
+    async def _chat(
+        self, record: RequestRecord, req: ChatRequest, model: str, plan: ToolPlan | None
+    ) -> Response:
+        streams = await self._start_chat(req, plan)
         logprobs = req.logprobs is not None
         keep = not req.stream  # a streamed choice keeps nothing it has sent
         choices = [
-            ChatChoice(i, self._token_texts, logprobs=logprobs, keep=keep)
+            ChatChoice(i, self._token_texts, logprobs=logprobs, keep=keep, tools=plan)
             for i in range(len(streams))
         ]
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, CHAT)
@@ -113,6 +140,7 @@ class Generation:
 
     async def _start_completion(self, req: CompletionRequest) -> list[RequestStream]:
         """Admit ``n`` streams per prompt; a prompt used ``n > 1`` times is tokenized once."""
+        _check_engine_masks(req.params, req.constraint_field)
         streams: list[RequestStream] = []
         with closed_on_error(streams):
             for prompt in req.prompts:
@@ -122,12 +150,18 @@ class Generation:
                 streams.extend(self._llm.generate(source, req.params) for _ in range(req.n))
         return streams
 
-    async def _start_chat(self, req: ChatRequest) -> list[RequestStream]:
+    async def _start_chat(self, req: ChatRequest, plan: ToolPlan | None) -> list[RequestStream]:
         """Admit ``n`` streams. Without max_tokens, the rest of the context is the limit."""
+        messages, tools, params = req.messages, None, req.params
+        if plan is not None:
+            messages, tools = plan.messages(messages), plan.template_tools()
+            grammar = plan.grammar()
+            if grammar is not None:
+                params = msgspec.structs.replace(params, constraint=grammar)
+        _check_engine_masks(params, req.constraint_field or "tool_choice")
         if req.max_tokens is not None and req.n == 1:
-            return [self._llm.chat(req.messages, req.params)]
-        ids = await self._llm.tokenize_chat(req.messages)
-        params = req.params
+            return [self._llm.chat(messages, params, tools=tools)]
+        ids = await self._llm.tokenize_chat(messages, tools)
         if req.max_tokens is None:
             room = max(1, self._llm.ready.max_model_len - len(ids))
             params = msgspec.structs.replace(params, max_tokens=room)
@@ -182,3 +216,19 @@ class Generation:
         self._in_flight.add_body(body)
         record.streaming = True
         return Response(body, content_type="text/event-stream", headers=dict(_SSE_HEADERS))
+
+
+def _check_engine_masks(params: SamplingParams, field: str | None) -> None:
+    """Refuse what the engine cannot apply yet: constraints and logit biases (its
+    per-step masks). A request is never generated unconstrained instead."""
+    if params.constraint is not None:
+        raise InvalidRequest(
+            f"'{field}' is not supported by this server yet: the engine does not apply grammars",
+            param=field,
+        )
+    if params.logit_bias:
+        raise InvalidRequest(
+            "'logit_bias' is not supported by this server yet: the engine does not apply "
+            "logit biases",
+            param="logit_bias",
+        )

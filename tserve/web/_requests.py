@@ -7,13 +7,18 @@ Rules:
   JSON path of the field (``max_tokens``, ``messages[2].content``).
 * Unknown fields are ignored (clients send many). Known fields that tserve
   cannot honour are refused with a 400 naming the field rather than ignored
-  silently: ``best_of > 1``, ``suffix``, a non-empty ``logit_bias``,
-  ``echo`` with ``logprobs``, ``min_tokens > 0``, ``tools``/``functions``,
-  a ``tool_choice`` other than "none", a ``response_format`` other than
-  text, ``audio``, non-text ``modalities``, ``prediction``, and message
-  content parts other than text.
+  silently: ``best_of > 1``, ``suffix``, ``echo`` with ``logprobs``,
+  ``min_tokens > 0``, ``functions``/``function_call`` (the deprecated form
+  of tools), ``audio``, non-text ``modalities``, ``prediction``, and
+  message content parts other than text.
+* Structured outputs and ``logit_bias`` are :mod:`tserve.web._structured`'s
+  rules; ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are
+  :mod:`tserve.web._tools`'s.
+* Chat history: an assistant message's ``tool_calls`` reach the template
+  with each ``arguments`` decoded (a JSON object, else a 400 naming it); a
+  ``tool`` message needs its ``tool_call_id``.
 * vLLM-style extras are accepted: ``top_k``, ``ignore_eos``,
-  ``stop_token_ids``.
+  ``stop_token_ids``, ``structured_outputs`` and the ``guided_*`` fields.
 * Bounds: ``n`` times the number of prompts is at most :data:`MAX_CHOICES`,
   at most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_LENGTH`
   characters, at most :data:`MAX_MESSAGES` chat messages, ``logprobs``/``top_logprobs`` at
@@ -24,6 +29,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any, Literal, TypeVar
 
@@ -46,7 +52,10 @@ from tserve.web._bodies import (
     MessageBody,
     SamplingBody,
     TokenizeBody,
+    ToolCallBody,
 )
+from tserve.web._structured import Constrained, constraint_of, logit_bias_of
+from tserve.web._tools import ToolRequest, tool_request
 
 __all__ = [
     "MAX_CHOICES",
@@ -86,6 +95,7 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     logprobs: int | None  # top alternatives per token; None = off
+    constraint_field: str | None = None  # the field params.constraint came from
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,6 +114,8 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    constraint_field: str | None = None  # the field params.constraint came from
+    tools: ToolRequest | None = None  # None: no tool may be called
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -164,8 +176,6 @@ def _refuse(param: str, why: str) -> InvalidRequest:
 
 
 def _check_common(body: SamplingBody) -> None:
-    if body.logit_bias:
-        raise _refuse("logit_bias", "logit biases are not implemented")
     if body.best_of is not None and body.best_of > 1:
         raise _refuse("best_of", "only best_of=1 is implemented")
     if body.min_tokens:
@@ -178,7 +188,9 @@ def _check_common(body: SamplingBody) -> None:
         )
 
 
-def _params(body: SamplingBody, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(
+    body: SamplingBody, max_tokens: int, logprobs: int | None, constrained: Constrained | None
+) -> SamplingParams:
     stop = body.stop
     return SamplingParams(
         max_tokens=max_tokens,
@@ -192,6 +204,8 @@ def _params(body: SamplingBody, max_tokens: int, logprobs: int | None) -> Sampli
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        logit_bias=logit_bias_of(body),
+        constraint=None if constrained is None else constrained.constraint,
     )
 
 
@@ -239,15 +253,17 @@ def parse_completion(body: bytes) -> CompletionRequest:
             f"n ({n}) times the number of prompts ({len(prompts)}) exceeds {MAX_CHOICES}",
             param="n",
         )
+    constrained = constraint_of(req)
     return CompletionRequest(
         model=req.model,
         prompts=prompts,
-        params=_params(req, req.max_tokens or 16, req.logprobs),
+        params=_params(req, req.max_tokens or 16, req.logprobs, constrained),
         n=n,
         stream=bool(req.stream),
         include_usage=_include_usage(req),
         echo=bool(req.echo),
         logprobs=req.logprobs,
+        constraint_field=None if constrained is None else constrained.field,
     )
 
 
@@ -255,8 +271,6 @@ def _messages(messages: list[MessageBody]) -> list[dict[str, Any]]:
     """Plain dicts for the chat template; content parts joined into one string."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        if m.tool_calls is not None:
-            raise _refuse(f"messages[{i}].tool_calls", "tool calls are not implemented")
         content = m.content
         if isinstance(content, list):
             for j, part in enumerate(content):
@@ -269,21 +283,43 @@ def _messages(messages: list[MessageBody]) -> list[dict[str, Any]]:
             message["name"] = m.name
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        elif m.role == "tool":
+            raise InvalidRequest(
+                f"'messages[{i}]' of role tool needs 'tool_call_id'",
+                param=f"messages[{i}].tool_call_id",
+            )
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise InvalidRequest(
+                    f"'messages[{i}].tool_calls': only assistant messages make tool calls",
+                    param=f"messages[{i}].tool_calls",
+                )
+            message["tool_calls"] = _history_calls(m.tool_calls, i)
         out.append(message)
     return out
 
 
+def _history_calls(calls: list[ToolCallBody], i: int) -> list[dict[str, Any]]:
+    """An assistant message's calls for the template, each ``arguments`` decoded."""
+    out = []
+    for j, call in enumerate(calls):
+        field = f"messages[{i}].tool_calls[{j}].function.arguments"
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise InvalidRequest(f"'{field}' must be a JSON object, as text", param=field)
+        function = {"name": call.function.name, "arguments": arguments}
+        out.append({"id": call.id, "type": "function", "function": function})
+    return out
+
+
 def _check_chat_only(req: ChatBody) -> None:
-    if req.tools:
-        raise _refuse("tools", "tool calling is not implemented")
     if req.functions:
-        raise _refuse("functions", "function calling is not implemented")
+        raise _refuse("functions", "use 'tools' (functions is OpenAI's deprecated form)")
     if req.function_call not in (None, "none"):
-        raise _refuse("function_call", "function calling is not implemented")
-    if req.tool_choice not in (None, "none"):
-        raise _refuse("tool_choice", "tool calling is not implemented")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise _refuse("response_format", "only the 'text' format is implemented")
+        raise _refuse("function_call", "use 'tool_choice' (OpenAI's deprecated form)")
     if req.audio is not None:
         raise _refuse("audio", "audio output is not implemented")
     if req.modalities is not None and req.modalities != ["text"]:
@@ -302,15 +338,18 @@ def parse_chat(body: bytes) -> ChatRequest:
     messages = _messages(req.messages)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
+    constrained = constraint_of(req)
     return ChatRequest(
         model=req.model,
         messages=messages,
-        params=_params(req, max_tokens or 1, logprobs),
+        params=_params(req, max_tokens or 1, logprobs, constrained),
         max_tokens=max_tokens,
         n=req.n or 1,
         stream=bool(req.stream),
         include_usage=_include_usage(req),
         logprobs=logprobs,
+        constraint_field=None if constrained is None else constrained.field,
+        tools=tool_request(req),
     )
 
 

@@ -16,6 +16,15 @@ Shapes follow OpenAI's API reference:
   logprob.
 * chat logprobs: ``{"content": [{"token", "logprob", "bytes",
   "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": None}``.
+* tool calls (a chat choice given a :class:`ToolPlan`): the message's
+  ``tool_calls`` are ``[{"id": "call_...", "type": "function", "function":
+  {"name", "arguments"}}]`` (``arguments`` JSON text of an object), its
+  ``content`` None when only tools were called, and a ``"stop"`` finish
+  becomes ``"tool_calls"``. Streamed, each chunk's delta carries
+  ``tool_calls: [{"index", "id", "type", "function": {"name", "arguments"}}]``
+  with ``id``, ``type`` and ``name`` only in a call's first entry, then
+  ``{"index", "function": {"arguments": fragment}}``; ``content`` is None in
+  a chunk without text once tools are in play.
 
 A token's text is the tokenizer's decoding of that one token; a token that
 is only part of a UTF-8 character decodes to U+FFFD. Logprobs of -inf (and
@@ -35,6 +44,9 @@ from typing import Any, Final
 
 from tserve.nursery import Delta, EmbeddingResult, Usage
 from tserve.protocol import TokenLogprob
+from tserve.web._tool_formats import parse_output
+from tserve.web._tool_stream import Arguments, CallStarted, Content, Event
+from tserve.web._tools import ToolPlan, new_call_id
 
 __all__ = [
     "CHAT",
@@ -149,20 +161,36 @@ class CompletionChoice(_Choice):
 
 
 class ChatChoice(_Choice):
-    """One choice of ``/v1/chat/completions``."""
+    """One choice of ``/v1/chat/completions``; with ``tools``, tool calls are
+    parsed out of its text (see the module docstring)."""
 
     def __init__(
-        self, index: int, token_text: TokenText, *, logprobs: bool, keep: bool = True
+        self,
+        index: int,
+        token_text: TokenText,
+        *,
+        logprobs: bool,
+        keep: bool = True,
+        tools: ToolPlan | None = None,
     ) -> None:
         super().__init__(index, token_text, logprobs=logprobs, keep=keep)
         self._content: list[JSON] = []
         self._first = True
+        self._tools = tools
+        self._calls = None if tools is None or keep else tools.stream()
 
     def push(self, delta: Delta) -> JSON:
         """Take one delta; return it as a stream chunk's choice object."""
         message: JSON = {"content": delta.text}
+        finish = delta.finish_reason
+        if self._calls is not None:
+            events = self._calls.push(delta.text)
+            if finish is not None:
+                events += self._calls.finish()
+                finish = _tool_finish(finish, self._calls.calls)
+            message = _tool_delta(events)
         if self._first:
-            message = {"role": "assistant", "content": delta.text}
+            message = {"role": "assistant", **message}
             self._first = False
         lp = None
         if self._logprobs:
@@ -171,14 +199,26 @@ class ChatChoice(_Choice):
                 self._content.extend(entries)
             lp = {"content": entries, "refusal": None}
         self._record(delta)
-        return self._object("delta", message, lp, delta.finish_reason)
+        if finish is not None:
+            self.finish_reason = finish
+        return self._object("delta", message, lp, finish)
 
     def final(self) -> JSON:
         """The choice object of the whole response (a choice that keeps only)."""
         assert self._keep, "final() of a streamed choice"
-        message = {"role": "assistant", "content": "".join(self._parts), "refusal": None}
+        text = "".join(self._parts)
+        message: JSON = {"role": "assistant", "content": text, "refusal": None}
+        finish = self.finish_reason
+        if self._tools is not None:
+            parsed = parse_output(text, self._tools.format, self._tools.names)
+            if parsed.calls:
+                message["content"] = parsed.content
+                message["tool_calls"] = [
+                    _call(new_call_id(), c.name, c.arguments) for c in parsed.calls
+                ]
+                finish = _tool_finish(finish, len(parsed.calls))
         lp = {"content": self._content, "refusal": None} if self._logprobs else None
-        return self._object("message", message, lp, self.finish_reason)
+        return self._object("message", message, lp, finish)
 
     def _entry(self, entry: TokenLogprob) -> JSON:
         token = self._token_text(entry.token_id)
@@ -192,6 +232,32 @@ class ChatChoice(_Choice):
     def _top(self, token_id: int, logprob: float) -> JSON:
         token = self._token_text(token_id)
         return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode())}
+
+
+def _call(call_id: str, name: str, arguments: str) -> JSON:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_finish(finish: str | None, calls: int) -> str | None:
+    """A choice that stopped after calling tools finished with "tool_calls"."""
+    return "tool_calls" if finish == "stop" and calls else finish
+
+
+def _tool_delta(events: list[Event]) -> JSON:
+    """A chunk's delta from a tool stream's events: the text, and one entry per call touched."""
+    text = "".join(e.text for e in events if isinstance(e, Content))
+    entries: dict[int, JSON] = {}
+    for event in events:
+        if isinstance(event, CallStarted):
+            entries[event.index] = {"index": event.index, **_call(event.id, event.name, "")}
+        elif isinstance(event, Arguments):
+            entry = entries.setdefault(event.index, {"index": event.index, "function": {}})
+            function = entry["function"]
+            function["arguments"] = function.get("arguments", "") + event.text
+    delta: JSON = {"content": text or None}
+    if entries:
+        delta["tool_calls"] = [entries[i] for i in sorted(entries)]
+    return delta
 
 
 def total_usage(choices: Sequence[CompletionChoice | ChatChoice], n: int) -> Usage:

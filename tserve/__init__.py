@@ -12,7 +12,8 @@ process), ``bench`` (``python -m tserve bench``). Modules beside them:
 options and environment defaults), ``protocol`` (the wire), ``validity``
 (the one rule for a valid request), ``_host`` (fd limit, pid probe, log
 format), ``_curve`` (the CURVE key files of an engine on the network),
-``_metrics_dir`` (the API processes' shared metrics directory).
+``_metrics_dir`` (the API processes' shared metrics directory), ``_errors``
+(:class:`LLMError`, the root of every error type).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
         Delta,
         EngineDeadError,
         InvalidRequest,
+        KeyFileError,
         LLMError,
         LLMStats,
         Overloaded,
@@ -47,6 +49,7 @@ _LAZY = {
     "Delta",
     "EngineDeadError",
     "InvalidRequest",
+    "KeyFileError",
     "LLMError",
     "LLMStats",
     "Overloaded",
@@ -65,6 +68,7 @@ __all__ = [
     "EngineDeadError",
     "FinishReason",
     "InvalidRequest",
+    "KeyFileError",
     "LLMError",
     "LLMStats",
     "Overloaded",

@@ -38,6 +38,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from tserve._errors import LLMError
+
 __all__ = [
     "CLIENT",
     "SERVER",
@@ -59,7 +61,7 @@ _PUBLIC_MODE = 0o644
 _SECRET_MODE = 0o600
 
 
-class KeyFileError(Exception):
+class KeyFileError(LLMError):
     """A key directory or key file that is missing, unreadable or malformed."""
 
 

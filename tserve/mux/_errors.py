@@ -1,4 +1,4 @@
-"""The mux's errors: one small, flat hierarchy.
+"""The mux's errors: one small, flat hierarchy under :class:`tserve.LLMError`.
 
 Foreign exceptions (``zmq.ZMQError``, ``tserve.protocol.ProtocolError``) are
 mapped into these at the boundary where they arise, so callers above the mux
@@ -7,10 +7,12 @@ never catch a pyzmq type.
 
 from __future__ import annotations
 
+from tserve._errors import LLMError
+
 __all__ = ["EngineDeadError", "MuxClosedError", "MuxError"]
 
 
-class MuxError(Exception):
+class MuxError(LLMError):
     """Base of every error the mux raises; also a misuse of its API."""
 
 

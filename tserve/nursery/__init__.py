@@ -35,6 +35,7 @@ Modules, each with one job (imports run down this list, never up)::
     _errors.py          the error types (LLMError and its subclasses)
 """
 
+from tserve._curve import KeyFileError
 from tserve.mux import EngineDeadError
 from tserve.nursery._embedder import Embedder, EmbeddingResult
 from tserve.nursery._errors import (
@@ -59,6 +60,7 @@ __all__ = [
     "EmbeddingResult",
     "EngineDeadError",
     "InvalidRequest",
+    "KeyFileError",
     "LLMError",
     "LLMStats",
     "Overloaded",

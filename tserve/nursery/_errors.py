@@ -1,11 +1,13 @@
 """Errors a caller of the embeddable API can see.
 
-A small, flat hierarchy under :class:`LLMError`, beside the mux's
-:class:`tserve.mux.EngineDeadError`; the web layer maps each class to an
-OpenAI error type and HTTP status in one place.
+A small, flat hierarchy under :class:`LLMError` (``tserve._errors``), as is
+the mux's :class:`tserve.mux.EngineDeadError`; the web layer maps each class
+to an OpenAI error type and HTTP status in one place.
 """
 
 from __future__ import annotations
+
+from tserve._errors import LLMError
 
 __all__ = [
     "InvalidRequest",
@@ -15,10 +17,6 @@ __all__ = [
     "RequestTimeout",
     "ShuttingDown",
 ]
-
-
-class LLMError(Exception):
-    """Base of the errors of the embeddable API (besides EngineDeadError)."""
 
 
 class Overloaded(LLMError):

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
+from tserve.nursery._errors import InvalidRequest
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -84,16 +86,24 @@ class ChatTokenizer:
         work = partial(self.apply_chat_template, tools=tools)
         return await self._run(work, messages, _chat_chars(messages, tools))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``. Blocking (tokenizer work): :meth:`tokenize` decides where."""
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of ``text``. Blocking (tokenizer work): :meth:`tokenize` decides
+        where. Raises InvalidRequest naming ``param`` for text that is not
+        valid Unicode."""
+        try:
+            return self.tokenizer.encode(text)
+        except TypeError as exc:
+            problem = _not_unicode([text], param)
+            if problem is None:
+                raise
+            raise problem from exc
 
     def apply_chat_template(self, messages: list[Message], tools: Tools = None) -> list[int]:
         """Prompt ids for a chat, the assistant's turn opened, ``tools`` the template's
         ``tools`` variable. Blocking; raises InvalidRequest (``param`` "messages")
         for a chat the template rejects."""
         text = self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
-        return self.encode(text)
+        return self.encode(text, "messages")
 
     async def _run(self, work: Callable[[_Input], list[int]], arg: _Input, chars: int) -> list[int]:
         if chars < INLINE_TOKENIZE_CHARS:
@@ -111,8 +121,15 @@ class EncoderTokenizer:
         self._limiter = anyio.CapacityLimiter(2)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, special tokens included, never truncated. Blocking."""
-        return [list(e.ids) for e in self.tokenizer.encode_batch(texts)]
+        """Token ids of each text, special tokens included, never truncated. Blocking.
+        Raises InvalidRequest (``param`` "input") for text that is not valid Unicode."""
+        try:
+            return [list(e.ids) for e in self.tokenizer.encode_batch(texts)]
+        except TypeError as exc:
+            problem = _not_unicode(texts, "input")
+            if problem is None:
+                raise
+            raise problem from exc
 
     async def tokenize(self, texts: list[str]) -> list[list[int]]:
         """:meth:`encode` in a worker thread (at most 2 at once; the rest wait).
@@ -120,6 +137,18 @@ class EncoderTokenizer:
         A checkpoint; a cancel takes effect once the thread returns.
         """
         return await anyio.to_thread.run_sync(self.encode, texts, limiter=self._limiter)
+
+
+def _not_unicode(texts: list[str], param: str) -> InvalidRequest | None:
+    """The tokenizer's TypeError for a ``str`` it cannot take (a lone surrogate
+    is a ``str`` but not Unicode text) as the caller's InvalidRequest; None
+    when every text is valid, so the TypeError was something else."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return InvalidRequest(f"{param}: not valid Unicode text ({exc.reason})", param)
+    return None
 
 
 # The template's work per message, in characters of tokenizing: rendering

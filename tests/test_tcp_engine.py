@@ -38,7 +38,7 @@ from tserve.nursery._tokenizer import load_chat_tokenizer
 pytestmark = pytest.mark.slow
 
 HEARTBEAT = 0.5  # s, --heartbeat-interval of every process here
-BOUND = 2 * HEARTBEAT  # the README's detection bound
+BOUND = 2 * HEARTBEAT  # the detection bound docs/deployment.md states
 DEADLINE = 20 * HEARTBEAT  # how long a poll waits for an outcome: a hang guard
 REFUSAL_BOUND = 10.0  # s, the bound for "refused, and says so"
 LONG = {"prompt": "hold", "max_tokens": 400, "ignore_eos": True, "stream": True}

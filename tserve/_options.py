@@ -75,7 +75,7 @@ def _security(p: argparse.ArgumentParser, title: str) -> None:
         "--keys",
         str,
         None,
-        "directory of ZMQ CURVE keys, made by 'python -m tserve keys DIR' (see README)",
+        "directory of ZMQ CURVE keys, made by 'python -m tserve keys DIR' (see docs/deployment.md)",
     )
     _flag(
         link,
@@ -228,7 +228,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         _queue_bound,
         "auto",
         "requests that may wait for a slot before more get 503 + Retry-After "
-        "(auto: from the memory available at start, see README)",
+        "(auto: from the memory available at start, see docs/configuration.md)",
     )
     _option(
         front,

@@ -48,7 +48,7 @@ a grace period), its engine is checked gone, and the result
 (and a timeline PNG when matplotlib is installed; :mod:`._report`). The exit
 status is 0 only if every request was a 200 with exactly ``--max-tokens``
 completion tokens, the ZMQ socket count never changed, and the API process's
-memory grew by no more than the bound README's "Admission" states for the
+memory grew by no more than the bound docs/configuration.md's "Admission" states for the
 queue the server logged at start (``--max-queued`` requests at
 ``WAITING_REQUEST_BYTES`` each, ``--max-queued-tokens`` at 40 bytes each).
 

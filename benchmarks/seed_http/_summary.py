@@ -29,7 +29,7 @@ from tserve.nursery._admission import WAITING_REQUEST_BYTES
 __all__ = ["passed", "summarize"]
 
 _GAUGE_KEYS = frozenset(GAUGES.values())
-_BYTES_PER_QUEUED_TOKEN = 40  # a waiting prompt's id as a Python int in a list (README)
+_BYTES_PER_QUEUED_TOKEN = 40  # a waiting prompt id: a Python int in a list (docs/configuration.md)
 _MB = 2**20
 
 
@@ -156,7 +156,7 @@ def _server_summary(load: LoadRun, samples: Samples) -> dict[str, Any]:
 
 def _memory_summary(load: LoadRun, samples: Samples) -> dict[str, Any]:
     """The API process's resident memory before the first request, at its peak and after,
-    against the bound README's "Admission" states for the server's queue.
+    against the bound docs/configuration.md's "Admission" states for the server's queue.
 
     The bound: ``--max-queued`` requests at ``WAITING_REQUEST_BYTES`` each plus
     ``--max-queued-tokens`` prompt tokens at 40 bytes each, above the idle

@@ -15,7 +15,7 @@ from tserve.nursery import Delta, LLMStats, Usage
 from tserve.protocol import EngineStats
 from tserve.web._metrics import FINISHED_REASONS, SHARED_DIR_ENV, Metrics, RequestRecord
 
-# The contract endpoint pickers and vLLM dashboards read (docs: README "Metrics").
+# The contract endpoint pickers and vLLM dashboards read (docs/metrics.md).
 VLLM_NAMES = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",

@@ -52,7 +52,7 @@ __all__ = [
 
 # What one streamed HTTP request waiting for a slot holds in the API process
 # (its connection, parsed body, task, stream, prompt ids of a short prompt),
-# measured as resident-memory growth per waiting request (README, "Admission").
+# measured as resident-memory growth per waiting request (docs/configuration.md, "Admission").
 WAITING_REQUEST_BYTES = 64 * 1024
 # The HTTP server's bound on the prompt tokens of waiting requests: at about
 # 40 bytes a token as Python ints in a list, some 80 MB.

@@ -133,12 +133,36 @@ def test_frames_from_before_the_embedding_fields_still_decode() -> None:
     assert beat.stats == p.EngineStats(1, 0, 16, 64, 5, 0, prefix_cache_queries=0)
 
 
+def _merged(*outputs: p.RequestOutput) -> p.RequestOutput | None:
+    merge = p.OutputMerge()
+    for output in outputs:
+        merge.add(output)
+    merged = merge.take()
+    assert merge.empty and merge.take() is None
+    return merged
+
+
 def test_merge_keeps_the_embedding() -> None:
     vector = b"\x00\x00\x80?"
     first = p.RequestOutput("a", [])
     then = p.RequestOutput("a", [], p.FinishReason.STOP, embedding=vector)
-    assert p.merge_outputs(first, then).embedding == vector
-    assert p.merge_outputs(then, p.RequestOutput("a", [])).embedding == vector
+    assert _merged(first, then) == then
+    assert _merged(then, p.RequestOutput("a", [])) == then
+
+
+def test_merge_concatenates_in_order_and_keeps_the_latest_ending() -> None:
+    lp = [p.TokenLogprob(i, -float(i)) for i in range(4)]
+    one = p.RequestOutput("a", [0])
+    assert _merged(one) is one, "a lone output is handed on as it is"
+    assert _merged() is None
+    merged = _merged(
+        p.RequestOutput("a", [0, 1], logprobs=lp[:2]),
+        p.RequestOutput("a", [2]),
+        p.RequestOutput("a", [3], p.FinishReason.ERROR, logprobs=lp[3:], error="boom"),
+    )
+    want = p.RequestOutput("a", [0, 1, 2, 3], p.FinishReason.ERROR, lp[:2] + lp[3:], "boom")
+    assert merged == want
+    assert one.token_ids == [0], "the outputs merged are left as they were"
 
 
 def test_engine_config_task_is_checked_on_decode() -> None:

@@ -1,4 +1,7 @@
-"""The shape of the source tree: module size, import cycles, and the layering.
+"""The shape of the source tree: import cycles and the layering.
+
+Module size is not checked: a module is split where it holds two jobs, not
+at a line count.
 
 Read from the source with ``ast``, so imports inside functions and under
 ``TYPE_CHECKING`` count as much as those at the top of a module.
@@ -13,7 +16,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "tserve"
-MAX_LINES = 400
 
 # Which packages each package may import (besides the standard library,
 # third-party code, and its own modules). STYLE.md: web → nursery → mux →
@@ -74,11 +76,6 @@ def _graph() -> dict[str, set[str]]:
 def _package(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
-
-
-def test_no_module_is_over_the_size_limit() -> None:
-    sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in _modules()}
-    assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}
 
 
 def test_no_import_cycle_inside_a_package() -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "Kind",
     "LarkGrammar",
     "Message",
+    "OutputMerge",
     "ProtocolError",
     "Regex",
     "RequestOutput",
@@ -60,7 +61,6 @@ __all__ = [
     "TokenizerBundle",
     "decode",
     "encode",
-    "merge_outputs",
     "tokenizer_file_allowed",
 ]
 
@@ -286,25 +286,78 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     embedding: bytes | None = None
 
 
-def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """One output equal to ``first`` followed by ``then`` (same request).
+class OutputMerge:
+    """The outputs of one request that wait for their reader, merged as they arrive.
 
-    Used wherever deltas wait for a slow reader, so waiting coalesces instead
-    of queueing: token ids and logprobs are concatenated, and the finish
-    reason and error of whichever carries one are kept.
+    THE rule for merging deltas, used wherever they wait for a slow reader so
+    that waiting coalesces instead of queueing (the engine's outbox, the API
+    process's mailboxes): token ids and logprobs are concatenated in order;
+    the finish reason, error and embedding are those of the output with a
+    finish reason (the last one: only it carries an error or an embedding).
+    O(1) per token: a lone output is kept as it is, and a second one starts
+    lists that later ones extend in place. Synchronous; not shared between
+    threads.
     """
-    if first.logprobs is None and then.logprobs is None:
-        logprobs = None
-    else:
-        logprobs = (first.logprobs or []) + (then.logprobs or [])
-    return RequestOutput(
-        first.request_id,
-        first.token_ids + then.token_ids,
-        then.finish_reason if then.finish_reason is not None else first.finish_reason,
-        logprobs,
-        then.error if then.error is not None else first.error,
-        then.embedding if then.embedding is not None else first.embedding,
-    )
+
+    __slots__ = ("_first", "_last", "_logprobs", "_token_ids")
+
+    def __init__(self) -> None:
+        # Invariant: _first is None iff nothing waits; _token_ids is not None
+        # iff two or more outputs wait, and then it and _logprobs hold their
+        # merge, and _last is the output with a finish reason, if one came.
+        self._first: RequestOutput | None = None
+        self._token_ids: list[int] | None = None
+        self._logprobs: list[TokenLogprob] | None = None
+        self._last: RequestOutput | None = None
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing waits."""
+        return self._first is None
+
+    def add(self, output: RequestOutput) -> None:
+        """Merge ``output`` (the same request's next) into what waits."""
+        token_ids = self._token_ids
+        if token_ids is not None:  # the usual case under load: a merge goes on
+            token_ids += output.token_ids
+            if output.logprobs is not None:
+                if self._logprobs is None:
+                    self._logprobs = []
+                self._logprobs += output.logprobs
+        else:
+            first = self._first
+            if first is None:
+                self._first = output
+                return
+            self._token_ids = first.token_ids + output.token_ids  # the second: merge
+            if first.logprobs is not None or output.logprobs is not None:
+                self._logprobs = (first.logprobs or []) + (output.logprobs or [])
+            if first.finish_reason is not None:
+                self._last = first
+        if output.finish_reason is not None:
+            self._last = output
+
+    def take(self) -> RequestOutput | None:
+        """Everything added since the last take as one output (None if nothing); empties."""
+        first = self._first
+        token_ids = self._token_ids
+        self._first = None
+        if first is None or token_ids is None:
+            return first
+        last = self._last
+        if last is None:
+            merged = RequestOutput(first.request_id, token_ids, None, self._logprobs)
+        else:
+            merged = RequestOutput(
+                first.request_id,
+                token_ids,
+                last.finish_reason,
+                self._logprobs,
+                last.error,
+                last.embedding,
+            )
+        self._token_ids = self._logprobs = self._last = None
+        return merged
 
 
 class EngineStats(msgspec.Struct, array_like=True, frozen=True, gc=False):

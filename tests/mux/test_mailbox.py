@@ -8,7 +8,8 @@ import anyio
 import pytest
 
 from tserve.mux import EngineDeadError, Mailbox, MuxError
-from tserve.protocol import FinishReason, RequestOutput, TokenLogprob
+from tserve.mux._router import Router
+from tserve.protocol import AddRequest, FinishReason, RequestOutput, SamplingParams, TokenLogprob
 
 pytestmark = pytest.mark.anyio
 
@@ -45,10 +46,12 @@ async def test_iteration_ends_after_the_final_output_and_keeps_the_error() -> No
 
 
 async def test_more_tokens_than_max_tokens_fail_instead_of_growing() -> None:
-    mailbox, _ = _mailbox(max_tokens=3)
-    mailbox.put(RequestOutput("r", [1, 2]))
-    mailbox.put(RequestOutput("r", [3, 4]))
-    mailbox.put(RequestOutput("r", [5]))
+    router = Router(lambda: None)
+    mailbox = router.open("r", 3)
+    router.submit(AddRequest("r", [0], SamplingParams(max_tokens=3)))
+    router.route([RequestOutput("r", [1, 2]), RequestOutput("r", [3, 4])])
+    router.route([RequestOutput("r", [5])])
+    assert "r" not in router
     assert (await mailbox.get()).token_ids == [1, 2]
     with pytest.raises(MuxError, match="more than 3 tokens"):
         await mailbox.get()

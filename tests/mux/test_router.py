@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tserve.mux import EngineDeadError, MuxClosedError, MuxError
-from tserve.mux._mailbox import Submission
+from tserve.mux import EngineDeadError, MuxClosedError, MuxError, RequestState
 from tserve.mux._router import Router
 from tserve.protocol import AddRequest, FinishReason, RequestOutput, SamplingParams
 
@@ -42,7 +41,7 @@ def test_outputs_reach_their_mailbox_and_a_final_one_removes_the_id() -> None:
     unknown = router.route([RequestOutput("a", [5]), RequestOutput("z", [1]), final])
     assert unknown == 1
     assert "a" not in router and len(router) == 0
-    assert mailbox.submission is Submission.SUBMITTED
+    assert mailbox.state is RequestState.FINISHED
     router.take_inputs()
     router.abort("a")  # finished: no abort is ever sent for it
     mailbox.close()
@@ -54,7 +53,7 @@ def test_aborting_an_unsubmitted_request_ends_it_at_once_and_sends_nothing() -> 
     mailbox = router.open("a", 4)
     router.abort("a")
     assert "a" not in router and not router.has_inputs and not wakeups
-    assert mailbox.submission is Submission.OPEN
+    assert mailbox.state is RequestState.ENDED
 
 
 def test_abort_is_idempotent_and_close_aborts_only_what_runs() -> None:
@@ -75,13 +74,11 @@ def test_abort_is_idempotent_and_close_aborts_only_what_runs() -> None:
 
 def test_submission_only_moves_forward() -> None:
     router, _ = _router()
-    mailbox = router.open("a", 4)
+    router.open("a", 4)
     with pytest.raises(MuxError):
         router.open("a", 4)
     with pytest.raises(MuxError):
         router.submit(_add("a", max_tokens=5))  # more than its mailbox holds
-    with pytest.raises(MuxError):
-        mailbox.mark_aborting()  # not submitted
     router.submit(_add("a"))
     with pytest.raises(MuxError):
         router.submit(_add("a"))
@@ -94,7 +91,7 @@ def test_a_request_that_cannot_cross_the_wire_ends_alone_with_an_error() -> None
     mailbox = router.open("big", 4)
     router.submit(_add("big", seed=2**64))
     assert "big" not in router and not router.has_inputs and not wakeups
-    assert mailbox.submission is Submission.SUBMITTED
+    assert mailbox.state is RequestState.ENDED
 
 
 @pytest.mark.anyio

@@ -1,4 +1,4 @@
-"""The output mapping and the request's state moves, without an engine (sans-IO).
+"""The output mapping, without an engine (sans-IO); state moves: tests/mux/test_lifecycle.py.
 
 Token id ``i`` decodes to ``chr(i)``, so tests read as text.
 """
@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tserve.mux import EngineDeadError, MuxClosedError
-from tserve.nursery import RequestFailed, RequestState, RequestTimeout, ShuttingDown
+from tserve.nursery import RequestFailed, RequestTimeout, ShuttingDown
 from tserve.nursery._output import Decision, OutputMapper, finish_error, mux_error
 from tserve.nursery._results import Usage
-from tserve.nursery._state import IllegalTransition
 from tserve.protocol import FinishReason, RequestOutput
 
 
@@ -23,38 +22,27 @@ def _ids(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
-def _state(mapper: OutputMapper) -> RequestState:
-    """The state now (a call, so that the type checker does not narrow it across moves)."""
-    return mapper.state
-
-
 def _out(text: str, finish: FinishReason | None = None, error: str | None = None) -> RequestOutput:
     return RequestOutput("r", _ids(text), finish, None, error)
 
 
 def _mapper(*stop: str, deadline: bool = False, prompt_tokens: int = 3) -> OutputMapper:
     mapper = OutputMapper(_decode, stop, has_deadline=deadline, request_id="r")
-    assert _state(mapper) is RequestState.ADMITTED
     mapper.submitted(prompt_tokens)
-    assert _state(mapper) is RequestState.SUBMITTED
     return mapper
 
 
 def test_tokens_stream_then_length_finishes_with_usage() -> None:
     mapper = _mapper()
     outcome = mapper.push(_out("hi"))
-    assert outcome.decision is Decision.DELTA and not outcome.over and not outcome.abort
+    assert outcome.decision is Decision.DELTA and not outcome.over
     assert outcome.delta is not None and outcome.delta.text == "hi"
     assert outcome.delta.finish_reason is None and outcome.delta.usage is None
-    assert _state(mapper) is RequestState.STREAMING
     final = mapper.push(_out("!", FinishReason.LENGTH))
-    assert final.decision is Decision.FINISHED and final.over and not final.abort
+    assert final.decision is Decision.FINISHED and final.over
     assert final.delta is not None and final.delta.text == "!"
     assert final.delta.finish_reason == "length"
     assert final.delta.usage == Usage(3, 3)
-    assert _state(mapper) is RequestState.FINISHED
-    assert mapper.close() is False, "a finished request is never aborted"
-    assert _state(mapper) is RequestState.FINISHED
 
 
 @pytest.mark.parametrize(
@@ -63,46 +51,39 @@ def test_tokens_stream_then_length_finishes_with_usage() -> None:
 def test_the_engines_own_endings_without_a_deadline(finish: FinishReason, reason: str) -> None:
     mapper = _mapper()
     outcome = mapper.push(_out("ok", finish))
-    assert outcome.decision is Decision.FINISHED and not outcome.abort
+    assert outcome.decision is Decision.FINISHED
     assert outcome.delta is not None and outcome.delta.finish_reason == reason
     assert outcome.delta.text == "ok"
-    assert _state(mapper) is RequestState.FINISHED
-    assert mapper.close() is False
 
 
 def test_an_engine_error_fails_the_request_alone() -> None:
     mapper = _mapper()
     mapper.push(_out("a"))
     outcome = mapper.push(_out("", FinishReason.ERROR, "sampler broke"))
-    assert outcome.decision is Decision.FAILED and outcome.over and not outcome.abort
+    assert outcome.decision is Decision.FAILED and outcome.over
     assert isinstance(outcome.error, RequestFailed) and str(outcome.error) == "sampler broke"
     assert outcome.delta is None
-    assert _state(mapper) is RequestState.FAILED
-    assert mapper.close() is False
     unnamed = _mapper().push(_out("", FinishReason.ERROR))
     assert str(unnamed.error) == "the engine failed this request"
 
 
-def test_a_stop_string_while_the_engine_runs_asks_for_one_abort() -> None:
+def test_a_stop_string_while_the_engine_runs_ends_the_request() -> None:
     mapper = _mapper("lo")
     held = mapper.push(_out("hel"))  # "l" may start "lo": held back
     assert held.delta is not None and held.delta.text == "he"
     outcome = mapper.push(_out("lo w"))
-    assert outcome.decision is Decision.STOPPED and outcome.abort and outcome.over
+    assert outcome.decision is Decision.STOPPED and outcome.over
     assert outcome.delta is not None and outcome.delta.text == "l"
     assert outcome.delta.finish_reason == "stop"
     assert outcome.delta.usage == Usage(3, 7)
-    assert _state(mapper) is RequestState.ABORTED
-    assert mapper.close() is False, "aborted once: closing adds no second abort"
 
 
-def test_a_stop_string_in_the_final_output_needs_no_abort() -> None:
+def test_a_stop_string_in_the_final_output_is_a_plain_finish() -> None:
     mapper = _mapper("lo")
     outcome = mapper.push(_out("hello", FinishReason.LENGTH))
-    assert outcome.decision is Decision.FINISHED and not outcome.abort
+    assert outcome.decision is Decision.FINISHED
     assert outcome.delta is not None and outcome.delta.text == "hel"
     assert outcome.delta.finish_reason == "stop"
-    assert _state(mapper) is RequestState.FINISHED
 
 
 def test_held_text_is_flushed_at_the_finish() -> None:
@@ -116,69 +97,22 @@ def test_an_output_with_nothing_new_is_waited_past() -> None:
     mapper = _mapper()
     outcome = mapper.push(_out(""))
     assert outcome.decision is Decision.WAIT and not outcome.over and outcome.delta is None
-    assert _state(mapper) is RequestState.SUBMITTED
 
 
-def test_the_engines_deadline_first_is_a_timeout_without_an_abort() -> None:
+def test_the_engines_deadline_first_is_a_timeout() -> None:
     """The engine's copy of the deadline expired before ours: its ABORT ending
     means a timeout, and the engine is done with the request."""
     mapper = _mapper(deadline=True)
     mapper.push(_out("a"))
     outcome = mapper.push(_out("", FinishReason.ABORT))
-    assert outcome.decision is Decision.TIMED_OUT and outcome.over and not outcome.abort
+    assert outcome.decision is Decision.TIMED_OUT and outcome.over
     assert isinstance(outcome.error, RequestTimeout)
     assert str(outcome.error) == "request r passed its deadline"
-    assert _state(mapper) is RequestState.FINISHED
-    assert mapper.close() is False
 
 
-def test_our_deadline_first_closes_with_one_abort() -> None:
-    mapper = _mapper(deadline=True)
-    mapper.push(_out("a"))
-    error = mapper.timed_out()
+def test_our_deadline_is_a_timeout_naming_the_request() -> None:
+    error = _mapper(deadline=True).timed_out()
     assert isinstance(error, RequestTimeout) and str(error) == "request r passed its deadline"
-    assert mapper.close() is True
-    assert _state(mapper) is RequestState.ABORTED
-    assert mapper.close() is False, "at most one abort"
-
-
-def test_closing_a_submitted_request_aborts_it_and_an_unsubmitted_one_does_not() -> None:
-    submitted = _mapper()
-    assert submitted.close() is True
-    assert _state(submitted) is RequestState.ABORTED
-    unsent = OutputMapper(_decode, (), has_deadline=False, request_id="r")
-    assert unsent.close() is False
-    assert _state(unsent) is RequestState.CLOSED
-
-
-@pytest.mark.parametrize("submitted", [False, True])
-def test_engine_death_fails_the_request_with_the_same_error(submitted: bool) -> None:
-    mapper = OutputMapper(_decode, (), has_deadline=False, request_id="r")
-    if submitted:
-        mapper.submitted(1)
-    dead = EngineDeadError("the engine process was killed by SIGKILL")
-    assert mapper.fail(dead, "closed") is dead
-    assert _state(mapper) is RequestState.FAILED
-    assert mapper.close() is False, "a dead engine gets no abort"
-
-
-def test_a_closed_mux_is_shutting_down() -> None:
-    mapper = _mapper()
-    mapper.push(_out("a"))
-    error = mapper.fail(MuxClosedError(), "the LLM was closed while the request ran")
-    assert isinstance(error, ShuttingDown)
-    assert str(error) == "the LLM was closed while the request ran"
-    assert _state(mapper) is RequestState.FAILED
-    assert mapper.close() is False, "the mux queued the abort itself"
-
-
-def test_illegal_moves_raise() -> None:
-    mapper = _mapper()
-    with pytest.raises(IllegalTransition):
-        mapper.submitted(3)
-    mapper.push(_out("x", FinishReason.LENGTH))
-    with pytest.raises(IllegalTransition):
-        mapper.fail(EngineDeadError("late"), "closed")
 
 
 def test_finish_error_and_mux_error_serve_the_embeddings_too() -> None:

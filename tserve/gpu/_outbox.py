@@ -5,7 +5,7 @@ is gone raises instead of vanishing, and a send to a peer at its high-water
 mark raises ``zmq.Again`` (we always send with NOBLOCK). The step loop must
 never wait on a slow API process, so a frame that cannot be sent is kept and
 later step outputs for the same request are *merged* into it
-(:func:`tserve.protocol.merge_outputs`).
+(:class:`tserve.protocol.OutputMerge`).
 
 Bound: the backlog of one peer holds at most one ``RequestOutput`` per live
 request of that peer (plus the final output of requests that ended since its
@@ -29,10 +29,10 @@ from tserve.protocol import (
     EngineStats,
     Heartbeat,
     Message,
+    OutputMerge,
     RequestOutput,
     StepOutputs,
     encode,
-    merge_outputs,
 )
 
 __all__ = ["Outbox"]
@@ -46,7 +46,8 @@ class Outbox:
         # peer -> request id -> the merged output it has not yet received.
         # Invariant: the keys are exactly the known peers (those that spoke to
         # us and were not found gone since).
-        self._backlog: dict[bytes, dict[str, RequestOutput]] = {}
+        # Invariant: no merge in a backlog is empty.
+        self._backlog: dict[bytes, dict[str, OutputMerge]] = {}
         # peer -> time.monotonic() of the last frame it accepted; same keys.
         self._last_sent: dict[bytes, float] = {}
 
@@ -71,7 +72,9 @@ class Outbox:
         if backlog is None:
             return  # the peer is gone; its requests were aborted
         held = backlog.get(output.request_id)
-        backlog[output.request_id] = output if held is None else merge_outputs(held, output)
+        if held is None:
+            held = backlog[output.request_id] = OutputMerge()
+        held.add(output)
 
     def flush(self, stats: EngineStats) -> list[bytes]:
         """Send each peer with a backlog ONE StepOutputs frame holding all of it.
@@ -83,11 +86,15 @@ class Outbox:
         for peer, backlog in self._backlog.items():
             if not backlog:
                 continue
-            sent = self.send(peer, StepOutputs(list(backlog.values()), stats))
+            outputs = [output for merge in backlog.values() if (output := merge.take())]
+            sent = self.send(peer, StepOutputs(outputs, stats))
             if sent is None:
                 gone.append(peer)
             elif sent:
                 backlog.clear()
+            else:  # at the HWM: keep it all for the next flush
+                for merge, output in zip(backlog.values(), outputs, strict=True):
+                    merge.add(output)
         for peer in gone:
             self.forget(peer)
         return gone

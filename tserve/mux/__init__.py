@@ -16,11 +16,14 @@ Modules:
 * ``_heartbeat.py`` — the heartbeat watch: when engine silence is the
   engine's death and when it is only the event loop's lateness (the
   sans-IO :class:`SilenceClock` and the task that looks at it).
+* ``_lifecycle.py`` — :class:`Lifecycle`, the sans-IO state machine of one
+  request in the API process: what is sent, routed, aborted (once) and
+  failed, as actions for each event.
 * ``_router.py`` — the sans-IO routing table: request id -> mailbox, the
-  inbox of adds and aborts for the next frame, which ids may still be
-  aborted, failing every mailbox at once.
+  inbox of adds and aborts for the next frame; it feeds each request's
+  lifecycle and carries out its actions.
 * ``_mailbox.py`` — :class:`Mailbox`, one request's merged deltas and its
-  reader's side; the request's submission state.
+  reader's side.
 * ``_parking.py`` — the one-shot waiter a mailbox reader parks on.
 * ``_zmqio.py`` — the non-blocking pyzmq adapter for anyio (one watcher on
   ``zmq.FD``, no lost message on cancel).
@@ -28,6 +31,7 @@ Modules:
 """
 
 from tserve.mux._errors import EngineDeadError, MuxClosedError, MuxError
+from tserve.mux._lifecycle import IllegalTransition, Lifecycle, RequestState
 from tserve.mux._link import Link
 from tserve.mux._mailbox import Mailbox
 from tserve.mux._mux import Mux, MuxStats
@@ -35,11 +39,14 @@ from tserve.mux._open import open_mux
 
 __all__ = [
     "EngineDeadError",
+    "IllegalTransition",
+    "Lifecycle",
     "Link",
     "Mailbox",
     "Mux",
     "MuxClosedError",
     "MuxError",
     "MuxStats",
+    "RequestState",
     "open_mux",
 ]

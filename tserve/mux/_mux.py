@@ -35,6 +35,7 @@ from anyio.abc import TaskStatus
 
 from tserve.mux._errors import EngineDeadError, MuxClosedError, MuxError
 from tserve.mux._heartbeat import SilenceClock, watch_silence
+from tserve.mux._lifecycle import Lifecycle
 from tserve.mux._link import Link, engine_socket, watch_link
 from tserve.mux._mailbox import Mailbox
 from tserve.mux._router import Router
@@ -142,14 +143,18 @@ class Mux:
     def open_mailboxes(self) -> int:
         return len(self._router)
 
-    def open_mailbox(self, request_id: str, max_tokens: int) -> Mailbox:
+    def open_mailbox(
+        self, request_id: str, max_tokens: int, lifecycle: Lifecycle | None = None
+    ) -> Mailbox:
         """Register a mailbox for ``request_id``; outputs for it go there.
 
-        Raises EngineDeadError / MuxClosedError when the mux cannot deliver,
-        MuxError when the id is already open.
+        ``lifecycle``: the request's own (new, for the same ``max_tokens``),
+        for a caller that tracks the request from before it has a mailbox;
+        else the mailbox makes one. Raises EngineDeadError / MuxClosedError
+        when the mux cannot deliver, MuxError when the id is already open.
         """
         self._check_usable()
-        return self._router.open(request_id, max_tokens)
+        return self._router.open(request_id, max_tokens, lifecycle)
 
     def submit(self, request: AddRequest) -> None:
         """Queue ``request`` for the engine; it goes out with the next frame.
@@ -169,6 +174,7 @@ class Mux:
         Synchronous, never blocks, never raises: safe in a ``finally``.
         Idempotent; harmless for an id that is unknown, finished, closed, or
         when the engine is dead. A request not yet submitted ends at once.
+        Whether an Abort is sent is its lifecycle's rule 1 (``_lifecycle.py``).
         """
         self._router.abort(request_id)
 

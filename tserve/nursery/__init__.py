@@ -19,11 +19,10 @@ Modules, each with one job (imports run down this list, never up)::
     _request.py         RequestStream: the IO shell of one request (submit,
                         read, abort, close) over a RequestSeam
     _output.py          sans-IO: an engine output to a Delta or a decision
-                        (abort, time out, fail, finished); mux failures
+                        (stop, time out, fail, finished); mux failures
     _admission.py       Admission: slots, the FIFO queue of waiting units, the
                         overload modes (wait, raise) and the HTTP queue's bounds
     _deadline.py        a deadline on the loop's and the engine's clocks
-    _state.py           the request state machine (legal transitions)
     _detokenize.py      sans-IO: token ids to text deltas, stop strings
     _session.py         engine_session: the mux, the progress log, unwrapping
                         our task groups' exception groups
@@ -36,7 +35,7 @@ Modules, each with one job (imports run down this list, never up)::
 """
 
 from tserve._curve import KeyFileError
-from tserve.mux import EngineDeadError
+from tserve.mux import EngineDeadError, RequestState
 from tserve.nursery._embedder import Embedder, EmbeddingResult
 from tserve.nursery._errors import (
     InvalidRequest,
@@ -50,7 +49,6 @@ from tserve.nursery._llm import LLM, LLMStats
 from tserve.nursery._open import attach_embedder, attach_llm, open_embedder, open_llm
 from tserve.nursery._request import RequestStream
 from tserve.nursery._results import Completion, Delta, Usage
-from tserve.nursery._state import RequestState
 
 __all__ = [
     "LLM",

@@ -1,30 +1,24 @@
-"""One request's engine outputs to what its caller sees, and the request's state. Sans-IO.
+"""One request's engine outputs to what its caller sees. Sans-IO.
 
-:class:`OutputMapper` owns a request's state (the machine in ``_state.py``)
-and turns each :class:`~tserve.protocol.RequestOutput` of the request, in
-order, into an :class:`Outcome`: a :class:`Delta` to hand out, or nothing
-yet, and what the IO shell (``_request.py``) must do. It never does IO
-itself: the shell sends the Abort an outcome asks for and raises the error
-it carries. The rules, checked in this order for each output:
+:class:`OutputMapper` turns each :class:`~tserve.protocol.RequestOutput` of
+a request, in order, into an :class:`Outcome`: a :class:`Delta` to hand out,
+or nothing yet, or the error to raise, and whether the request is over. It
+never does IO and holds no lifecycle state: what is sent, aborted or failed
+is the request's :class:`~tserve.mux.Lifecycle` (``tserve/mux/_lifecycle.py``),
+which the IO shell (``_request.py``) drives. The rules, checked in this order
+for each output:
 
-1. ``FinishReason.ERROR``: FAILED; the outcome is RequestFailed with the
-   engine's reason.
+1. ``FinishReason.ERROR``: the outcome is RequestFailed with the engine's
+   reason.
 2. ``FinishReason.ABORT`` on a request with a deadline: we did not abort it
    (we would not be reading it), so the engine's copy of the deadline
-   expired first (``_deadline.py``): FINISHED; the outcome is RequestTimeout.
+   expired first (``_deadline.py``): the outcome is RequestTimeout.
 3. The text reaches a stop string: the final delta, reason "stop". If the
-   engine still runs the request (no finish reason yet) ABORTED, and the
-   outcome asks for the one Abort; else FINISHED.
+   engine still runs the request (no finish reason yet), STOPPED: the shell
+   closes the request, which aborts it.
 4. Any other finish reason: the final delta with the held-back text and the
-   engine's reason; FINISHED.
+   engine's reason.
 5. No tokens and no text: nothing to tell yet; read again.
-
-The other ways out: :meth:`OutputMapper.close` (the caller leaves, or our
-deadline passed) says whether an Abort is due; :meth:`OutputMapper.fail`
-(the mux failed: the engine died, or the mux closed at shutdown) moves to
-FAILED and names the error. The moves that send an Abort are exactly the
-moves to ABORTED, and a terminal state has no way out, so a request is
-aborted at most once.
 
 :func:`finish_error` and :func:`mux_error` are the rules 1-2 and the mux
 failure mapping on their own, for the embeddings (``_embedder.py``), which
@@ -41,7 +35,6 @@ from tserve.mux import EngineDeadError, MuxClosedError
 from tserve.nursery._detokenize import IncrementalDetokenizer, StopMatcher
 from tserve.nursery._errors import LLMError, RequestFailed, RequestTimeout, ShuttingDown
 from tserve.nursery._results import Delta, Usage
-from tserve.nursery._state import RequestState, needs_abort, transition
 from tserve.protocol import FinishReason, RequestOutput
 
 __all__ = ["Decision", "Outcome", "OutputMapper", "finish_error", "mux_error"]
@@ -53,7 +46,7 @@ class Decision(enum.Enum):
     WAIT = "wait"  # nothing to tell yet: read the mailbox again
     DELTA = "delta"  # hand out the delta; the request goes on
     FINISHED = "finished"  # hand out the final delta; the engine is done with it
-    STOPPED = "stopped"  # hand out the final delta and send Abort: a stop string hit
+    STOPPED = "stopped"  # hand out the final delta; the engine still runs it: a stop string hit
     FAILED = "failed"  # raise the error: the engine failed the request
     TIMED_OUT = "timed out"  # raise the error: the engine's copy of the deadline expired
 
@@ -68,13 +61,8 @@ class Outcome:
     error: LLMError | None = None
 
     @property
-    def abort(self) -> bool:
-        """Send one Abort now: the engine still runs a request we are done with."""
-        return self.decision is Decision.STOPPED
-
-    @property
     def over(self) -> bool:
-        """The request has ended: close it (after the abort, if any)."""
+        """The request has ended for its caller: close it."""
         return self.decision not in (Decision.WAIT, Decision.DELTA)
 
 
@@ -82,7 +70,7 @@ _WAIT = Outcome(Decision.WAIT)
 
 
 class OutputMapper:
-    """The state and the output rules of one generation request (see the module docstring).
+    """The output rules of one generation request (see the module docstring).
 
     Synchronous; never blocks. Feed it outputs only between :meth:`submitted`
     and the first outcome that is ``over``.
@@ -95,7 +83,6 @@ class OutputMapper:
         "_num_tokens",
         "_prompt_tokens",
         "_stop",
-        "state",
     )
 
     def __init__(
@@ -107,7 +94,6 @@ class OutputMapper:
         request_id: str,
     ) -> None:
         """``decode`` turns token ids into text; ``stop`` are the request's stop strings."""
-        self.state = RequestState.ADMITTED
         self._detok = IncrementalDetokenizer(decode)
         self._stop = StopMatcher(stop)
         self._has_deadline = has_deadline
@@ -119,13 +105,10 @@ class OutputMapper:
 
     def submitted(self, prompt_tokens: int) -> None:
         """The request went to the engine with a prompt of ``prompt_tokens`` tokens."""
-        self.state = transition(self.state, RequestState.SUBMITTED)
         self._prompt_tokens = prompt_tokens
 
     def push(self, output: RequestOutput) -> Outcome:
-        """The meaning of the request's next output (rules 1-5); moves the state."""
-        if self.state is RequestState.SUBMITTED and output.token_ids:
-            self.state = transition(self.state, RequestState.STREAMING)
+        """The meaning of the request's next output (rules 1-5)."""
         self._num_tokens += len(output.token_ids)
         finish = output.finish_reason
         error = None
@@ -138,9 +121,6 @@ class OutputMapper:
             )
         if error is not None:
             failed = isinstance(error, RequestFailed)
-            self.state = transition(
-                self.state, RequestState.FAILED if failed else RequestState.FINISHED
-            )
             return Outcome(Decision.FAILED if failed else Decision.TIMED_OUT, error=error)
         text = self._stop.push(self._detok.push(output.token_ids))
         if self._stop.stopped:
@@ -153,31 +133,8 @@ class OutputMapper:
             return _WAIT
         else:
             return Outcome(Decision.DELTA, Delta(text, output.token_ids, output.logprobs))
-        ending = RequestState.ABORTED if decision is Decision.STOPPED else RequestState.FINISHED
-        self.state = transition(self.state, ending)
         usage = Usage(self._prompt_tokens, self._num_tokens)
         return Outcome(decision, Delta(text, output.token_ids, output.logprobs, reason, usage))
-
-    def close(self) -> bool:
-        """The caller is done with the request (any way out); True: send one Abort.
-
-        An Abort is due iff the engine may still run the request (SUBMITTED,
-        STREAMING → ABORTED); a request never submitted is CLOSED; a request
-        already in a terminal state stays there.
-        """
-        if needs_abort(self.state):
-            self.state = transition(self.state, RequestState.ABORTED)
-            return True
-        if self.state is RequestState.ADMITTED:
-            self.state = transition(self.state, RequestState.CLOSED)
-        return False
-
-    def fail(
-        self, error: EngineDeadError | MuxClosedError, closed: str
-    ) -> LLMError | EngineDeadError:
-        """The mux failed the request: FAILED, and the error to raise (see :func:`mux_error`)."""
-        self.state = transition(self.state, RequestState.FAILED)
-        return mux_error(error, closed)
 
     def timed_out(self) -> RequestTimeout:
         """The error for our own deadline passing (the caller closes the request: the abort)."""

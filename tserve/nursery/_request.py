@@ -20,13 +20,15 @@ A stream admitted without a free slot holds a ticket instead; its first
 before it submits, so a waiting stream holds no mailbox and nothing in
 the engine.
 
-``close`` is synchronous: it queues at most one Abort with ``mux.abort``
-(never blocks, never awaits) and gives back the admission slot or ticket, so cleanup
-never waits on an unshielded checkpoint and a second cancel cannot skip it.
-Whether an abort is due is decided by :class:`~tserve.nursery._output.OutputMapper`
-(the state machine of ``_state.py``): only a request the engine may still be
-running gets one, and the mux adds one more filter: a request whose final
-output has already arrived is finished in the engine, so it is not aborted.
+``close`` is synchronous: it closes the mailbox (never blocks, never awaits)
+and gives back the admission slot or ticket, so cleanup never waits on an
+unshielded checkpoint and a second cancel cannot skip it. Whether an Abort
+goes with it is decided in one place, the request's
+:class:`~tserve.mux.Lifecycle` (``tserve/mux/_lifecycle.py``), which the
+stream makes at once and hands to its mailbox: only a request the engine may
+still run gets one, and only one (a request whose final output has arrived
+is finished, read or not). What each output means for the caller is
+:class:`~tserve.nursery._output.OutputMapper`'s.
 
 The stream reaches its client only through a :class:`RequestSeam`, which
 the client (``LLM``) hands in: the mux, the decoder, the prompt check, the
@@ -44,12 +46,11 @@ from typing import NoReturn, Self
 import anyio
 import msgspec
 
-from tserve.mux import EngineDeadError, Mailbox, Mux, MuxClosedError
+from tserve.mux import EngineDeadError, Lifecycle, Mailbox, Mux, MuxClosedError, RequestState
 from tserve.nursery._admission import Admission
 from tserve.nursery._deadline import Deadline
-from tserve.nursery._output import OutputMapper
+from tserve.nursery._output import OutputMapper, mux_error
 from tserve.nursery._results import Delta
-from tserve.nursery._state import RequestState
 from tserve.protocol import AddRequest, RequestOutput, SamplingParams
 
 __all__ = ["Prompt", "RequestSeam", "RequestStream", "loop_caller"]
@@ -89,6 +90,7 @@ class RequestStream:
         "_deadline",
         "_done",
         "_holds_slot",
+        "_life",
         "_mailbox",
         "_make_prompt",
         "_mapper",
@@ -120,6 +122,7 @@ class RequestStream:
         self._mapper = OutputMapper(
             seam.decode, params.stop, has_deadline=self._deadline.is_set, request_id=request_id
         )
+        self._life = Lifecycle(params.max_tokens)  # the one state of the request
         self._mailbox: Mailbox | None = None
         self.prompt_token_ids: list[int] = []
         self._done = False
@@ -129,7 +132,7 @@ class RequestStream:
 
     @property
     def state(self) -> RequestState:
-        return self._mapper.state
+        return self._life.state
 
     def __aiter__(self) -> Self:
         return self
@@ -173,40 +176,39 @@ class RequestStream:
         if self._done:
             return
         self._done = True
-        if self._mapper.close():
-            self._seam.mux.abort(self.request_id)
         if self._mailbox is not None:
-            self._mailbox.close()  # the mux forgets the id; no second abort
+            self._mailbox.close()  # the lifecycle's close, carried out by the mux
+        else:
+            self._life.close()  # not sent: nothing to carry out
         self._seam.admission.leave(held=self._holds_slot)
 
     # -- internals ---------------------------------------------------------------
 
     async def _next(self) -> Delta:
-        if self._mapper.state is RequestState.ADMITTED:
+        if self._mailbox is None:
             await self._submit()
         assert self._mailbox is not None
         while True:
             outcome = self._mapper.push(await self._receive(self._mailbox))
-            if outcome.abort:  # a stop string: the engine still generates
-                self._seam.mux.abort(self.request_id)
             if outcome.error is not None:
                 raise outcome.error
             if outcome.delta is not None:
                 if outcome.over:
-                    self.close()
+                    self.close()  # aborts a request a stop string ended
                 return outcome.delta
 
     async def _submit(self) -> None:
+        seam = self._seam
         make = self._make_prompt
         prompt = make if isinstance(make, list) else await make()
-        self._seam.check_prompt(prompt, self._params)
+        seam.check_prompt(prompt, self._params)
         self.prompt_token_ids = prompt
         if not self._holds_slot:
-            await self._seam.admission.wait(tokens=len(prompt))
+            await seam.admission.wait(tokens=len(prompt))
             self._holds_slot = True  # no checkpoint between the hand-off and this
-        mux = self._seam.mux
+        mux = seam.mux
         try:
-            self._mailbox = mux.open_mailbox(self.request_id, self._params.max_tokens)
+            self._mailbox = mux.open_mailbox(self.request_id, self._params.max_tokens, self._life)
             params = self._params
             if params.stop:  # the engine never sees text
                 params = msgspec.structs.replace(params, stop=())
@@ -223,7 +225,8 @@ class RequestStream:
             self._raise(exc, "the LLM was closed while the request ran")
 
     def _raise(self, exc: EngineDeadError | MuxClosedError, closed: str) -> NoReturn:
-        error = self._mapper.fail(exc, closed)
+        self._life.fail(engine_alive=False)  # FAILED if the mux had not failed it yet
+        error = mux_error(exc, closed)
         if error is exc:
             raise exc
         raise error from None

@@ -103,7 +103,9 @@ def test_a_frame_of_one_kind_does_not_decode_as_another() -> None:
         p.decode(frame)
 
 
-@pytest.mark.parametrize("module", ["tserve.protocol", "tserve.validity"])
+@pytest.mark.parametrize(
+    "module", ["tserve.protocol", "tserve.engine_config", "tserve.validity", "tserve.grammar"]
+)
 def test_protocol_is_a_leaf(module: str) -> None:
     """The wire and its validity rule pull in neither torch, zmq, trio, anyio nor quart."""
     code = (

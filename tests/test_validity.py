@@ -8,6 +8,7 @@ import pytest
 
 from tserve.protocol import SamplingParams
 from tserve.validity import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     Problem,
     embedding_problem,
@@ -43,6 +44,15 @@ def test_a_valid_request_has_no_problem() -> None:
         ([1, -1], {}, "prompt"),
         ([1] * 10, {"max_tokens": 55}, "max_tokens"),
         ([1] * 64, {"max_tokens": 1}, "prompt"),
+        ([1], {"logit_bias": ((VOCAB, 1.0),)}, "logit_bias"),
+        ([1], {"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ([1], {"logit_bias": ((3, 100.5),)}, "logit_bias"),
+        ([1], {"logit_bias": ((3, float("nan")),)}, "logit_bias"),
+        (
+            [1],
+            {"logit_bias": tuple((i % VOCAB, 0.0) for i in range(MAX_LOGIT_BIAS + 1))},
+            "logit_bias",
+        ),
     ],
 )
 def test_each_field_out_of_range_is_named(
@@ -52,6 +62,15 @@ def test_each_field_out_of_range_is_named(
     assert found is not None
     assert found.param == param
     assert param.split("_")[0] in found.message
+
+
+def test_logit_bias_in_range_is_valid() -> None:
+    bias = tuple((i % VOCAB, -100.0 if i % 2 else 100.0) for i in range(MAX_LOGIT_BIAS))
+    assert problem([1], logit_bias=bias) is None
+    found = problem([1], logit_bias=((7, -101.0),))
+    assert found == Problem(
+        "logit_bias", "logit_bias: the bias of token 7 must be a finite number in [-100, 100]"
+    )
 
 
 def test_logprobs_never_exceed_the_vocabulary() -> None:

@@ -9,11 +9,13 @@ Packages (imports run ``web → nursery → mux → protocol ← gpu``):
 embeddable API), ``mux`` (the one socket to the engine), ``gpu`` (the engine
 process), ``bench`` (``python -m tserve bench``). Modules beside them:
 ``__main__`` (the commands: serve, engine, keys, bench), ``_options`` (their
-options and environment defaults), ``protocol`` (the wire), ``validity``
-(the one rule for a valid request), ``_host`` (fd limit, pid probe, log
-format), ``_curve`` (the CURVE key files of an engine on the network),
-``_metrics_dir`` (the API processes' shared metrics directory), ``_errors``
-(:class:`LLMError`, the root of every error type).
+options and environment defaults), ``protocol`` (the wire), ``engine_config``
+(how to start an engine), ``validity`` (the one rule for a valid request),
+``grammar`` (structured-output constraints as llguidance grammars),
+``_host`` (fd limit, pid probe, log format), ``_curve`` (the CURVE key files
+of an engine on the network), ``_metrics_dir`` (the API processes' shared
+metrics directory), ``_errors`` (:class:`LLMError`, the root of every error
+type).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tserve.protocol import EngineConfig, FinishReason, SamplingParams
+from tserve.protocol import (
+    Choice,
+    EngineConfig,
+    FinishReason,
+    JsonSchema,
+    LarkGrammar,
+    Regex,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from tserve.nursery import (
@@ -62,16 +72,20 @@ _LAZY = {
 
 __all__ = [
     "LLM",
+    "Choice",
     "Completion",
     "Delta",
     "EngineConfig",
     "EngineDeadError",
     "FinishReason",
     "InvalidRequest",
+    "JsonSchema",
     "KeyFileError",
     "LLMError",
     "LLMStats",
+    "LarkGrammar",
     "Overloaded",
+    "Regex",
     "RequestFailed",
     "RequestTimeout",
     "SamplingParams",

@@ -21,16 +21,24 @@ from tserve.protocol import SamplingParams
 
 __all__ = [
     "GREEDY_BELOW",
+    "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "Problem",
     "embedding_problem",
     "generation_problem",
+    "logit_bias_problem",
     "params_problem",
     "tokens_problem",
 ]
 
 MAX_LOGPROBS: Final = 20
 """The most alternatives per token a request may ask for (``logprobs``, ``top_logprobs``)."""
+
+MAX_LOGIT_BIAS: Final = 1024
+"""The most (token id, bias) entries a request's ``logit_bias`` may hold."""
+
+LOGIT_BIAS_RANGE: Final = 100.0
+"""A bias is a finite number in [-LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE]."""
 
 GREEDY_BELOW: Final = 1e-5
 """Temperatures below this sample greedily: dividing float32 logits by a
@@ -108,7 +116,27 @@ def params_problem(params: SamplingParams, vocab_size: int) -> Problem | None:
     for ok, param, message in checks:
         if not ok:
             return Problem(param, f"{param} {message}")
-    return tokens_problem(params.stop_token_ids, vocab_size, "stop_token_ids")
+    problem = tokens_problem(params.stop_token_ids, vocab_size, "stop_token_ids")
+    return problem or logit_bias_problem(params.logit_bias, vocab_size)
+
+
+def logit_bias_problem(bias: Sequence[tuple[int, float]], vocab_size: int) -> Problem | None:
+    """The first bad entry of ``logit_bias`` (at most MAX_LOGIT_BIAS entries; ids in
+    the vocabulary; finite biases in [-100, 100]), or None. O(len(bias))."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        return Problem(
+            "logit_bias", f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS}"
+        )
+    problem = tokens_problem([token for token, _ in bias], vocab_size, "logit_bias")
+    if problem is not None:
+        return problem
+    for token, value in bias:
+        if not (math.isfinite(value) and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
+            return Problem(
+                "logit_bias",
+                f"logit_bias: the bias of token {token} must be a finite number in [-100, 100]",
+            )
+    return None
 
 
 def embedding_problem(

@@ -12,7 +12,14 @@ import pytest
 
 from tserve.gpu._core import FORWARD_FAULT_ENV, ForwardFault
 from tserve.gpu._echo_core import EchoCore
-from tserve.protocol import AddRequest, EngineConfig, FinishReason, RequestOutput, SamplingParams
+from tserve.protocol import (
+    AddRequest,
+    EngineConfig,
+    FinishReason,
+    JsonSchema,
+    RequestOutput,
+    SamplingParams,
+)
 
 A, B = b"api-a", b"api-b"
 
@@ -54,6 +61,16 @@ def test_exactly_max_tokens_echoing_the_prompt_without_eos(core: EchoCore) -> No
     assert seen["r"][-1].finish_reason is FinishReason.LENGTH
     assert [o.finish_reason for o in seen["one"]] == [FinishReason.LENGTH]
     assert core.stats().steps == 10 and core.stats().running == 0
+
+
+def test_constraints_and_logit_bias_are_ignored(core: EchoCore) -> None:
+    """The echo is not masked: a constrained or biased request echoes its prompt."""
+    _add(core, "json", [5, 6], max_tokens=3, constraint=JsonSchema({"type": "object"}))
+    _add(core, "bias", [5, 6], max_tokens=3, logit_bias=((9, -100.0),))
+    _add(core, "bad-bias", [5, 6], max_tokens=3, logit_bias=((9, 200.0),))
+    seen = _run(core)
+    assert _tokens(seen["json"]) == _tokens(seen["bias"]) == [5, 6, 5]
+    assert [o.finish_reason for o in seen["bad-bias"]] == [FinishReason.ERROR]
 
 
 def test_stop_token_ids_end_a_request(core: EchoCore) -> None:

@@ -210,3 +210,78 @@ def test_candidates_match_a_full_sort(top_p: float, top_k: int) -> None:
         kept = torch.nonzero(torch.diff(cdf, prepend=cdf.new_zeros(1)) > 0).squeeze(1)
         assert ids is not None and len(kept) == n
         assert set(ids[kept].tolist()) == set(order[:n].tolist())
+
+
+# --------------------------------------------------------------- logit_bias and grammar masks
+
+
+def test_logit_bias_plus_100_forces_and_minus_100_bans() -> None:
+    logits = _logits(4, seed=7)
+    best = logits.argmax(-1).tolist()
+    seqs = [
+        _seq("force-greedy", temperature=0, logit_bias=((11, 100.0),)),
+        _seq("force-sampled", seed=3, temperature=1.0, logit_bias=((12, 100.0),)),
+        _seq("ban", temperature=0, logit_bias=((best[2], -100.0),)),
+        _seq("plain", temperature=0),
+    ]
+    sampler = Sampler()
+    for _ in range(20):
+        got = _tokens(sampler.sample(logits, seqs))
+        assert got[:2] == [11, 12]
+        assert got[2] != best[2]
+        assert got[2] == logits[2].clone().index_fill_(0, torch.tensor([best[2]]), -1e9).argmax()
+        assert got[3] == best[3]
+
+
+def test_biased_rows_leave_their_neighbours_and_logprobs_alone() -> None:
+    """Biases change only their own row's choice; logprobs stay the raw model's."""
+    logits = _logits(3, seed=8)
+    plain = [_seq(f"p{i}", temperature=0, logprobs=1) for i in range(3)]
+    mixed = [
+        plain[0],
+        _seq("b1", temperature=0, logprobs=1, logit_bias=((5, 100.0), (5, -100.0), (6, 100.0))),
+        plain[2],
+    ]
+    before = Sampler().sample(logits, plain)
+    after = Sampler().sample(logits, mixed)
+    assert after[1].token_id == 6  # a repeated id's biases add up: 5 ends at +0
+    assert [after[0], after[2]] == [before[0], before[2]]
+    assert after[1].logprob is not None and before[1].logprob is not None
+    raw = torch.log_softmax(logits[1], -1)
+    assert after[1].logprob.logprob == pytest.approx(float(raw[6]))
+
+
+def test_a_mask_limits_a_row_to_its_allowed_tokens() -> None:
+    logits = _logits(3, seed=9)
+    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed[[4, 9, 30]] = True
+    seqs = [
+        _seq("m-greedy", temperature=0),
+        _seq("m-sampled", seed=1),
+        _seq("plain", temperature=0),
+    ]
+    sampler = Sampler()
+    masks = {0: allowed, 1: allowed}
+    for _ in range(30):
+        got = _tokens(sampler.sample(logits, seqs, masks))
+        assert got[0] == max((4, 9, 30), key=lambda t: float(logits[0, t]))
+        assert got[1] in (4, 9, 30)
+        assert got[2] == logits[2].argmax()
+
+
+def test_the_mask_applies_after_logit_bias() -> None:
+    """+100 on a token the grammar forbids cannot force it."""
+    logits = _logits(1, seed=10)
+    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed[[3, 8]] = True
+    seq = _seq("x", temperature=0, logit_bias=((20, 100.0), (8, 50.0)))
+    assert _tokens(Sampler().sample(logits, [seq], {0: allowed})) == [8]
+
+
+def test_a_mask_that_allows_nothing_fails_that_request_alone() -> None:
+    logits = _logits(2, seed=11)
+    nothing = torch.zeros(VOCAB, dtype=torch.bool)
+    results = Sampler().sample(logits, [_seq("dead"), _seq("ok", temperature=0)], {0: nothing})
+    assert results[0].token_id is None and results[0].error is not None
+    assert "allows no token" in results[0].error
+    assert results[1].token_id == logits[1].argmax()

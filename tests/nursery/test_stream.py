@@ -18,7 +18,7 @@ from tserve.mux import EngineDeadError, Mux, open_mux
 from tserve.nursery import RequestState, RequestStream, RequestTimeout
 from tserve.nursery._admission import Admission
 from tserve.nursery._request import RequestSeam, loop_caller
-from tserve.protocol import SamplingParams
+from tserve.protocol import Constraint, SamplingParams
 
 pytestmark = pytest.mark.anyio
 
@@ -37,6 +37,10 @@ class CountingAdmission(Admission):
         super().leave(count, held=held)
 
 
+async def _no_constraint_check(constraint: Constraint) -> None:
+    """These tests send no constraints."""
+
+
 class Client:
     """The admitting side of a seam: counts releases (one per stream)."""
 
@@ -47,6 +51,7 @@ class Client:
             mux,
             lambda ids: "".join(map(chr, ids)),
             lambda prompt, params: None,
+            _no_constraint_check,
             self.admission,
             loop_caller(),
         )

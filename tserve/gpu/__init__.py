@@ -1,5 +1,6 @@
 """The engine process: torch, plain blocking pyzmq, no trio. Imports only
-:mod:`tserve.protocol` (and :mod:`tserve.validity`) of the rest of tserve.
+:mod:`tserve.protocol` (and :mod:`tserve.validity`, :mod:`tserve.grammar`)
+of the rest of tserve.
 
 Modules:
 
@@ -37,6 +38,8 @@ Modules:
   add + RMSNorm, RoPE + K/V store, paged decode attention), compiled from
   ``_cpu_kernels.c`` on first use and loaded with ctypes.
 * ``_sampler.py`` — the next token per request from its logits.
+* ``_constraints.py`` — structured outputs: grammars compiled in a worker
+  thread (bounded cache), each constrained row's mask, its matcher.
 * ``_models.py`` — finding, converting and loading models and encoders.
 * ``_errors.py`` — the engine's error types.
 """

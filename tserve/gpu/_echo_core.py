@@ -20,6 +20,9 @@ wire) with an engine whose cost is known and nearly zero. It is a
 * A step that gives out tokens takes ``echo_step_time`` seconds from the
   start of the previous one: it sleeps for what is left (it blocks).
 * With ``logprobs`` asked for, every token's logprob is 0.0 (it was certain).
+* ``constraint`` and ``logit_bias`` are checked like every parameter (an
+  out-of-range bias is an ERROR) and otherwise ignored: the echo is not
+  masked, so a constrained request gets its prompt back like any other.
 """
 
 from __future__ import annotations

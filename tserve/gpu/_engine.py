@@ -10,6 +10,13 @@ device) escapes ``step()``, and the process treats that as fatal.
 
 It is a :class:`~tserve.gpu._core.Core`; the bookkeeping it shares with the
 other cores (aborts, counters, the test-only forward fault) is in ``_core.py``.
+
+A constrained request (``params.constraint``) waits in :class:`Constraints`
+until its grammar is compiled (off the step loop), then joins the scheduler;
+each step masks its row before sampling, feeds its sampled token to its
+matcher, and ends it with STOP once the grammar is complete (see
+``_constraints.py``). A token its grammar rejects, a grammar that fails or
+times out, ends that request alone with ERROR.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tserve.gpu._constraints import Constraints, GrammarCompiler
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
 from tserve.gpu._errors import RequestRejected
 from tserve.gpu._kv import BlockManager
@@ -27,11 +35,12 @@ from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._models import default_model_dir, load_model
 from tserve.gpu._sampler import Sampler
 from tserve.gpu._scheduler import Scheduler
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu._sequence import ScheduledChunk, Sequence, SequenceStatus
 from tserve.protocol import (
     AddRequest,
     EngineConfig,
     EngineStats,
+    FinishReason,
     RequestOutput,
     TokenLogprob,
 )
@@ -41,6 +50,10 @@ __all__ = ["EngineCore", "resolve_device"]
 
 
 Progress = Callable[[str], None]
+
+# A step with nothing to run but grammars compiling waits this long (s) for
+# one, instead of spinning; new frames wait at most this long for the loop.
+_IDLE_COMPILE_WAIT = 0.005
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -111,6 +124,18 @@ class EngineCore(CoreBookkeeping[Sequence]):
             eos_token_ids=self.eos_token_ids,
             max_decode_slowdown=config.max_decode_slowdown,
         )
+        compiler = GrammarCompiler(
+            _tokenizer_json(tokenizer, path),
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            cache_size=config.grammar_cache_size,
+        )
+        self.constraints = Constraints(
+            compiler,
+            compile_timeout=config.grammar_compile_timeout,
+            vocab_size=self.vocab_size,
+            threads=config.threads,
+        )
         # Logprobs of tokens sampled but not yet reported; one entry per token.
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         progress(f"engine ready: {self.model_name}, {num_blocks * config.block_size} KV tokens")
@@ -134,32 +159,56 @@ class EngineCore(CoreBookkeeping[Sequence]):
                 peer=peer,
                 deadline=request.deadline,
             )
-            try:
-                self.scheduler.add(seq)
-            except RequestRejected as exc:
-                problem = str(exc)
+            problem = self._queue(seq)
         if problem is not None:
             self._reject(peer, request.request_id, problem)
+
+    def _queue(self, seq: Sequence) -> str | None:
+        """Hand ``seq`` to the scheduler, or to the grammar compiler first; the
+        problem when it can never run."""
+        if seq.params.constraint is None:
+            return self._schedule(seq)
+        if self.scheduler.get(seq.request_id) or self.constraints.has(seq.request_id):
+            return f"request id {seq.request_id!r} is already in use"
+        return self.constraints.add(seq, time.time())
+
+    def _schedule(self, seq: Sequence) -> str | None:
+        try:
+            self.scheduler.add(seq)
+        except RequestRejected as exc:
+            self.constraints.release(seq.request_id)
+            return str(exc)
+        return None
 
     # Aborts (abort, abort_peer, abort_all) are CoreBookkeeping's; they free KV at once.
 
     def _matching(self, request_id: str, peer: bytes | None) -> list[Sequence]:
-        seq = self.scheduler.get(request_id)
+        seq = self.scheduler.get(request_id) or self.constraints.get_waiting(request_id)
         return [] if seq is None or (peer is not None and seq.peer != peer) else [seq]
 
     def _live(self) -> Iterable[Sequence]:
-        return self.scheduler.sequences()
+        return self.scheduler.sequences() + self.constraints.waiting()
 
     def _end_aborted(self, records: list[Sequence]) -> None:
         for seq in records:
-            self.scheduler.abort(seq.request_id)
+            if self.scheduler.abort(seq.request_id) is None:  # waiting for its grammar
+                self._end_unscheduled(seq, FinishReason.ABORT)
             self._finished(seq)
+
+    def _end_unscheduled(
+        self, seq: Sequence, reason: FinishReason, error: str | None = None
+    ) -> None:
+        """Finish a request the scheduler never got (it waited for its grammar)."""
+        self.constraints.release(seq.request_id)
+        seq.finish_reason = reason
+        seq.error = error
+        seq.transition(SequenceStatus.FINISHED)
 
     # -- the step --------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._pending)
+        return self.scheduler.has_work or bool(self._pending) or bool(self.constraints.num_waiting)
 
     def step(self, now: float | None = None) -> list[PeerOutput]:
         """One step of continuous batching; returns (peer, output) pairs.
@@ -173,12 +222,16 @@ class EngineCore(CoreBookkeeping[Sequence]):
         now = time.time() if now is None else now
         for seq in self.scheduler.expire(now):  # 1 end expired requests
             self._finished(seq)
+        self._take_compiled(now)  # 1b compiled grammars join the queue
         chunks = self.scheduler.schedule()  # 2 schedule (allocates KV)
         news: list[Sequence] = []
         if chunks:
             logits = self._forward(chunks)  # 3 ONE forward pass (fatal if it raises)
             sampled, failed = self._sample(chunks, logits)  # 4 sample, per request
             news = failed + self.scheduler.update(chunks, sampled)  # 5 update, free finished
+            self._end_complete_grammars(news)
+        elif self.constraints.num_waiting:
+            self.constraints.wait(_IDLE_COMPILE_WAIT)  # nothing to run: do not spin
         outputs = self._take_pending()
         # A sequence is in ``news`` once: failed ones are skipped by update().
         outputs += [(seq.peer, self._output(seq)) for seq in news]  # 6 outputs
@@ -188,17 +241,47 @@ class EngineCore(CoreBookkeeping[Sequence]):
         self._count_step()
         return self.runner.execute(chunks)
 
+    def _take_compiled(self, now: float) -> None:
+        """Requests whose grammar is ready go to the scheduler; those whose grammar
+        failed or timed out, or whose deadline passed while they waited, end."""
+        ready, failed = self.constraints.take_ready(now)
+        for seq in ready:
+            problem = self._schedule(seq)
+            if problem is not None:
+                failed.append((seq, problem))
+        for seq, error in failed:
+            self._end_unscheduled(seq, FinishReason.ERROR, error)
+            self._finished(seq)
+        for seq in self.constraints.waiting():
+            if seq.deadline is not None and seq.deadline <= now:
+                self._end_unscheduled(seq, FinishReason.ABORT)
+                self._finished(seq)
+
+    def _end_complete_grammars(self, news: list[Sequence]) -> None:
+        """End with STOP the requests whose grammar takes no more tokens."""
+        for seq in news:
+            if not seq.is_finished and self.constraints.finished(seq.request_id):
+                self.scheduler.finish_stopped(seq.request_id)
+
     def _sample(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor
     ) -> tuple[dict[str, int], list[Sequence]]:
-        """Sampled token per request id, and the requests that failed alone (now finished)."""
+        """Sampled token per request id, and the requests that failed alone (now finished).
+
+        Constrained rows are masked by their grammar, and their matchers
+        advanced by the sampled token; a failing grammar fails its request.
+        """
         to_sample = [c.seq for c in chunks if c.sample]
-        results = self.sampler.sample(logits, to_sample)
+        masks, errors = self.constraints.masks(to_sample)
+        results = self.sampler.sample(logits, to_sample, masks)
         sampled: dict[str, int] = {}
         failed: list[Sequence] = []
-        for seq, result in zip(to_sample, results, strict=True):
-            if result.token_id is None:
-                self.scheduler.finish_with_error(seq.request_id, result.error or "no token")
+        for row, (seq, result) in enumerate(zip(to_sample, results, strict=True)):
+            error = errors.get(row, result.error)
+            if error is None and result.token_id is not None:
+                error = self.constraints.advance(seq.request_id, result.token_id)
+            if error is not None or result.token_id is None:
+                self.scheduler.finish_with_error(seq.request_id, error or "no token")
                 failed.append(seq)
                 continue
             sampled[seq.request_id] = result.token_id
@@ -209,7 +292,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
     def stats(self) -> EngineStats:
         return EngineStats(
             running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting,
+            waiting=self.scheduler.num_waiting + self.constraints.num_waiting,
             kv_tokens_used=self.blocks.tokens_used,
             kv_tokens_total=self.blocks.tokens_total,
             steps=self._steps,
@@ -250,7 +333,19 @@ class EngineCore(CoreBookkeeping[Sequence]):
         if seq.is_finished:
             self._logprobs.pop(seq.request_id, None)
             self.sampler.release(seq.request_id)
+            self.constraints.release(seq.request_id)
         return RequestOutput(seq.request_id, new, seq.finish_reason, logprobs, seq.error)
+
+
+def _tokenizer_json(tokenizer: object, model_dir: Path) -> str:
+    """The text of the model's ``tokenizer.json`` as its loaded tokenizer has it
+    (the config's added tokens included), for llguidance; the file's when the
+    tokenizer is not a fast one. Blocking file IO, once."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return str(backend.to_str())
+    path = model_dir / "tokenizer.json"
+    return path.read_text(encoding="utf-8") if path.is_file() else "{}"
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: object) -> tuple[int, ...]:

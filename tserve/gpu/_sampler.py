@@ -5,8 +5,9 @@ Pipeline for one step (``logits [N, V]``, one row per request):
 1. per request, guarded: check its parameters and the row (finite logits);
    a failure becomes that request's error and the row leaves the batch;
 2. batched over the rest: frequency/presence penalties (over the request's
-   OUTPUT tokens), raw logprobs, greedy argmax, and for sampled rows
-   temperature, top-k and top-p on one sorted copy;
+   OUTPUT tokens), then ``logit_bias``, then the grammar mask of constrained
+   rows (tokens it forbids become -inf), raw logprobs, greedy argmax, and
+   for sampled rows temperature, top-k and top-p on one sorted copy;
 3. per request, guarded: draw one uniform number from the request's own
    generator (seeded requests) and invert the row's CDF, then assemble its
    logprobs.
@@ -18,7 +19,8 @@ exactly one number per step from a ``torch.Generator`` seeded with
 its neighbours in the batch. Call :meth:`Sampler.release` when a request ends.
 
 Logprobs are the model's RAW logprobs (log-softmax of the logits before
-penalties, temperature, top-k and top-p), as vLLM reports by default.
+penalties, ``logit_bias``, the grammar mask, temperature, top-k and top-p),
+as vLLM reports by default.
 
 Test-only fault injection: when the environment variable
 ``TSERVE_TEST_FAULT_SAMPLER`` holds a regular expression when the sampler is
@@ -33,6 +35,7 @@ import dataclasses
 import logging
 import os
 import re
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Final, TypeAlias
 
@@ -98,12 +101,20 @@ class Sampler:
         """Forget a finished request's generator. Idempotent."""
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> list[SampleResult]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        seqs: SequenceOf[Sequence],
+        allowed: Mapping[int, torch.Tensor] | None = None,
+    ) -> list[SampleResult]:
         """One result per row of ``logits [N, V]`` (fp32), for ``seqs[i]`` at row i.
 
-        Never raises for a problem of one request; that request's result
-        carries the error instead.
+        ``allowed`` maps a constrained row to its grammar mask (bool ``[V]``,
+        True = the grammar allows that token); a row of all False is that
+        request's error. Never raises for a problem of one request; that
+        request's result carries the error instead.
         """
+        allowed = allowed or {}
         assert logits.shape[0] == len(seqs), "one logits row per sequence"
         results: list[SampleResult | None] = [None] * len(seqs)
         ok: list[int] = []
@@ -118,10 +129,10 @@ class Sampler:
                 else:
                     results[i] = _failed(seq, problem)
             try:
-                batches = [self._batch(logits, argmax, seqs, ok)]
+                batches = [self._batch(logits, argmax, seqs, ok, allowed)]
             except Exception:
                 log.exception("batched sampling failed; isolating the failing request")
-                batches = self._one_by_one(logits, argmax, seqs, ok, results)
+                batches = self._one_by_one(logits, argmax, seqs, ok, results, allowed)
             for batch in batches:
                 for row in batch.rows:
                     results[row] = self._finish(batch, row, seqs[row])
@@ -134,11 +145,12 @@ class Sampler:
         seqs: SequenceOf[Sequence],
         rows: list[int],
         results: list[SampleResult | None],
+        allowed: Mapping[int, torch.Tensor],
     ) -> list[_Batch]:
         batches = []
         for row in rows:
             try:
-                batches.append(self._batch(logits, argmax, seqs, [row]))
+                batches.append(self._batch(logits, argmax, seqs, [row], allowed))
             except Exception as exc:
                 results[row] = _failed(seqs[row], _describe(exc), exc)
         return batches
@@ -149,6 +161,7 @@ class Sampler:
         argmax: torch.Tensor,
         seqs: SequenceOf[Sequence],
         rows: list[int],
+        allowed: Mapping[int, torch.Tensor],
     ) -> _Batch:
         """Step 2 over ``rows``: everything that vectorises. ``argmax [N]`` is each
         row's argmax of ``logits``."""
@@ -156,6 +169,8 @@ class Sampler:
         # ``rows`` is increasing: all of them means the whole tensor, no copy.
         raw = logits if len(rows) == logits.shape[0] else logits[rows]
         processed = _apply_penalties(raw, [seqs[i] for i in rows])
+        processed = _apply_bias(processed, raw, params)
+        processed = _apply_masks(processed, raw, [allowed.get(i) for i in rows])
         want_lp = [j for j, p in enumerate(params) if p.logprobs is not None]
         logprobs: dict[int, torch.Tensor] = {}
         if want_lp:
@@ -241,6 +256,43 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         ids = torch.tensor(seqs[j].output_token_ids, device=logits.device)
         counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
         out[j] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return out
+
+
+def _apply_bias(
+    logits: torch.Tensor, raw: torch.Tensor, params: list[SamplingParams]
+) -> torch.Tensor:
+    """Add each row's ``logit_bias`` (a repeated id's biases add up).
+
+    Returns ``logits`` itself when no row has a bias; copies it first when it
+    is still ``raw`` (the step's logits, which logprobs read)."""
+    biased = [j for j, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        return logits
+    out = logits.clone() if logits is raw else logits
+    for j in biased:
+        ids, values = zip(*params[j].logit_bias, strict=True)
+        index = torch.tensor(ids, device=logits.device)
+        out[j].index_add_(0, index, torch.tensor(values, dtype=logits.dtype, device=logits.device))
+    return out
+
+
+def _apply_masks(
+    logits: torch.Tensor, raw: torch.Tensor, masks: list[torch.Tensor | None]
+) -> torch.Tensor:
+    """Set the logits a row's grammar forbids to -inf (rows with a mask only).
+
+    Returns ``logits`` itself when no row has a mask; copies it first when it
+    is still ``raw``. Raises ValueError for a mask that allows no token (the
+    caller's isolation makes it that request's error)."""
+    masked = [j for j, m in enumerate(masks) if m is not None]
+    if not masked:
+        return logits
+    out = logits.clone() if logits is raw else logits
+    allow = torch.stack([m for m in masks if m is not None]).to(out.device)
+    if not bool(allow.any(dim=-1).all()):
+        raise ValueError("the grammar allows no token here")
+    out[masked] = out[masked].masked_fill(~allow, float("-inf"))
     return out
 
 

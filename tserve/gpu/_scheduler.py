@@ -213,11 +213,14 @@ class Scheduler:
     def finish_with_error(self, request_id: str, message: str) -> Sequence | None:
         """Finish one live request with ``FinishReason.ERROR``; the others go on.
 
-        For a per-request failure found after ``schedule()`` (the sampler raised
-        for this request alone): ``update`` then skips its chunk. Unknown or
-        finished id: None, nothing happens.
-        """
+        For a per-request failure found after ``schedule()`` (sampling or its
+        grammar failed): ``update`` then skips its chunk. Unknown or finished
+        id: None, nothing happens."""
         return self._finish_by_id(request_id, FinishReason.ERROR, message)
+
+    def finish_stopped(self, request_id: str) -> Sequence | None:
+        """Finish one live request with STOP: complete by a rule not seen here (its grammar)."""
+        return self._finish_by_id(request_id, FinishReason.STOP)
 
     def expire(self, now: float) -> list[Sequence]:
         """Abort every live request whose ``deadline`` is at or before ``now``.

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from tserve.nursery._client import ClientSettings, EngineClient
+from tserve.nursery._constraint import ConstraintCheck
 from tserve.nursery._embedder import Embedder, EmbeddingInput, EmbeddingResult
 from tserve.nursery._errors import InvalidRequest, ShuttingDown
 from tserve.nursery._request import Prompt, RequestSeam, RequestStream, loop_caller
@@ -69,8 +70,16 @@ class LLM(EngineClient):
         self.draining = False
         # What every RequestStream of this LLM uses of it; the admission's
         # leave() runs once per admitted stream, by its close().
+        self.constraints = ConstraintCheck(
+            tokens.tokenizer.tokenizer.to_str, lambda: self.ready.vocab_size
+        )
         self._seam = RequestSeam(
-            self._mux, tokens.decode, self._check_prompt, self.admission, loop_caller()
+            self._mux,
+            tokens.decode,
+            self._check_prompt,
+            self.constraints.check,
+            self.admission,
+            loop_caller(),
         )
         # The embedding model's engine, when open_llm was given one.
         self.embedder: Embedder | None = None

@@ -51,7 +51,7 @@ from tserve.nursery._admission import Admission
 from tserve.nursery._deadline import Deadline
 from tserve.nursery._output import OutputMapper, mux_error
 from tserve.nursery._results import Delta
-from tserve.protocol import AddRequest, RequestOutput, SamplingParams
+from tserve.protocol import AddRequest, Constraint, RequestOutput, SamplingParams
 
 __all__ = ["Prompt", "RequestSeam", "RequestStream", "loop_caller"]
 
@@ -62,11 +62,14 @@ Prompt = str | list[int]
 class RequestSeam:
     """All a :class:`RequestStream` uses of the client that admitted it.
 
-    Only ``admission.wait`` blocks (see :class:`Admission`)."""
+    Only ``admission.wait`` and ``check_constraint`` block (see :class:`Admission`,
+    :class:`~tserve.nursery._constraint.ConstraintCheck`)."""
 
     mux: Mux  # open_mailbox, submit and abort (synchronous)
     decode: Callable[[list[int]], str]  # token ids to text, special tokens skipped
     check_prompt: Callable[[list[int], SamplingParams], None]  # raises InvalidRequest
+    # Raises InvalidRequest; a checkpoint unless its verdict is remembered.
+    check_constraint: Callable[[Constraint], Awaitable[None]]
     admission: Admission  # wait (a stream holding a ticket), leave (once per stream)
     call_soon: Callable[[Callable[[], object]], None]  # thread-safe; see loop_caller
 
@@ -76,8 +79,9 @@ class RequestStream:
     context manager whose exit closes the request.
 
     ``__anext__`` is a checkpoint. The first call tokenizes the prompt (on
-    the loop if it is short, else in a worker thread: ``LLM.tokenize``) and
-    submits the request. If a call is cancelled, or the
+    the loop if it is short, else in a worker thread: ``LLM.tokenize``),
+    checks its constraint if it has one (a worker thread unless the verdict
+    is remembered) and submits the request. If a call is cancelled, or the
     request's deadline passes (RequestTimeout), or it raises, the request is
     over: it is aborted in the engine and the stream is closed; a later
     ``__anext__`` raises ``StopAsyncIteration``. The engine's death raises
@@ -202,6 +206,8 @@ class RequestStream:
         make = self._make_prompt
         prompt = make if isinstance(make, list) else await make()
         seam.check_prompt(prompt, self._params)
+        if self._params.constraint is not None:
+            await seam.check_constraint(self._params.constraint)
         self.prompt_token_ids = prompt
         if not self._holds_slot:
             await seam.admission.wait(tokens=len(prompt))

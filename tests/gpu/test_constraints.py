@@ -1,0 +1,313 @@
+"""Structured outputs in EngineCore with the tiny model: masks, matchers, compiles.
+
+The tiny random model writes garbage, so every constrained output below is
+valid only because of the grammar's mask. Greedy or seeded requests make
+each run the same.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from tests.gpu.cores import small_core
+from tests.gpu.test_engine_core import PEER, _drive, _Run
+from tserve.gpu._constraints import MASK_FAULT_ENV, GrammarCompiler, _unpack
+from tserve.gpu._engine import EngineCore
+from tserve.grammar import grammar_text
+from tserve.protocol import (
+    AddRequest,
+    Choice,
+    Constraint,
+    FinishReason,
+    JsonSchema,
+    LarkGrammar,
+    Regex,
+    SamplingParams,
+)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+CHOICES = ("yes", "no", "maybe so")
+PATTERN = r"[0-9]{2,4}-[a-z]{3}"
+
+
+@pytest.fixture
+def core(tiny_model_dir: Path) -> EngineCore:
+    return small_core(tiny_model_dir)
+
+
+def _request(
+    request_id: str, constraint: Constraint | None, *, prompt: int = 0, **params: object
+) -> AddRequest:
+    settings: dict[str, object] = {"max_tokens": 150, "temperature": 0.0}
+    settings.update(params)
+    return AddRequest(
+        request_id,
+        [7 + prompt, 40 + prompt, 90, 200 + prompt],
+        SamplingParams(constraint=constraint, **settings),  # type: ignore[arg-type]
+    )
+
+
+def _text(core: EngineCore, tokens: list[int]) -> str:
+    """The text of ``tokens``, EOS (which a complete grammar may end with) left out."""
+    kept = [t for t in tokens if t not in core.eos_token_ids]
+    return core.constraints.compiler.tokenizer.decode_str(kept)
+
+
+def _assert_valid(core: EngineCore, run: _Run, request_id: str, constraint: Constraint) -> str:
+    result = run.results[request_id]
+    assert (result.finish, result.error) == (FinishReason.STOP, None), request_id
+    text = _text(core, result.tokens)
+    if isinstance(constraint, Choice):
+        assert text in constraint.choices
+    elif isinstance(constraint, Regex):
+        assert re.fullmatch(constraint.pattern, text), text
+    elif isinstance(constraint, JsonSchema):
+        jsonschema.validate(json.loads(text), constraint.schema or {"type": "object"})
+    return text
+
+
+def _idle(core: EngineCore) -> None:
+    stats = core.stats()
+    assert (stats.running, stats.waiting, stats.kv_tokens_used) == (0, 0, 0)
+    assert not core.constraints._matchers and not core.constraints.num_waiting
+
+
+def test_constrained_and_plain_rows_share_a_batch(tiny_model_dir: Path) -> None:
+    """Constrained outputs match their grammars; the plain rows' tokens are the
+    same as in a run without the constrained neighbours."""
+    constraints: dict[str, Constraint] = {
+        "choice": Choice(CHOICES),
+        "regex": Regex(PATTERN),
+        "json": JsonSchema(SCHEMA),
+        "json-sampled": JsonSchema(SCHEMA),
+        "lark": LarkGrammar('start: "x=" NUM ";"\nNUM: /[1-9][0-9]{0,2}/'),
+    }
+    plain = [
+        _request("plain-greedy", None, prompt=1, max_tokens=24),
+        _request("plain-seeded", None, prompt=2, max_tokens=24, temperature=0.9, seed=7),
+    ]
+    constrained = [
+        _request(rid, c, prompt=i, temperature=0.9 if "sampled" in rid else 0.0, seed=i)
+        for i, (rid, c) in enumerate(constraints.items())
+    ]
+    mixed_core = small_core(tiny_model_dir)
+    mixed = _drive(mixed_core, {0: plain[:1] + constrained + plain[1:]})
+    alone = _drive(small_core(tiny_model_dir), {0: plain})
+    for rid, constraint in constraints.items():
+        _assert_valid(mixed_core, mixed, rid, constraint)
+    for request in plain:
+        assert mixed.results[request.request_id].tokens == alone.results[request.request_id].tokens
+        assert len(mixed.results[request.request_id].tokens) == 24
+    _idle(mixed_core)
+
+
+def test_each_of_n_choices_has_its_own_matcher(core: EngineCore) -> None:
+    """n > 1 is n requests with the same grammar: compiled once, each valid."""
+    requests = [
+        _request(f"n-{i}", JsonSchema(SCHEMA), temperature=1.0, seed=100 + i) for i in range(4)
+    ]
+    run = _drive(core, {0: requests})
+    texts = {_assert_valid(core, run, r.request_id, JsonSchema(SCHEMA)) for r in requests}
+    assert len(texts) > 1  # different seeds, different valid outputs
+    assert len(core.constraints.compiler._cache) == 1
+    _idle(core)
+
+
+def test_a_rejected_token_ends_only_that_request(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With its mask left off (test hook), +100 on a token the grammar forbids
+    makes the matcher reject it: that request errors, its neighbours finish."""
+    monkeypatch.setenv(MASK_FAULT_ENV, "^unmasked$")
+    core = small_core(tiny_model_dir)
+    forbidden = core.constraints.compiler.tokenizer.tokenize_str("z")[0]
+    run = _drive(
+        core,
+        {
+            0: [
+                _request("unmasked", Choice(CHOICES), logit_bias=((forbidden, 100.0),)),
+                _request("masked", Choice(CHOICES), prompt=1, logit_bias=((forbidden, 100.0),)),
+                _request("plain", None, prompt=2, max_tokens=10),
+            ]
+        },
+    )
+    bad = run.results["unmasked"]
+    assert bad.finish is FinishReason.ERROR
+    assert bad.error is not None and f"rejected token {forbidden}" in bad.error
+    _assert_valid(core, run, "masked", Choice(CHOICES))
+    assert run.results["plain"].finish is FinishReason.LENGTH
+    _idle(core)
+
+
+def test_abort_mid_grammar_frees_the_matcher(core: EngineCore) -> None:
+    long = Regex("[a-z]{300}")
+    run = _drive(
+        core,
+        {0: [_request("long", long, max_tokens=400), _request("other", Regex(PATTERN), prompt=1)]},
+        aborts={5: ["long"]},
+    )
+    assert run.results["long"].finish is FinishReason.ABORT
+    assert 0 < len(run.results["long"].tokens) < 300
+    _assert_valid(core, run, "other", Regex(PATTERN))
+    _idle(core)
+
+
+def test_preemption_mid_grammar_keeps_the_matcher_in_step(tiny_model_dir: Path) -> None:
+    """A KV budget too small for all of them forces recomputes mid-grammar;
+    every output is still a sentence of its grammar."""
+    core = small_core(tiny_model_dir, kv_cache_tokens=64, max_num_seqs=6)
+    pattern = "([a-z];){25}"  # at least 25 tokens: more than 64 KV tokens for 5 at once
+    requests = [_request(f"p{i}", Regex(pattern), prompt=i, max_tokens=60) for i in range(5)]
+    run = _drive(core, {0: requests})
+    assert core.scheduler.num_preemptions > 0
+    for request in requests:
+        _assert_valid(core, run, request.request_id, Regex(pattern))
+    _idle(core)
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_request(core: EngineCore) -> None:
+    run = _drive(
+        core,
+        {0: [_request("bad", Regex("a(b")), _request("plain", None, prompt=1, max_tokens=8)]},
+    )
+    bad = run.results["bad"]
+    assert (bad.finish, bad.tokens) == (FinishReason.ERROR, [])
+    assert bad.error is not None and "unclosed group" in bad.error
+    assert run.results["plain"].finish is FinishReason.LENGTH
+    _idle(core)
+
+
+def _hold_compiler(core: EngineCore) -> threading.Event:
+    """Keep the compile thread busy until the returned event is set."""
+    release = threading.Event()
+    core.constraints.compiler._pool.submit(release.wait)
+    return release
+
+
+def test_a_request_waits_for_its_grammar_without_holding_back_others(core: EngineCore) -> None:
+    release = _hold_compiler(core)
+    try:
+        core.add(_request("waits", Regex(PATTERN)), PEER)
+        core.add(_request("plain", None, prompt=1, max_tokens=6), PEER)
+        finished: dict[str, FinishReason] = {}
+        tokens: dict[str, list[int]] = {"waits": [], "plain": []}
+        while "plain" not in finished:
+            for _, out in core.step():
+                tokens[out.request_id] += out.token_ids
+                if out.finish_reason is not None:
+                    finished[out.request_id] = out.finish_reason
+        assert finished == {"plain": FinishReason.LENGTH} and tokens["waits"] == []
+        assert core.stats().waiting == 1 and core.has_work
+    finally:
+        release.set()
+    while core.has_work:
+        for _, out in core.step():
+            tokens[out.request_id] += out.token_ids
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    assert finished["waits"] is FinishReason.STOP
+    assert re.fullmatch(PATTERN, _text(core, tokens["waits"]))
+    _idle(core)
+
+
+def test_a_grammar_not_compiled_in_time_ends_its_request(tiny_model_dir: Path) -> None:
+    core = small_core(tiny_model_dir, grammar_compile_timeout=5.0)
+    release = _hold_compiler(core)
+    try:
+        core.add(_request("late", Regex(PATTERN)), PEER)
+        core.add(_request("plain", None, prompt=1, max_tokens=30), PEER)
+        first = {out.request_id: out for _, out in core.step()}
+        assert first["plain"].token_ids and "late" not in first
+        # Past the timeout (the clock deadlines use): the waiting request fails alone.
+        outputs = {out.request_id: out for _, out in core.step(now=time.time() + 60)}
+        late = outputs["late"]
+        assert late.finish_reason is FinishReason.ERROR
+        assert late.error == "the grammar did not compile within 5 s"
+        assert outputs["plain"].finish_reason is None and outputs["plain"].token_ids
+    finally:
+        release.set()
+    while core.has_work:
+        core.step()
+    _idle(core)
+
+
+def test_a_deadline_passing_while_the_grammar_compiles_aborts(core: EngineCore) -> None:
+    release = _hold_compiler(core)
+    try:
+        request = _request("expires", Regex(PATTERN))
+        core.add(
+            AddRequest(request.request_id, request.prompt_token_ids, request.params, 1.0), PEER
+        )
+        [(_, out)] = core.step(now=2.0)
+        assert (out.request_id, out.finish_reason) == ("expires", FinishReason.ABORT)
+    finally:
+        release.set()
+    _idle(core)
+
+
+def test_abort_while_the_grammar_compiles(core: EngineCore) -> None:
+    release = _hold_compiler(core)
+    try:
+        core.add(_request("gone", Regex(PATTERN)), PEER)
+        core.add(_request("gone", Regex(PATTERN)), b"api-2")  # same id, another peer
+        core.abort(["gone"], PEER)
+        outputs = core.step()
+        assert [(p, o.finish_reason) for p, o in outputs] == [
+            (b"api-2", FinishReason.ERROR),
+            (PEER, FinishReason.ABORT),
+        ]
+        assert "already in use" in (outputs[0][1].error or "")
+    finally:
+        release.set()
+    _idle(core)
+
+
+def test_padding_rows_past_the_vocabulary_are_never_allowed() -> None:
+    """Logits wider than the tokenizer (padding rows): the extra columns are False."""
+    bitmask = torch.tensor([[-1, 0b101]], dtype=torch.int32)  # tokens 0-31, 32 and 34
+    allowed = _unpack(bitmask, 70)
+    assert allowed.shape == (1, 70)
+    assert allowed[0, :32].all() and allowed[0, 32] and not allowed[0, 33] and allowed[0, 34]
+    assert not allowed[0, 35:].any()
+    assert _unpack(bitmask, 33).tolist() == [[True] * 33]
+
+
+def test_the_compiled_grammar_cache_is_bounded(tiny_model_dir: Path) -> None:
+    compiler = GrammarCompiler(
+        (tiny_model_dir / "tokenizer.json").read_text(),
+        vocab_size=512,
+        eos_token_ids=[2],
+        cache_size=2,
+    )
+    texts = [grammar_text(Regex(p)) for p in ("a+", "b+", "c+")]
+    for text in texts:
+        compiler.start(text)
+        while compiler.result(text) is None:
+            compiler.wait(1.0)
+    assert list(compiler._cache) == texts[1:]  # the least recently used was dropped
+    compiler.start(texts[0])  # compiled again on demand
+    while (matcher := compiler.result(texts[0])) is None:
+        compiler.wait(1.0)
+    assert not isinstance(matcher, str) and matcher.consume_token(
+        compiler.tokenizer.tokenize_str("a")[0]
+    )
+    assert list(compiler._cache) == [texts[2], texts[0]]
+    compiler.close()

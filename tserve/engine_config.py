@@ -1,0 +1,82 @@
+"""How to start an engine process: :class:`EngineConfig`, handed to it as JSON.
+
+A leaf beside :mod:`tserve.protocol` (which re-exports it): it imports only
+the standard library and msgspec.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeAlias
+
+import msgspec
+
+__all__ = ["CpuGemm", "EngineConfig", "ModelImpl"]
+
+
+CpuGemm: TypeAlias = Literal["auto", "blas", "onednn", "avx512"]
+"""The library behind linear layers on CPU: measured per layer, or forced."""
+
+ModelImpl: TypeAlias = Literal["auto", "hf"]
+"""Whose forward pass runs the model: tserve's own where it covers the model, or transformers'."""
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to start an engine process; handed to it as JSON on its command line.
+
+    ``model``: a local model directory, or "default" (SmolLM2-135M-Instruct).
+    ``kv_cache_tokens``: the KV budget in tokens, shared by all running
+    requests; ``max_model_len`` None = the model's own (capped by the KV
+    budget). ``threads``: torch's CPU threads. ``device``/``dtype`` "auto" =
+    CUDA with bf16 when present, else CPU with fp32. ``cpu_gemm``: the library
+    behind linear layers on CPU ("auto" measures BLAS, prepacked oneDNN
+    and tserve's AVX-512 kernel per layer shape and row count; "blas",
+    "onednn", "avx512" force one).
+    ``enable_prefix_caching`` keeps the K/V of full blocks after their request
+    ends, for a later prompt that starts with the same tokens.
+    ``max_decode_slowdown``: while requests decode, a step that also runs
+    prompt tokens may cost at most this many times a decode-only step (the
+    scheduler's token cost model), so streams never stall behind a long
+    prompt; 0 = no bound. ``model_impl`` "auto": tserve's own forward pass for
+    Llama-family models (Llama, Mistral, Qwen2), transformers' for others;
+    "hf": transformers' for all. ``heartbeat_interval``: every peer hears from
+    the engine at least this often; on a network bind it is also the period
+    of the ZMTP heartbeats (``tserve.gpu._bind``).
+
+    ``grammar_compile_timeout``: a constrained request whose grammar is not
+    compiled this many seconds after it arrived ends with an error (it waits
+    unscheduled until then; others step on). ``grammar_cache_size``: compiled
+    grammars kept, by text (least recently used dropped beyond it).
+
+    ``task`` "embed" makes an embedding engine (``tserve.gpu._embed_core``):
+    ``model`` is a local encoder directory or "default" (all-MiniLM-L6-v2);
+    ``max_model_len`` None = the encoder's maximum (256 for MiniLM);
+    ``max_num_seqs`` and ``max_num_batched_tokens`` bound one forward pass
+    (inputs, padded tokens); the KV fields are unused; ``dtype`` "auto" is fp32.
+
+    ``engine_kind`` "echo" runs no model (``tserve.gpu._echo_core``), to
+    measure the frontend alone: ``model`` only gives the API its tokenizer;
+    each step of ``echo_step_time`` s gives each of up to ``max_num_seqs``
+    requests one token echoing its prompt. ``max_tokens``, stop token ids,
+    deadlines and aborts work as in the real engine; EOS is never echoed.
+    """
+
+    model: str = "default"
+    max_num_seqs: int = 64
+    kv_cache_tokens: int = 16384
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    block_size: int = 16
+    threads: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    heartbeat_interval: float = 0.5
+    cache_dir: str | None = None
+    task: Literal["generate", "embed"] = "generate"
+    cpu_gemm: CpuGemm = "auto"
+    engine_kind: Literal["model", "echo"] = "model"
+    echo_step_time: float = 0.01
+    enable_prefix_caching: bool = True
+    max_decode_slowdown: float = 2.5
+    model_impl: ModelImpl = "auto"
+    grammar_compile_timeout: float = 10.0
+    grammar_cache_size: int = 64

@@ -1,0 +1,189 @@
+"""Structured-output constraints as llguidance grammars; a leaf both processes import.
+
+:func:`grammar_text` turns a :data:`~tserve.protocol.Constraint` into the text
+llguidance compiles (a JSON document naming a JSON Schema, a Lark grammar or a
+regex). :func:`constraint_problem` checks a constraint without the model (the
+API process, before a request reaches the engine); :func:`llg_tokenizer`
+builds llguidance's view of a model's vocabulary straight from its
+``tokenizer.json`` text, so neither process needs torch or transformers for
+it. Imports only the standard library, llguidance and tserve's wire types.
+
+Defaults that keep a small model from looping inside a valid grammar, for
+every JSON Schema (:class:`~tserve.protocol.JsonSchema`, and
+:func:`lark_json` for a schema embedded in a Lark grammar with ``%json``):
+
+* **No whitespace between JSON tokens.** The separators are exactly ``,`` and
+  ``:`` and nothing may surround them or the brackets (llguidance's
+  ``whitespace_flexible`` off), so a model cannot emit blanks forever. A
+  schema's own ``"x-guidance"`` options take precedence.
+* **Numbers no longer than a 64-bit value.** Every ``integer`` or ``number``
+  subschema without a bound on a side gets :data:`NUMBER_BOUND` there
+  (``minimum`` -10^18, ``maximum`` 10^18): an integer has at most 19 digits
+  and fits in an int64, and a number has at most 19 digits before its point
+  and no exponent. Digits after a number's point are not bounded by the
+  grammar (llguidance has no option for it; ``max_tokens`` bounds them).
+* ``JsonSchema(None)`` (any JSON object) is :data:`ANY_JSON_OBJECT`: an
+  object whose values are any JSON values under the same bounds.
+
+Bounds in a schema are honoured as written where they are given. Blocking:
+every function here is CPU work (grammar checks take milliseconds for
+ordinary schemas, longer for very large ones; llguidance releases the GIL
+while it works), so callers run them off their event loop or step loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Final
+
+import llguidance
+
+from tserve.protocol import Choice, Constraint, JsonSchema, LarkGrammar, Regex
+from tserve.validity import Problem
+
+__all__ = [
+    "ANY_JSON_OBJECT",
+    "JSON_OPTIONS",
+    "NUMBER_BOUND",
+    "bounded_schema",
+    "constraint_problem",
+    "grammar_text",
+    "lark_json",
+    "llg_tokenizer",
+]
+
+NUMBER_BOUND: Final = 10**18
+"""The magnitude every JSON ``integer``/``number`` without its own bound is held to."""
+
+JSON_OPTIONS: Final[dict[str, Any]] = {"whitespace_flexible": False}
+"""llguidance's JSON options: compact separators, no whitespace between tokens."""
+
+_VALUE_REF: Final = {"$ref": "#/$defs/value"}
+ANY_JSON_OBJECT: Final[dict[str, Any]] = {
+    "$defs": {
+        "value": {
+            "anyOf": [
+                {"type": "null"},
+                {"type": "boolean"},
+                {"type": "number", "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND},
+                {"type": "string"},
+                {"type": "array", "items": _VALUE_REF},
+                {"type": "object", "additionalProperties": _VALUE_REF},
+            ]
+        }
+    },
+    "type": "object",
+    "additionalProperties": _VALUE_REF,
+}
+"""``JsonSchema(None)``: a JSON object of any JSON values, numbers bounded."""
+
+# Keys whose values are data, not subschemas: the bounds never touch them.
+_DATA_KEYS: Final = frozenset({"const", "enum", "default", "examples"})
+_NUMERIC: Final = frozenset({"integer", "number"})
+
+
+def bounded_schema(schema: Any) -> Any:
+    """``schema`` with :data:`NUMBER_BOUND` added to every unbounded numeric subschema.
+
+    A new object (``schema`` is not changed). Anything that is not a dict or
+    list is returned as is. O(size of the schema).
+    """
+    if isinstance(schema, list):
+        return [bounded_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYS else bounded_schema(v)) for k, v in schema.items()}
+    kinds = schema.get("type")
+    listed = kinds if isinstance(kinds, list) else [kinds]
+    numeric = any(isinstance(k, str) and k in _NUMERIC for k in listed)
+    if numeric:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -NUMBER_BOUND
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = NUMBER_BOUND
+    return out
+
+
+def _schema_with_options(schema: dict[str, Any] | None) -> dict[str, Any]:
+    bounded: dict[str, Any] = ANY_JSON_OBJECT if schema is None else bounded_schema(schema)
+    own = bounded.get("x-guidance")
+    options = {**JSON_OPTIONS, **own} if isinstance(own, dict) else JSON_OPTIONS
+    return {**bounded, "x-guidance": options}
+
+
+def lark_json(schema: dict[str, Any] | None) -> str:
+    """The text to put after ``%json`` in a Lark grammar for ``schema``, with the
+    module's defaults (bounded numbers, no whitespace); None = any JSON object."""
+    return json.dumps(_schema_with_options(schema), separators=(",", ":"))
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar for ``constraint``: what ``LLMatcher`` compiles.
+
+    Never raises for a bad constraint (the text then fails to compile, see
+    :func:`constraint_problem`), except ValueError for a JsonSchema whose
+    schema is not a JSON object. Equal constraints give equal texts.
+    """
+    if isinstance(constraint, JsonSchema):
+        schema = _schema_with_options(constraint.schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    if isinstance(constraint, Regex):
+        return llguidance.LLMatcher.grammar_from_regex(constraint.pattern)
+    if isinstance(constraint, Choice):
+        lark = "start: " + " | ".join(json.dumps(c) for c in constraint.choices)
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    if isinstance(constraint, LarkGrammar):
+        return llguidance.LLMatcher.grammar_from_lark(constraint.grammar)
+    raise TypeError(f"not a constraint: {constraint!r}")
+
+
+def constraint_problem(
+    constraint: Constraint, tokenizer: llguidance.LLTokenizer | None = None
+) -> Problem | None:
+    """Why ``constraint`` cannot be honoured (param "constraint", llguidance's
+    message), or None. With ``tokenizer`` the check also covers what needs the
+    vocabulary (special tokens named in a Lark grammar). Blocking: it compiles
+    the grammar's lexer (milliseconds; longer for very large grammars)."""
+    if isinstance(constraint, Choice):
+        if not constraint.choices:
+            return Problem("constraint", "choice: at least one choice is required")
+        if "" in constraint.choices:
+            return Problem("constraint", "choice: a choice must not be empty")
+    try:
+        text = grammar_text(constraint)
+    except (ValueError, RecursionError) as exc:
+        return Problem("constraint", f"{_kind(constraint)}: {exc}")
+    message = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+    if message:
+        return Problem("constraint", f"{_kind(constraint)}: {message.strip()}")
+    return None
+
+
+def _kind(constraint: Constraint) -> str:
+    return {JsonSchema: "json schema", Regex: "regex", Choice: "choice"}.get(
+        type(constraint), "grammar"
+    )
+
+
+def llg_tokenizer(
+    tokenizer_json: str, *, vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()
+) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer from the text of a ``tokenizer.json`` (added tokens
+    included, as ``tokenizers.Tokenizer.to_str()`` writes them).
+
+    ``vocab_size``: the model's (its logits' width), when it is larger than
+    the tokenizer's (padding rows, never allowed by a grammar).
+    ``eos_token_ids``: the model's EOS ids (default: llguidance's guess).
+    Blocking: a fraction of a second for a 50k vocabulary. Raises ValueError
+    for a tokenizer llguidance cannot read.
+    """
+    try:
+        base = llguidance.LLTokenizer(tokenizer_json)
+        n_vocab = vocab_size if vocab_size is not None and vocab_size > base.vocab_size else None
+        eos = [t for t in eos_token_ids if 0 <= t < (n_vocab or base.vocab_size)]
+        if n_vocab is None and not eos:
+            return base
+        return llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=eos or None)
+    except (ValueError, RuntimeError) as exc:
+        raise ValueError(f"llguidance cannot read this tokenizer: {exc}") from exc

@@ -1,0 +1,91 @@
+"""Checking a request's constraint in the API process, off the event loop.
+
+A constraint the grammar engine cannot honour is refused before anything
+reaches the engine, with :class:`~tserve.nursery.InvalidRequest` naming
+``constraint`` (the web layer names its own field); the engine never
+generates unconstrained after a failed check. The check compiles the
+grammar's lexer (``tserve.grammar.constraint_problem``): milliseconds for an
+ordinary schema, more for a very large one, so it runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Final
+
+import anyio
+import llguidance
+import msgspec
+
+from tserve.grammar import constraint_problem, llg_tokenizer
+from tserve.nursery._errors import InvalidRequest
+from tserve.protocol import Constraint
+from tserve.validity import Problem
+
+__all__ = ["CHECK_CACHE_SIZE", "ConstraintCheck"]
+
+CHECK_CACHE_SIZE: Final = 128
+"""Constraints whose verdict is remembered (valid or not), least recently used dropped."""
+
+_ENCODE: Final = msgspec.msgpack.Encoder().encode
+
+
+class ConstraintCheck:
+    """Validates constraints for one model; shared by its requests.
+
+    ``tokenizer_json`` gives the model's ``tokenizer.json`` text and
+    ``vocab_size`` the engine's vocabulary; both are read once, in a worker
+    thread, by the first check that needs them (llguidance's tokenizer takes a
+    fraction of a second to build). Call :meth:`check` on the event loop.
+    """
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: Callable[[], int]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()  # the first builder; the others wait for it
+        # Verdicts by the constraint's wire encoding. Bound: CHECK_CACHE_SIZE
+        # entries; at the bound the least recently used is dropped. Touched
+        # on the event loop only.
+        self._verdicts: collections.OrderedDict[bytes, Problem | None] = collections.OrderedDict()
+        # Checks in worker threads. Bound: this many at once; more wait for a
+        # thread (they belong to admitted requests, at most max_pending).
+        self._limiter = anyio.CapacityLimiter(2)
+
+    async def check(self, constraint: Constraint) -> None:
+        """Raise InvalidRequest (``param`` "constraint") unless the grammar engine
+        can honour ``constraint``.
+
+        A remembered verdict answers at once (not a checkpoint); otherwise the
+        check runs in a worker thread (a checkpoint; a cancel takes effect when
+        the thread returns, milliseconds for ordinary grammars).
+        """
+        key = _ENCODE(constraint)
+        if key in self._verdicts:
+            self._verdicts.move_to_end(key)
+            problem = self._verdicts[key]
+        else:
+            problem = await anyio.to_thread.run_sync(self._check, constraint, limiter=self._limiter)
+            self._verdicts[key] = problem
+            while len(self._verdicts) > CHECK_CACHE_SIZE:
+                self._verdicts.popitem(last=False)
+        if problem is not None:
+            raise InvalidRequest(problem.message, param=problem.param)
+
+    def _check(self, constraint: Constraint) -> Problem | None:
+        """In a worker thread."""
+        try:
+            tokenizer = self._llg_tokenizer()
+        except ValueError as exc:
+            return Problem("constraint", f"structured outputs are not available: {exc}")
+        return constraint_problem(constraint, tokenizer)
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = llg_tokenizer(
+                    self._tokenizer_json(), vocab_size=self._vocab_size()
+                )
+            return self._tokenizer

@@ -7,7 +7,7 @@ tiny test model (with the embedding model when it is installed), with
 and ``TSERVE_MODEL`` (the served model name) in the environment and this
 interpreter's ``python`` first on ``PATH``. A plain ``python`` block is only
 compiled; other blocks are not checked. Every relative link points at a file
-that exists.
+that exists, and an anchor to a heading of it.
 """
 
 from __future__ import annotations
@@ -70,12 +70,25 @@ def test_python_blocks_compile(block: Block) -> None:
     compile(block.code, block.id, "exec")
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives ``page``'s headings (lower case, punctuation
+    dropped, spaces as hyphens)."""
+    headings = re.findall(r"^#+ (.+)$", _FENCE.sub("", page.read_text()), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_relative_links_point_at_files(page: Path) -> None:
+def test_relative_links_point_at_files_and_headings(page: Path) -> None:
     text = _FENCE.sub("", page.read_text())  # links inside code blocks are code
-    targets = [t for t in _LINK.findall(text) if not re.match(r"[a-z]+:|#", t)]
-    missing = [t for t in targets if not (page.parent / t.split("#")[0]).exists()]
-    assert missing == []
+    broken = []
+    for target in _LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue  # another site
+        path, _, anchor = target.partition("#")
+        file = page.parent / path if path else page
+        if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file)):
+            broken.append(target)
+    assert broken == []
 
 
 @pytest.fixture(scope="module")

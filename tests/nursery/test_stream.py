@@ -7,6 +7,7 @@ stream gets a real mux through a :class:`RequestSeam`. Token ``i`` is
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import anyio
@@ -54,6 +55,7 @@ class Client:
             _no_constraint_check,
             self.admission,
             loop_caller(),
+            contextlib.nullcontext,
         )
         self._ids = 0
 

@@ -4,13 +4,20 @@ A client (``LLM``, ``Embedder``) stands for one engine behind one mux (an
 :class:`~tserve.nursery._session.EngineSession`): its identity (model, pid,
 socket address), whether it is alive, request ids, and admission: the
 refusal of new work once the engine is dead or the client closed, and the
-client's :class:`~tserve.nursery._admission.Admission` (slots and queue).
+client's :class:`~tserve.nursery._admission.Admission` (slots and queue);
+and the engine's death as the end of every call still on its way to the
+engine (:meth:`EngineClient.before_engine`): the calls in the engine fail
+through their mailboxes, these by a cancel, in the same tick.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+from collections.abc import Iterator
+
+import anyio
 
 from tserve.mux import EngineDeadError
 from tserve.nursery._admission import Admission, Overload
@@ -83,6 +90,11 @@ class EngineClient:
         self.admission = settings.admission(self._noun)
         self._ids = itertools.count()
         self._id_prefix = id_prefix
+        # The scopes of calls on their way to the engine (before_engine);
+        # its death cancels them. Bound: one per live or queued unit, which
+        # admission caps.
+        self._on_the_way: set[anyio.CancelScope] = set()
+        self._mux.death_listeners.append(self._engine_died)
 
     @property
     def max_pending(self) -> int:
@@ -123,6 +135,30 @@ class EngineClient:
         """SIGKILL the engine process: for fault-injection tests and drills
         (ValueError for an engine that is not a process of this host)."""
         self._engine.kill()
+
+    @contextlib.contextmanager
+    def before_engine(self) -> Iterator[None]:
+        """Run the block, a call's awaits before it reaches the engine
+        (tokenizing, waiting for a slot); the engine's death ends it at once
+        with EngineDeadError, by cancelling what it awaits. Synchronous to
+        enter and leave. Work already running in a worker thread finishes
+        there first; its result is dropped.
+        """
+        self._check_running()
+        scope = anyio.CancelScope()
+        self._on_the_way.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._on_the_way.discard(scope)
+        if scope.cancel_called:  # the engine died: whatever the block did is moot
+            raise EngineDeadError(self._mux.dead_reason or self._dead)
+
+    def _engine_died(self, reason: str) -> None:
+        """The mux's death listener: end every call on its way (see before_engine)."""
+        for scope in self._on_the_way:
+            scope.cancel()
 
     def _check_running(self) -> None:
         """Raise EngineDeadError if the engine is dead, ShuttingDown if the client is closed."""

@@ -158,8 +158,9 @@ class Embedder(EngineClient):
         try:
             with anyio.CancelScope(deadline=deadline.loop):
                 if not held:
-                    await self.admission.wait(count)
-                    held = True  # no checkpoint between the hand-off and this
+                    with self.before_engine():
+                        await self.admission.wait(count)
+                        held = True  # no checkpoint between the hand-off and this
                 return await self._embed(items, deadline)
             raise RequestTimeout(f"{_TIMED_OUT} ({self.request_timeout:g} s)")
         finally:
@@ -169,7 +170,8 @@ class Embedder(EngineClient):
         self, items: list[str] | list[list[int]], deadline: Deadline
     ) -> EmbeddingResult:
         if items and isinstance(items[0], str):
-            ids = await self._tokens.tokenize([t for t in items if isinstance(t, str)])
+            with self.before_engine():
+                ids = await self._tokens.tokenize([t for t in items if isinstance(t, str)])
         else:
             ids = [list(t) for t in items if not isinstance(t, str)]
         self._check(ids)

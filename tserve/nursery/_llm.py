@@ -80,6 +80,7 @@ class LLM(EngineClient):
             self.constraints.check,
             self.admission,
             loop_caller(),
+            self.before_engine,
         )
         # The embedding model's engine, when open_llm was given one.
         self.embedder: Embedder | None = None

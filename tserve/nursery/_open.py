@@ -34,6 +34,7 @@ from tserve.nursery._llm import LLM
 from tserve.nursery._session import EngineSession, engine_session
 from tserve.nursery._tokenizer import load_chat_tokenizer, load_encoder_tokenizer
 from tserve.nursery._tokenizer_files import load_unpacked
+from tserve.nursery._watch import dying_with
 from tserve.protocol import EngineConfig
 
 __all__ = ["attach_embedder", "attach_llm", "open_embedder", "open_llm"]
@@ -276,15 +277,21 @@ async def _connect_llm(
     owned: bool,
     freeze_gc: bool,
 ) -> AsyncIterator[LLM]:
-    """:func:`_connect` for an LLM that serves embeddings with ``embedder`` (its
-    engine's death is the LLM's), with the serving GC settings (``_gc.py``)
-    when ``freeze_gc``."""
+    """:func:`_connect` for an LLM that serves embeddings with ``embedder``,
+    with the serving GC settings (``_gc.py``) when ``freeze_gc``. The two
+    engines are one LLM: either's death is the other's (``dying_with``, both
+    ways), so every call of the LLM, generation or embedding, fails with it."""
     connect = _connect(
         engine, what, settings, load_chat_tokenizer, LLM, owned=owned, embedder=embedder
     )
     async with connect as llm:
         llm.embedder = embedder
-        with serving_gc() if freeze_gc else contextlib.nullcontext():
+        with (
+            contextlib.nullcontext()
+            if embedder is None
+            else dying_with(llm.session.mux, embedder.session.mux, "generation engine"),
+            serving_gc() if freeze_gc else contextlib.nullcontext(),
+        ):
             yield llm
 
 

@@ -72,6 +72,9 @@ class RequestSeam:
     check_constraint: Callable[[Constraint], Awaitable[None]]
     admission: Admission  # wait (a stream holding a ticket), leave (once per stream)
     call_soon: Callable[[Callable[[], object]], None]  # thread-safe; see loop_caller
+    # Around the awaits before the request reaches the engine: the engine's
+    # death ends them with EngineDeadError (EngineClient.before_engine).
+    before_engine: Callable[[], contextlib.AbstractContextManager[None]]
 
 
 class RequestStream:
@@ -203,15 +206,19 @@ class RequestStream:
 
     async def _submit(self) -> None:
         seam = self._seam
-        make = self._make_prompt
-        prompt = make if isinstance(make, list) else await make()
-        seam.check_prompt(prompt, self._params)
-        if self._params.constraint is not None:
-            await seam.check_constraint(self._params.constraint)
-        self.prompt_token_ids = prompt
-        if not self._holds_slot:
-            await seam.admission.wait(tokens=len(prompt))
-            self._holds_slot = True  # no checkpoint between the hand-off and this
+        try:
+            with seam.before_engine():
+                make = self._make_prompt
+                prompt = make if isinstance(make, list) else await make()
+                seam.check_prompt(prompt, self._params)
+                if self._params.constraint is not None:
+                    await seam.check_constraint(self._params.constraint)
+                self.prompt_token_ids = prompt
+                if not self._holds_slot:
+                    await seam.admission.wait(tokens=len(prompt))
+                    self._holds_slot = True  # no checkpoint between the hand-off and this
+        except (EngineDeadError, MuxClosedError) as exc:
+            self._raise(exc, "the LLM is closed")
         mux = seam.mux
         try:
             self._mailbox = mux.open_mailbox(self.request_id, self._params.max_tokens, self._life)

@@ -12,13 +12,14 @@ give the message ``_DEATH_MESSAGE_GRACE`` s to arrive first: the reason is
 not lost in a race, and every live request still ends within a fraction
 of a second.
 
-:func:`dying_with` makes one engine's death another's: a generation engine
-serving with an embedding engine is declared dead, and asked to shut down,
-when the embedding engine dies, so that its live streams end at once too (a
-server treats either death as fatal). It is a listener of the embedding
-mux's death, called in the same tick, not a task woken after that mux stops:
-the generation streams fail as directly as for the generation engine's own
-death, and the generation engine's exit is awaited in the background.
+:func:`dying_with` makes one engine's death another's: an LLM's generation
+engine and its embedding engine die together, either way round (each is
+declared dead, and asked to shut down, when the other dies), so that every
+live call of the LLM ends at once with the same error whichever engine died
+(a server treats either death as fatal). It is a listener of the dying
+mux's death, called in the same tick, not a task woken after that mux
+stops: the other engine's requests fail as directly as for its own death,
+and its exit is awaited in the background.
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def dying_with(dependency: Mux | None, mux: Mux, what: str) -> Iterator[None]:
         return
 
     def died(reason: str) -> None:
+        if mux.dead:  # its own death, or the one that caused this
+            return
         mux.shutdown_engine(f"{what} died: {reason}")
         mux.engine_died(f"{what}: {reason}")
 

@@ -3,13 +3,16 @@ its own template (which ignores tools: the generic format) and a Hermes-style on
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import FunctionToolCallArgumentsDeltaEvent as ArgumentsDelta
 
 from tests.nursery import chat_templates
 from tests.web.conftest import API_KEY, Server, keyed_server
@@ -20,12 +23,11 @@ WEATHER: Any = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "description": "Today's weather in a city",
         "parameters": {
             "type": "object",
             "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "city": {"type": "string", "maxLength": 6},
+                "unit": {"enum": ["c", "f"]},
             },
             "required": ["city", "unit"],
             "additionalProperties": False,
@@ -51,10 +53,13 @@ HISTORY: Any = [
 
 @pytest.fixture(scope="module")
 def hermes_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a Hermes/Qwen-style template that renders tools and calls."""
+    """The tiny model with a Hermes/Qwen-style template that renders tools and calls
+    (each tool by its name only: the tiny model has 512 positions)."""
     directory = tmp_path_factory.mktemp("hermes") / "model"
     shutil.copytree(tiny_model_dir, directory)
-    (directory / "chat_template.jinja").write_text(chat_templates.TOOLS)
+    template = chat_templates.TOOLS.replace("{{- tool | tojson }}", "{{- tool.function.name }}")
+    assert template != chat_templates.TOOLS
+    (directory / "chat_template.jinja").write_text(template)
     return directory
 
 
@@ -89,7 +94,7 @@ def test_the_hermes_template_sees_the_tools(hermes: Server) -> None:
     without = hermes.client.post(
         "/v1/chat/completions", json={"model": "tiny", "messages": HISTORY, "max_tokens": 1}
     ).json()
-    assert with_tools["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 20
+    assert with_tools["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 5
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -115,3 +120,82 @@ def test_auto_tools_answer_and_never_fail(server: Server, stream: bool) -> None:
             if chunk.choices
         ]
         assert finishes[-1] in ("stop", "length", "tool_calls")
+
+
+CLOCK: Any = {
+    "type": "function",
+    "function": {
+        "name": "now",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["UTC", "CET"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+ASK: Any = [{"role": "user", "content": "Oslo?"}]
+
+
+def valid_calls(calls: Any, names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+@pytest.mark.parametrize("which", ["generic", "hermes"])
+@pytest.mark.parametrize(
+    ("choice", "names"),
+    [
+        ("required", {"get_weather", "now"}),
+        ({"type": "function", "function": {"name": "now"}}, {"now"}),
+    ],
+)
+def test_required_and_named_calls_validate(
+    which: str, choice: Any, names: set[str], server: Server, hermes: Server
+) -> None:
+    srv = server if which == "generic" else hermes
+    for seed in range(2):
+        out = client(srv).chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=[WEATHER, CLOCK],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=100,
+            seed=seed,
+            n=2,
+        )
+        for answer in out.choices:
+            assert answer.finish_reason == "tool_calls"
+            assert answer.message.content is None
+            assert answer.message.tool_calls is not None and len(answer.message.tool_calls) == 1
+            valid_calls(answer.message.tool_calls, names)
+
+
+@pytest.mark.parametrize("which", ["generic", "hermes"])
+def test_streamed_calls_are_assembled_by_the_sdk(
+    which: str, server: Server, hermes: Server
+) -> None:
+    srv = server if which == "generic" else hermes
+    for seed in range(2):
+        with client(srv).chat.completions.stream(
+            model="tiny",
+            messages=ASK,
+            tools=[WEATHER, CLOCK],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=100,
+            seed=seed,
+        ) as stream:
+            arguments = [e.arguments_delta for e in stream if isinstance(e, ArgumentsDelta)]
+            final = stream.get_final_completion()
+        choice = final.choices[0]
+        assert choice.finish_reason == "tool_calls" and arguments
+        valid_calls(choice.message.tool_calls, set(PARAMETERS))
+        assert "".join(arguments) == "".join(
+            c.function.arguments for c in choice.message.tool_calls or []
+        )

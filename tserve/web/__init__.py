@@ -26,6 +26,14 @@ What each module owns:
   their bounds.
 * ``_requests`` / ``_responses``: OpenAI JSON to requests, and deltas to
   OpenAI JSON (sans-IO).
+* ``_structured``: structured-output fields (``response_format``, vLLM's
+  ``structured_outputs`` and ``guided_*``) and ``logit_bias`` as
+  SamplingParams values (sans-IO).
+* ``_tools``: ``tools`` and ``tool_choice``, and the plan for one model's
+  template: what it renders, the enforcing grammar (sans-IO).
+* ``_tool_formats``: the tool-call formats (Hermes, Llama 3 JSON, Mistral,
+  generic), detecting one from a template, its grammar, parsing a whole
+  output; ``_tool_stream``: the streamed parser (sans-IO).
 * ``_errors``: the one mapping of exceptions to OpenAI error JSON.
 * ``_metrics``: Prometheus metrics (vLLM's names for the model-server
   contract, summed over API processes) and the per-request log line.

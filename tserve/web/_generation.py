@@ -19,7 +19,6 @@ import trio
 from quart import Response
 
 from tserve.nursery import LLM, EngineDeadError, InvalidRequest, RequestStream, ShuttingDown
-from tserve.protocol import SamplingParams
 from tserve.validity import tokens_problem
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import RequestRecord
@@ -140,7 +139,6 @@ class Generation:
 
     async def _start_completion(self, req: CompletionRequest) -> list[RequestStream]:
         """Admit ``n`` streams per prompt; a prompt used ``n > 1`` times is tokenized once."""
-        _check_engine_masks(req.params, req.constraint_field)
         streams: list[RequestStream] = []
         with closed_on_error(streams):
             for prompt in req.prompts:
@@ -158,7 +156,6 @@ class Generation:
             grammar = plan.grammar()
             if grammar is not None:
                 params = msgspec.structs.replace(params, constraint=grammar)
-        _check_engine_masks(params, req.constraint_field or "tool_choice")
         if req.max_tokens is not None and req.n == 1:
             return [self._llm.chat(messages, params, tools=tools)]
         ids = await self._llm.tokenize_chat(messages, tools)
@@ -216,19 +213,3 @@ class Generation:
         self._in_flight.add_body(body)
         record.streaming = True
         return Response(body, content_type="text/event-stream", headers=dict(_SSE_HEADERS))
-
-
-def _check_engine_masks(params: SamplingParams, field: str | None) -> None:
-    """Refuse what the engine cannot apply yet: constraints and logit biases (its
-    per-step masks). A request is never generated unconstrained instead."""
-    if params.constraint is not None:
-        raise InvalidRequest(
-            f"'{field}' is not supported by this server yet: the engine does not apply grammars",
-            param=field,
-        )
-    if params.logit_bias:
-        raise InvalidRequest(
-            "'logit_bias' is not supported by this server yet: the engine does not apply "
-            "logit biases",
-            param="logit_bias",
-        )

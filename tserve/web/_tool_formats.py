@@ -37,6 +37,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from tserve.grammar import lark_json
+
 __all__ = [
     "MAX_TOOL_CALLS",
     "ParsedCall",
@@ -109,25 +111,26 @@ def _compact_tool(tool: Mapping[str, Any]) -> str:
 def tool_grammar(fmt: ToolFormat, tools: Mapping[str, dict[str, Any]], *, parallel: bool) -> str:
     """A Lark grammar (llguidance's dialect) whose sentences are calls of ``tools``
     (name -> parameters schema) in ``fmt``: exactly one call, or 1 to
-    :data:`MAX_TOOL_CALLS` with ``parallel``. JSON is compact, ``name`` first."""
+    :data:`MAX_TOOL_CALLS` with ``parallel``. JSON is compact, ``name`` first,
+    numbers bounded as :func:`tserve.grammar.lark_json` bounds them."""
     call = _call_schema(fmt, tools)
     most = MAX_TOOL_CALLS if parallel else 1
     if fmt is ToolFormat.HERMES:
         opener, closer = _lark_escape(HERMES_OPEN), _lark_escape(HERMES_CLOSE)
-        block = f'"{opener}\\n" %json {_dump(call)} "\\n{closer}"'
+        block = f'"{opener}\\n" %json {lark_json(call)} "\\n{closer}"'
         return f"start: call{_repeat(_NEWLINE_CALL, most)}\ncall: {block}\n"
     if fmt is ToolFormat.LLAMA3:
-        return f"start: call{_repeat(_SEMICOLON_CALL, most)}\ncall: %json {_dump(call)}\n"
+        return f"start: call{_repeat(_SEMICOLON_CALL, most)}\ncall: %json {lark_json(call)}\n"
     array = {"type": "array", "items": call, "minItems": 1, "maxItems": most}
     if fmt is ToolFormat.MISTRAL:
-        return f'start: "{_lark_escape(MISTRAL_OPEN)}" %json {_dump(_compact(array))}\n'
+        return f'start: "{_lark_escape(MISTRAL_OPEN)}" %json {lark_json(array)}\n'
     outer = {
         "type": "object",
         "properties": {"tool_calls": array},
         "required": ["tool_calls"],
         "additionalProperties": False,
     }
-    return f"start: %json {_dump(_compact(outer))}\n"
+    return f"start: %json {lark_json(outer)}\n"
 
 
 _NEWLINE_CALL: Final = '"\\n" call'
@@ -149,17 +152,7 @@ def _call_schema(fmt: ToolFormat, tools: Mapping[str, dict[str, Any]]) -> dict[s
         }
         for name, parameters in tools.items()
     ]
-    one = options[0] if len(options) == 1 else {"anyOf": options}
-    return _compact(one)
-
-
-def _compact(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` generating compact JSON (no free whitespace: nothing to loop on)."""
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
-
-
-def _dump(schema: dict[str, Any]) -> str:
-    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    return options[0] if len(options) == 1 else {"anyOf": options}
 
 
 def _lark_escape(text: str) -> str:

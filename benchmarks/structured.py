@@ -1,0 +1,286 @@
+"""What structured outputs cost a server: throughput under constraints, and stream
+latency while a large schema compiles.
+
+Run: ``python -m benchmarks.structured [--model default] [--base-url URL --name NAME]``
+
+With no ``--base-url`` it starts ``python -m tserve serve MODEL`` (the default
+model unless told) on a free port; with one, it measures that server (an
+OpenAI-compatible peer such as vLLM, serving ``--name``). Both parts go
+through the ``openai`` SDK, on /v1/chat/completions, at temperature 0.8:
+
+(a) throughput: 32 requests with a JSON-schema ``response_format`` and 32
+    plain ones, all sent at once; output tokens per second (all completion
+    tokens ÷ the time until the last finishes). Then the same 64 requests
+    with the constraint removed, each with ``max_tokens`` = the length its
+    first run produced and ``ignore_eos``, so both runs produce the same
+    tokens. Ratio = constrained ÷ unconstrained (target >= 0.95).
+(b) latency: one plain stream (``--stream-tokens`` tokens, ``ignore_eos``);
+    inter-token gaps, p99, alone and while a request constrained by a
+    128-tool schema (an ``anyOf`` of 128 call objects, new names each
+    round, so no cache hit) starts after its 5th token. Rounds alternate
+    alone / with, ``--rounds`` each; ratio = p99 with ÷ p99 alone (target <= 2).
+
+Writes ``results/structured-<name>-<stamp>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from benchmarks._results import result_stem, write_json
+from benchmarks._serve import serve
+
+PERSON: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+        "tier": {"enum": ["free", "pro", "team"]},
+    },
+    "required": ["name", "age", "member", "tier"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "Describe a customer of a small bakery.",
+    "Invent a character for a story about the sea.",
+    "Who is the oldest member of a chess club?",
+    "Tell me about a new user of a music app.",
+]
+
+
+def person_format(i: int) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": f"person{i}", "schema": PERSON}}
+
+
+def tools_schema(tag: str, count: int = 128) -> dict[str, Any]:
+    """An ``anyOf`` of ``count`` tool-call objects, each with its own arguments."""
+    calls = []
+    for i in range(count):
+        arguments = {
+            "type": "object",
+            "properties": {
+                f"city_{i}": {"type": "string", "maxLength": 20},
+                f"days_{i}": {"type": "integer", "minimum": 1, "maximum": 14},
+                f"unit_{i}": {"enum": ["c", "f", "k"]},
+                f"detail_{i}": {"type": "boolean"},
+            },
+            "required": [f"city_{i}", f"unit_{i}"],
+            "additionalProperties": False,
+        }
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f"tool_{tag}_{i}"}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return {"anyOf": calls}
+
+
+async def chat(
+    client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, **extra: Any
+) -> tuple[int, str | None]:
+    out = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.8,
+        **extra,
+    )
+    usage = out.usage
+    assert usage is not None
+    return usage.completion_tokens, out.choices[0].finish_reason
+
+
+async def throughput(
+    client: openai.AsyncOpenAI, model: str, max_tokens: int, constrained: int = 32, plain: int = 32
+) -> dict[str, Any]:
+    """Part (a): the two runs of the 64 requests and their tokens per second."""
+    kinds = ["constrained"] * constrained + ["plain"] * plain
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))]
+
+    async def first(i: int) -> tuple[int, str | None]:
+        extra: dict[str, Any] = {}
+        if kinds[i] == "constrained":
+            extra["response_format"] = person_format(i)
+        return await chat(client, model, prompts[i], max_tokens, **extra)
+
+    start = time.perf_counter()
+    runs = await asyncio.gather(*(first(i) for i in range(len(kinds))))
+    with_constraint = time.perf_counter() - start
+    lengths = [max(1, n) for n, _ in runs]
+
+    async def again(i: int) -> tuple[int, str | None]:
+        return await chat(
+            client, model, prompts[i], lengths[i], extra_body={"ignore_eos": True}, seed=i
+        )
+
+    start = time.perf_counter()
+    repeats = await asyncio.gather(*(again(i) for i in range(len(kinds))))
+    without = time.perf_counter() - start
+    tokens = sum(n for n, _ in runs)
+    tokens_again = sum(n for n, _ in repeats)
+    finishes = [f for (_, f), kind in zip(runs, kinds, strict=True) if kind == "constrained"]
+    return {
+        "requests": len(kinds),
+        "constrained_requests": constrained,
+        "tokens": tokens,
+        "tokens_unconstrained": tokens_again,
+        "seconds_constrained": with_constraint,
+        "seconds_unconstrained": without,
+        "tok_s_constrained": tokens / with_constraint,
+        "tok_s_unconstrained": tokens_again / without,
+        "ratio": (tokens / with_constraint) / (tokens_again / without),
+        "constrained_finishes": {f or "none": finishes.count(f) for f in set(finishes)},
+    }
+
+
+async def stream_gaps(
+    client: openai.AsyncOpenAI, model: str, tokens: int, compile_tag: str | None
+) -> tuple[list[float], float | None]:
+    """One plain stream's inter-chunk gaps; with ``compile_tag``, a 128-tool request
+    starts after its 5th chunk. Also the seconds that request took (None alone)."""
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Write a long story about a lighthouse."}],
+        max_tokens=tokens,
+        temperature=0.8,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    times: list[float] = []
+    side: asyncio.Task[tuple[int, str | None]] | None = None
+    side_start = 0.0
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+        if compile_tag is not None and side is None and len(times) == 5:
+            side_start = time.perf_counter()
+            side = asyncio.create_task(
+                chat(
+                    client,
+                    model,
+                    "Call a tool.",
+                    8,
+                    extra_body={"structured_outputs": {"json": tools_schema(compile_tag)}},
+                )
+            )
+    side_seconds = None
+    if side is not None:
+        await side
+        side_seconds = time.perf_counter() - side_start
+    return [b - a for a, b in itertools.pairwise(times)], side_seconds
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+async def latency(
+    client: openai.AsyncOpenAI, model: str, tokens: int, rounds: int
+) -> dict[str, Any]:
+    """Part (b): gaps pooled over the rounds, alone and beside a 128-tool compile."""
+    alone: list[float] = []
+    beside: list[float] = []
+    side_seconds: list[float] = []
+    stamp = str(int(time.time()))
+    for r in range(rounds):
+        gaps, _ = await stream_gaps(client, model, tokens, None)
+        alone += gaps
+        gaps, seconds = await stream_gaps(client, model, tokens, f"{stamp}r{r}")
+        beside += gaps
+        assert seconds is not None
+        side_seconds.append(seconds)
+    return {
+        "rounds": rounds,
+        "stream_tokens": tokens,
+        "itl_p99_alone_ms": p99(alone) * 1e3,
+        "itl_p99_compiling_ms": p99(beside) * 1e3,
+        "itl_median_alone_ms": statistics.median(alone) * 1e3,
+        "itl_median_compiling_ms": statistics.median(beside) * 1e3,
+        "ratio": p99(beside) / p99(alone),
+        "tool_request_seconds": side_seconds,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a, b = result["throughput"], result["latency"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    rates = [a["tok_s_unconstrained"], a["tok_s_constrained"]]
+    left.bar(["unconstrained", "32 constrained"], rates)
+    left.set_ylabel("output tok/s (64 requests)")
+    left.set_title(f"throughput ratio {a['ratio']:.3f} (target >= 0.95)")
+    right.bar(["alone", "128-tool compile"], [b["itl_p99_alone_ms"], b["itl_p99_compiling_ms"]])
+    right.set_ylabel("stream ITL p99 (ms)")
+    right.set_title(f"p99 ratio {b['ratio']:.2f} (target <= 2)")
+    fig.suptitle(f"structured outputs: {result['name']} ({result['model']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def measure(args: argparse.Namespace, base_url: str, model: str) -> dict[str, Any]:
+    async with openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600
+    ) as client:
+        await chat(client, model, "Hello", 4)  # warm-up
+        return {
+            "name": args.name,
+            "model": model,
+            "base_url": base_url,
+            "max_tokens": args.max_tokens,
+            "throughput": await throughput(client, model, args.max_tokens),
+            "latency": await latency(client, model, args.stream_tokens, args.rounds),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="default", help="what tserve serves (no --base-url)")
+    parser.add_argument("--base-url", help="measure this server instead (no /v1)")
+    parser.add_argument("--name", default="tserve", help="the label, and the served model name")
+    parser.add_argument("--served-model", help="the model name to ask for (default: --name's)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--stream-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    process = None
+    base_url = args.base_url
+    model = args.served_model or args.name
+    if base_url is None:
+        stem = result_stem(f"structured-{args.name}")
+        log = stem.with_suffix(".log")
+        process, base_url = serve(args.model, log, "--served-model-name", model)
+    try:
+        result = asyncio.run(measure(args, base_url, model))
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(60)
+    stem = result_stem(f"structured-{args.name}")
+    print(write_json(stem, result))
+    plot(result, stem.with_suffix(".png"))
+    a, b = result["throughput"], result["latency"]
+    print(
+        f"{args.name}: throughput {a['tok_s_constrained']:.1f} / {a['tok_s_unconstrained']:.1f} "
+        f"tok/s = {a['ratio']:.3f}; ITL p99 {b['itl_p99_compiling_ms']:.1f} / "
+        f"{b['itl_p99_alone_ms']:.1f} ms = {b['ratio']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -6,11 +6,12 @@ One :class:`EngineCore` on the default model (threads 1) decodes ``--rows``
 requests at once, twice: all plain, then half of them constrained by a JSON
 schema whose string field keeps every constrained row inside its grammar for
 the whole run. After the prompts are in, ``--steps`` decode steps are timed by
-the CPU time of the engine's thread and by the wall clock (the mask fill runs
-on llguidance's threads, which only the wall clock sees; it is also timed
-alone, by the wall clock around it). Reported per step: the whole step, the
-mask fill (``Constraints.masks``), the sampler, and the step ratios
-constrained / plain. Writes JSON under ``results/``.
+the CPU time of the whole process (every thread: the mask fill runs on
+llguidance's, beside the forward pass) and by the wall clock. Reported per
+step: the whole step, the sampler, and the step ratios constrained / plain;
+then, on the same rows and fixed logits, the mask fill alone
+(``Constraints.masks``) and the sampler with and without the masks
+(``micro_*``, CPU ms per call). Writes JSON under ``results/``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import statistics
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 from benchmarks._results import result_stem, write_json
 from tserve.gpu._engine import EngineCore
@@ -37,25 +40,25 @@ T = TypeVar("T")
 
 
 class _Timer:
-    """Wall-clock seconds spent in one method of an object, per step."""
+    """CPU seconds of the whole process (every thread: llguidance's and torch's
+    too) spent in one method of an object."""
 
     def __init__(self) -> None:
         self.total = 0.0
 
     def wrap(self, fn: Callable[..., T]) -> Callable[..., T]:
         def timed(*args: Any, **kwargs: Any) -> T:
-            start = time.perf_counter()
+            start = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total += time.perf_counter() - start
+                self.total += time.process_time() - start
 
         return timed
 
 
 def _run(core: EngineCore, rows: int, constrained: int, steps: int) -> dict[str, float]:
-    masks, sampler = _Timer(), _Timer()
-    core.constraints.masks = masks.wrap(core.constraints.masks)  # type: ignore[method-assign]
+    sampler = _Timer()
     core.sampler.sample = sampler.wrap(core.sampler.sample)  # type: ignore[method-assign]
     tag = f"c{constrained}-"
     for i in range(rows):
@@ -71,13 +74,14 @@ def _run(core: EngineCore, rows: int, constrained: int, steps: int) -> dict[str,
         s.num_uncomputed_tokens > 1 for s in core.scheduler.running
     ):
         core.step()  # compiles and prefills
-    masks.total = sampler.total = 0.0
+    sampler.total = 0.0
     times, walls = [], []
     for _ in range(steps):
-        start, wall = time.thread_time(), time.perf_counter()
+        start, wall = time.process_time(), time.perf_counter()
         core.step()
-        times.append(time.thread_time() - start)
+        times.append(time.process_time() - start)
         walls.append(time.perf_counter() - wall)
+    micro = _micro(core, repeats=steps)
     assert core.stats().running == rows, "every row decodes through the timed steps"
     core.abort([f"{tag}{i}" for i in range(rows)])
     core.step()
@@ -85,9 +89,29 @@ def _run(core: EngineCore, rows: int, constrained: int, steps: int) -> dict[str,
         "step_ms_median": 1e3 * statistics.median(times),
         "step_ms_mean": 1e3 * statistics.fmean(times),
         "step_wall_ms_median": 1e3 * statistics.median(walls),
-        "mask_ms_per_step": 1e3 * masks.total / steps,
         "sampler_ms_per_step": 1e3 * sampler.total / steps,
+        **micro,
     }
+
+
+def _micro(core: EngineCore, repeats: int) -> dict[str, float]:
+    """The mask fill alone, and the sampler with and without the masks, on the
+    running rows and fixed random logits: CPU ms per call (all threads)."""
+    seqs = core.scheduler.running
+    logits = torch.randn(len(seqs), core.vocab_size, generator=torch.Generator().manual_seed(0))
+    masks, _ = core.constraints.masks(seqs)
+    out: dict[str, float] = {}
+    calls: dict[str, Callable[[], object]] = {
+        "micro_mask_fill_ms": lambda: core.constraints.masks(seqs),
+        "micro_sampler_ms": lambda: core.sampler.sample(logits, seqs),
+        "micro_sampler_masked_ms": lambda: core.sampler.sample(logits, seqs, masks),
+    }
+    for name, call in calls.items():
+        start = time.process_time()
+        for _ in range(repeats):
+            call()
+        out[name] = 1e3 * (time.process_time() - start) / repeats
+    return out
 
 
 def main() -> None:

@@ -20,6 +20,9 @@ Rules:
 * A matcher has consumed exactly its sequence's output tokens. Preemption
   keeps a sequence's outputs (it is recomputed as a prefill of prompt +
   outputs), so the matcher stays in step with no rollback.
+* Each step's masks are filled in one mask thread while the model runs
+  (llguidance's parallel fill, the GIL released), and waited for before
+  sampling; meanwhile the step loop touches no matcher.
 * The mask of a row allows only token ids below the tokenizer's vocabulary;
   the model's padding rows (logits wider than the vocabulary) are never
   allowed. A matcher in its error state, or a mask that allows nothing,
@@ -40,7 +43,7 @@ import dataclasses
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import llguidance
@@ -58,6 +61,9 @@ _BITS: Final = torch.arange(32, dtype=torch.int32)
 
 Compiled = llguidance.LLMatcher | str
 """A compiled grammar's matcher at its start, or why it did not compile."""
+
+MaskResult = tuple[dict[int, torch.Tensor], dict[int, str]]
+"""Row -> allowed tokens (bool ``[vocab]``), and row -> why its grammar cannot go on."""
 
 
 class GrammarCompiler:
@@ -176,6 +182,10 @@ class Constraints:
         # The matcher of every constrained request in the scheduler. Bound: the same.
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._executor = llguidance.LLExecutor(num_threads=max(1, threads))
+        # One fill at a time (one step's); bound: one queued job.
+        self._mask_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tserve-masks"
+        )
         pattern = os.environ.get(MASK_FAULT_ENV)
         self._fault = re.compile(pattern) if pattern else None
 
@@ -240,11 +250,16 @@ class Constraints:
         self._waiting.pop(request_id, None)
         self._matchers.pop(request_id, None)
 
-    def masks(self, seqs: Sequence[Seq]) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
-        """The grammar masks of the constrained rows among ``seqs`` (row i is
-        ``seqs[i]``): row -> bool ``[vocab_size]`` (True = allowed), and row ->
-        error for a matcher that cannot go on. Blocks while llguidance fills
-        the masks (in parallel, the GIL released)."""
+    def start_masks(self, seqs: Sequence[Seq]) -> Callable[[], MaskResult]:
+        """Start filling the grammar masks of the constrained rows among ``seqs``
+        (row i is ``seqs[i]``) in the mask thread, so that the fill overlaps the
+        forward pass; call the result to wait for them. Never blocks.
+
+        The result: row -> bool ``[vocab_size]`` (True = allowed), and row ->
+        error for a matcher that cannot go on. Until it is called, nothing may
+        touch these matchers (the step loop only runs the model meanwhile).
+        Without constrained rows nothing starts.
+        """
         rows: list[tuple[int, llguidance.LLMatcher]] = []
         errors: dict[int, str] = {}
         for i, seq in enumerate(seqs):
@@ -256,7 +271,17 @@ class Constraints:
             else:
                 rows.append((i, matcher))
         if not rows:
-            return {}, errors
+            return lambda: ({}, errors)
+        return self._mask_thread.submit(self._fill, rows, errors).result
+
+    def masks(self, seqs: Sequence[Seq]) -> MaskResult:
+        """:meth:`start_masks` and wait for them. Blocks while llguidance fills them."""
+        return self.start_masks(seqs)()
+
+    def _fill(
+        self, rows: list[tuple[int, llguidance.LLMatcher]], errors: dict[int, str]
+    ) -> MaskResult:
+        """In the mask thread: llguidance's parallel fill (the GIL released), unpacked."""
         words = (self.compiler.tokenizer.vocab_size + 31) // 32
         bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
         pairs = [(matcher, k) for k, (_, matcher) in enumerate(rows)]
@@ -285,7 +310,8 @@ class Constraints:
         return matcher is not None and matcher.is_stopped()
 
     def close(self) -> None:
-        """Stop the compiler's thread (see :meth:`GrammarCompiler.close`)."""
+        """Stop the mask thread and the compiler's (see :meth:`GrammarCompiler.close`)."""
+        self._mask_thread.shutdown(wait=False)
         self.compiler.close()
 
 

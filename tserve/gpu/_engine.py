@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tserve.gpu._constraints import Constraints, GrammarCompiler
+from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
 from tserve.gpu._errors import RequestRejected
 from tserve.gpu._kv import BlockManager
@@ -226,8 +226,10 @@ class EngineCore(CoreBookkeeping[Sequence]):
         chunks = self.scheduler.schedule()  # 2 schedule (allocates KV)
         news: list[Sequence] = []
         if chunks:
+            to_sample = [c.seq for c in chunks if c.sample]
+            masks = self.constraints.start_masks(to_sample)  # 3a grammar masks, beside 3
             logits = self._forward(chunks)  # 3 ONE forward pass (fatal if it raises)
-            sampled, failed = self._sample(chunks, logits)  # 4 sample, per request
+            sampled, failed = self._sample(to_sample, logits, masks())  # 4 sample, per request
             news = failed + self.scheduler.update(chunks, sampled)  # 5 update, free finished
             self._end_complete_grammars(news)
         elif self.constraints.num_waiting:
@@ -264,15 +266,15 @@ class EngineCore(CoreBookkeeping[Sequence]):
                 self.scheduler.finish_stopped(seq.request_id)
 
     def _sample(
-        self, chunks: list[ScheduledChunk], logits: torch.Tensor
+        self, to_sample: list[Sequence], logits: torch.Tensor, grammar: MaskResult
     ) -> tuple[dict[str, int], list[Sequence]]:
         """Sampled token per request id, and the requests that failed alone (now finished).
 
-        Constrained rows are masked by their grammar, and their matchers
-        advanced by the sampled token; a failing grammar fails its request.
+        Constrained rows are masked by their grammar (``grammar``: their masks
+        and the rows whose grammar failed), and their matchers advanced by the
+        sampled token; a failing grammar fails its request.
         """
-        to_sample = [c.seq for c in chunks if c.sample]
-        masks, errors = self.constraints.masks(to_sample)
+        masks, errors = grammar
         results = self.sampler.sample(logits, to_sample, masks)
         sampled: dict[str, int] = {}
         failed: list[Sequence] = []

@@ -176,9 +176,16 @@ class Sampler:
         if want_lp:
             lp = torch.log_softmax(raw[want_lp], dim=-1)
             logprobs = {rows[j]: lp[k] for k, j in enumerate(want_lp)}
-        # Without penalties the rows' argmax is the one sample() took with the max.
-        best = argmax[rows] if processed is raw else processed.argmax(dim=-1)
-        greedy = dict(zip(rows, best.tolist(), strict=True))
+        # Without penalties, bias or masks the rows' argmax is the one sample()
+        # took with the max; otherwise only the greedy rows need theirs.
+        greedy_at = [j for j, p in enumerate(params) if _is_greedy(p)]
+        if processed is raw:
+            greedy = dict(zip(rows, argmax[rows].tolist(), strict=True))
+        elif greedy_at:
+            best = processed[greedy_at].argmax(dim=-1).tolist()
+            greedy = {rows[j]: b for j, b in zip(greedy_at, best, strict=True)}
+        else:
+            greedy = {}
         sampled = [j for j, p in enumerate(params) if not _is_greedy(p)]
         candidates: dict[int, _Candidates] = {}
         if sampled:
@@ -285,14 +292,14 @@ def _apply_masks(
     Returns ``logits`` itself when no row has a mask; copies it first when it
     is still ``raw``. Raises ValueError for a mask that allows no token (the
     caller's isolation makes it that request's error)."""
-    masked = [j for j, m in enumerate(masks) if m is not None]
+    masked = [(j, m) for j, m in enumerate(masks) if m is not None]
     if not masked:
         return logits
     out = logits.clone() if logits is raw else logits
-    allow = torch.stack([m for m in masks if m is not None]).to(out.device)
-    if not bool(allow.any(dim=-1).all()):
-        raise ValueError("the grammar allows no token here")
-    out[masked] = out[masked].masked_fill(~allow, float("-inf"))
+    for j, allow in masked:  # in place, row by row: no gather or scatter of rows
+        if not bool(allow.any()):
+            raise ValueError("the grammar allows no token here")
+        out[j].masked_fill_(~allow.to(out.device), float("-inf"))
     return out
 
 

@@ -41,5 +41,4 @@ Modules:
 * ``_constraints.py`` — structured outputs: grammars compiled in a worker
   thread (bounded cache), each constrained row's mask, its matcher.
 * ``_models.py`` — finding, converting and loading models and encoders.
-* ``_errors.py`` — the engine's error types.
 """

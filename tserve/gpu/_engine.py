@@ -29,7 +29,6 @@ import torch
 
 from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
-from tserve.gpu._errors import RequestRejected
 from tserve.gpu._kv import BlockManager
 from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._models import default_model_dir, load_model
@@ -164,21 +163,15 @@ class EngineCore(CoreBookkeeping[Sequence]):
             self._reject(peer, request.request_id, problem)
 
     def _queue(self, seq: Sequence) -> str | None:
-        """Hand ``seq`` to the scheduler, or to the grammar compiler first; the
-        problem when it can never run."""
-        if seq.params.constraint is None:
-            return self._schedule(seq)
+        """Hand ``seq`` (valid: ``_check``) to the scheduler, or to the grammar
+        compiler first; the problem when it can never run: its id is live (another
+        peer's, waiting for its grammar or scheduled), or its grammar is refused."""
         if self.scheduler.get(seq.request_id) or self.constraints.has(seq.request_id):
             return f"request id {seq.request_id!r} is already in use"
-        return self.constraints.add(seq, time.time())
-
-    def _schedule(self, seq: Sequence) -> str | None:
-        try:
+        if seq.params.constraint is None:
             self.scheduler.add(seq)
-        except RequestRejected as exc:
-            self.constraints.release(seq.request_id)
-            return str(exc)
-        return None
+            return None
+        return self.constraints.add(seq, time.time())
 
     # Aborts (abort, abort_peer, abort_all) are CoreBookkeeping's; they free KV at once.
 
@@ -248,9 +241,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
         failed or timed out, or whose deadline passed while they waited, end."""
         ready, failed = self.constraints.take_ready(now)
         for seq in ready:
-            problem = self._schedule(seq)
-            if problem is not None:
-                failed.append((seq, problem))
+            self.scheduler.add(seq)  # valid, and its id unique: _queue
         for seq, error in failed:
             self._end_unscheduled(seq, FinishReason.ERROR, error)
             self._finished(seq)

@@ -45,8 +45,9 @@ token, so a prefill split over several steps samples once, at its end.
 Why nothing starves: decodes run every step; the prefill budget is at least one
 token a step and goes to the unfinished prefill, then to the oldest waiting
 request; a preemption victim is always the most recently admitted sequence, so
-the oldest running one is never preempted by another; and ``add`` admits only
-requests whose peak KV fits the whole cache. So the oldest request progresses.
+the oldest running one is never preempted by another; and every request
+``add`` takes has a peak KV that fits the whole cache. So the oldest request
+progresses.
 
 The price, under KV pressure: a request admitted with a partial chunk is the
 first victim when a decode next needs a block, so it may be admitted and
@@ -59,7 +60,6 @@ import collections
 from collections.abc import Iterable, Mapping
 
 from tserve.gpu._budget import STEP_OVERHEAD_TOKENS, check_budget, prefill_budget
-from tserve.gpu._errors import RequestRejected
 from tserve.gpu._kv import BlockManager
 from tserve.gpu._sequence import ScheduledChunk, Sequence, SequenceStatus
 from tserve.protocol import FinishReason
@@ -100,8 +100,13 @@ class Scheduler:
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({max_num_seqs}) so that every decode fits a step"
             )
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        # The last sampled token is never fed back, so a full context holds
+        # max_model_len - 1 positions of KV: they must fit the cache.
+        if not 1 <= max_model_len <= block_manager.tokens_total + 1:
+            raise ValueError(
+                f"max_model_len must be in [1, {block_manager.tokens_total + 1}] (a context must "
+                f"fit the KV cache), got {max_model_len}"
+            )
         check_budget(max_decode_slowdown, step_overhead_tokens)
         self.max_decode_slowdown = max_decode_slowdown
         self.step_overhead_tokens = step_overhead_tokens
@@ -173,35 +178,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new request at the back of the waiting queue.
 
-        Raises ``RequestRejected`` when the request can never run; nothing is
-        queued then.
+        The engine adds only requests that :mod:`tserve.validity` passed and
+        whose id is not live; so a request is never refused here, and what
+        that rule guarantees is asserted: its prompt is not empty, it asks
+        for a token, and prompt + max_tokens fit ``max_model_len``, hence its
+        peak KV fits the whole cache (``max_model_len`` does: ``__init__``).
         """
         assert seq.status is _WAITING and seq.num_computed_tokens == 0 and not seq.block_table
-        self._validate(seq)
+        assert seq.request_id not in self._live, f"request id {seq.request_id!r} is live"
+        assert seq.prompt_token_ids and seq.params.max_tokens >= 1
+        assert len(seq.prompt_token_ids) + seq.params.max_tokens <= self.max_model_len
         self._live[seq.request_id] = seq
         self._waiting.append(seq)
-
-    def _validate(self, seq: Sequence) -> None:
-        num_prompt = len(seq.prompt_token_ids)
-        max_tokens = seq.params.max_tokens
-        if seq.request_id in self._live:
-            raise RequestRejected(f"request id {seq.request_id!r} is already in use")
-        if num_prompt == 0:
-            raise RequestRejected("the prompt is empty")
-        if max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}")
-        if num_prompt + max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"the model's context length of {self.max_model_len} tokens"
-            )
-        # The last sampled token is never fed back, so the peak is one less.
-        peak = num_prompt + max_tokens - 1
-        if self.block_manager.blocks_for(peak) > self.block_manager.num_blocks:
-            raise RequestRejected(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs more "
-                f"KV cache than the engine has ({self.kv_tokens_total} tokens)"
-            )
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a live request with ``FinishReason.ABORT`` and free its KV now.

@@ -179,8 +179,12 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
-    """First message of an API process; the engine answers with EngineReady, and then
-    with a :class:`TokenizerBundle` if ``tokenizer`` (trailing: old frames decode)."""
+    """The first message of an API process.
+
+    The engine answers with EngineReady, and then with a
+    :class:`TokenizerBundle` if ``tokenizer`` (trailing and defaulted, so
+    older frames decode).
+    """
 
     pid: int
     tokenizer: bool = False
@@ -197,7 +201,10 @@ class EngineInput(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True):
-    """Ask the engine to stop: it aborts everything and exits 0 (``tserve engine``: ignored)."""
+    """Ask the engine to stop: it aborts everything and exits 0.
+
+    A ``tserve engine``, which serves API processes it did not start, ignores it.
+    """
 
     reason: str = ""
 
@@ -375,29 +382,45 @@ TOKENIZER_FILES: Final = (
     "chat_template.jinja",
     "generation_config.json",
 )
-CHAT_TEMPLATES_DIR: Final = "additional_chat_templates"  # of <name>.jinja files
+# The folder of a model directory that holds its extra chat templates, one
+# <name>.jinja file each.
+CHAT_TEMPLATES_DIR: Final = "additional_chat_templates"
 
 
 def tokenizer_file_allowed(name: str) -> bool:
-    """Whether a :class:`TokenizerBundle` may hold ``name`` (its receiver writes no
-    other): one of TOKENIZER_FILES (what ``tserve.nursery._tokenizer_files`` reads), or
-    a plain ``*.jinja`` name in CHAT_TEMPLATES_DIR."""
+    """Whether a :class:`TokenizerBundle` may hold ``name``; its receiver writes no other.
+
+    Allowed: one of TOKENIZER_FILES (what ``tserve.nursery._tokenizer_files``
+    reads), or a plain ``*.jinja`` name in CHAT_TEMPLATES_DIR (no folders, not
+    hidden).
+    """
     folder, _, file = name.partition("/")
-    if folder == CHAT_TEMPLATES_DIR:
-        return file.endswith(".jinja") and file[:1] != "." and not {"/", "\\"} & set(file)
-    return name in TOKENIZER_FILES
+    if folder != CHAT_TEMPLATES_DIR:
+        return name in TOKENIZER_FILES
+    plain = not {"/", "\\"} & set(file) and not file.startswith(".")
+    return plain and file.endswith(".jinja")
 
 
 class TokenizerBundle(msgspec.Struct, array_like=True, frozen=True):
-    """Answers ``Hello(tokenizer=True)``: the tokenizer files the model directory
-    has, relative path -> contents (allowed names only; a few MB)."""
+    """The answer to ``Hello(tokenizer=True)``: the model directory's tokenizer files.
+
+    Relative path -> contents, allowed names only (:func:`tokenizer_file_allowed`);
+    a few MB.
+    """
 
     files: dict[str, bytes]
 
 
 Message: TypeAlias = (
-    Hello | EngineInput | Shutdown | EngineReady | StepOutputs | Heartbeat | EngineDead
-) | TokenizerBundle
+    Hello
+    | EngineInput
+    | Shutdown
+    | EngineReady
+    | StepOutputs
+    | Heartbeat
+    | EngineDead
+    | TokenizerBundle
+)
 
 _KIND_OF: Final[dict[type[Message], Kind]] = {
     Hello: Kind.HELLO,

@@ -165,12 +165,18 @@ class Scheduler:
         return self._live.get(request_id)
 
     def check(self) -> None:
-        """Assert the invariants of the class docstring and the allocator's, O(live + blocks)."""
+        """Assert the invariants of the class docstring and the allocator's.
+
+        O(live requests + blocks): for tests, after every step.
+        """
         assert len(self._running) <= self.max_num_seqs
-        assert all(s.status is _WAITING and s.num_computed_tokens == 0 for s in self._waiting)
-        assert all(s.status is _RUNNING and s.num_uncomputed_tokens >= 1 for s in self.running)
+        for seq in self._waiting:
+            assert seq.status is _WAITING and seq.num_computed_tokens == 0
+        for seq in self._running.values():
+            assert seq.status is _RUNNING and seq.num_uncomputed_tokens >= 1
         assert len(self._waiting) + len(self._running) == len(self._live)
-        assert {s.request_id for s in self._waiting} | self._running.keys() == self._live.keys()
+        waiting = {seq.request_id for seq in self._waiting}
+        assert waiting | self._running.keys() == self._live.keys()
         self.block_manager.check(list(self._live.values()))
 
     # -- requests in -----------------------------------------------------------
@@ -215,7 +221,9 @@ class Scheduler:
 
         O(live requests); the engine calls it once per step.
         """
-        expired = [s for s in self._live.values() if s.deadline is not None and s.deadline <= now]
+        expired = [
+            seq for seq in self._live.values() if seq.deadline is not None and seq.deadline <= now
+        ]
         for seq in expired:
             self._finish(seq, FinishReason.ABORT)
         return expired
@@ -344,7 +352,8 @@ class Scheduler:
         self.block_manager.allocate(seq, n)
         start = seq.num_computed_tokens
         stop = start + n
-        return ScheduledChunk(seq, start, seq.token_slice(start, stop), stop == seq.num_tokens)
+        last = stop == seq.num_tokens  # it reaches the last known token: it samples
+        return ScheduledChunk(seq, start, seq.token_slice(start, stop), last)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s KV and put it back at the front of the waiting queue."""
@@ -363,7 +372,9 @@ class Scheduler:
             return FinishReason.STOP
         if token in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.max_model_len:  # the context is full
             return FinishReason.LENGTH
         return None
 

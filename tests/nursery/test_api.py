@@ -129,9 +129,9 @@ async def test_short_prompts_tokenize_on_the_loop(
     threads: list[int] = []
     encode = llm._tokens.encode
 
-    def recording_encode(text: str) -> list[int]:
+    def recording_encode(text: str, param: str = "prompt") -> list[int]:
         threads.append(threading.get_ident())
-        return encode(text)
+        return encode(text, param)
 
     monkeypatch.setattr(llm._tokens, "encode", recording_encode)
     params = SamplingParams(max_tokens=2, ignore_eos=True)

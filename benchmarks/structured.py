@@ -121,9 +121,7 @@ async def throughput(
     lengths = [max(1, n) for n, _ in runs]
 
     async def again(i: int) -> tuple[int, str | None]:
-        return await chat(
-            client, model, prompts[i], lengths[i], extra_body={"ignore_eos": True}, seed=i
-        )
+        return await chat(client, model, prompts[i], lengths[i], extra_body={"ignore_eos": True})
 
     start = time.perf_counter()
     repeats = await asyncio.gather(*(again(i) for i in range(len(kinds))))

@@ -65,7 +65,9 @@ def _queue_bound(text: str) -> int:
     return queue_bound_from_memory() if text.strip().lower() == "auto" else int(text)
 
 
-_MODEL_HELP = "local model directory, or 'default' for the bundled SmolLM2-135M-Instruct"
+_MODEL_HELP = (
+    "local model directory or .gguf file, or 'default' for the bundled SmolLM2-135M-Instruct"
+)
 
 
 def _security(p: argparse.ArgumentParser, title: str) -> None:
@@ -141,6 +143,12 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "transformers' for the rest) or 'hf' (transformers' for every model)",
         choices=("auto", "hf"),
     )
+    _flag(
+        eng,
+        "--dequantize",
+        "serve a GGUF file (the default model is one) through a one-time fp32 conversion "
+        "instead of as it is (quantized, through tserve's CPU kernels)",
+    )
     _option(eng, "--cache-dir", str, None, "where converted models are cached")
     _option(
         eng,
@@ -168,6 +176,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_gemm": args.cpu_gemm,
         "enable_prefix_caching": not args.no_prefix_caching,
         "model_impl": args.model_impl,
+        "dequantize": args.dequantize,
         "cache_dir": args.cache_dir,
         "engine_kind": args.engine_kind,
         "echo_step_time": args.echo_step_time,

@@ -23,7 +23,8 @@ ModelImpl: TypeAlias = Literal["auto", "hf"]
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to start an engine process; handed to it as JSON on its command line.
 
-    ``model``: a local model directory, or "default" (SmolLM2-135M-Instruct).
+    ``model``: a local model directory or GGUF file, or "default"
+    (SmolLM2-135M-Instruct's GGUF).
     ``kv_cache_tokens``: the KV budget in tokens, shared by all running
     requests; ``max_model_len`` None = the model's own (capped by the KV
     budget). ``threads``: torch's CPU threads. ``device``/``dtype`` "auto" =
@@ -38,7 +39,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     scheduler's token cost model), so streams never stall behind a long
     prompt; 0 = no bound. ``model_impl`` "auto": tserve's own forward pass for
     Llama-family models (Llama, Mistral, Qwen2), transformers' for others;
-    "hf": transformers' for all. ``heartbeat_interval``: every peer hears from
+    "hf": transformers' for all. ``dequantize``: a GGUF file (the default
+    model is one) is converted once to an fp32 directory and served from it,
+    instead of as it is (its quantized weights through tserve's kernels; CPU
+    fp32 only). ``heartbeat_interval``: every peer hears from
     the engine at least this often; on a network bind it is also the period
     of the ZMTP heartbeats (``tserve.gpu._bind``).
 
@@ -80,3 +84,4 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model_impl: ModelImpl = "auto"
     grammar_compile_timeout: float = 10.0
     grammar_cache_size: int = 64
+    dequantize: bool = False

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from tserve.gpu._llama import PagedLlama, unsupported_reason
+from tserve.gpu._cpu_kernels import CpuKernels
+from tserve.gpu._llama import TORCH_OPS, PagedLlama, unsupported_reason
 from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._sequence import ScheduledChunk, Sequence
 from tserve.protocol import SamplingParams
@@ -95,10 +96,9 @@ def test_own_forward_matches_transformers(
     assert unsupported_reason(model) is None
     runner = ModelRunner(model, num_blocks=16, block_size=4, cpu_gemm="blas")
     assert isinstance(runner.model, PagedLlama)
-    if fused and runner.model.kernels is None:
-        pytest.skip("no C compiler for the fused CPU kernels")
+    assert isinstance(runner.model.ops, CpuKernels)  # the runner's choice for CPU fp32
     if not fused:
-        runner.model.kernels = None  # the forward pass on torch alone
+        runner.model.ops = TORCH_OPS  # the forward pass on torch alone
 
     prompt = [(i * 37) % 128 for i in range(24)]
     ours = _prefill_then_decode(runner, prompt, split=13)
@@ -124,7 +124,7 @@ def test_other_models_stay_on_the_hugging_face_path(overrides: dict[str, Any], r
     found = unsupported_reason(model)
     assert found is not None and reason in found
     with pytest.raises(ValueError, match="cannot run"):
-        PagedLlama(model)
+        PagedLlama.from_hf(model)
     runner = ModelRunner(model, num_blocks=16, block_size=4, cpu_gemm="blas")
     assert not isinstance(runner.model, PagedLlama)
     assert runner.execute([]).shape == (0, 128)

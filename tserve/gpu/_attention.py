@@ -18,10 +18,11 @@ Per layer, :func:`paged_attention_forward`:
    new K/V when every sequence in the group starts at position 0);
 3. runs ONE ``scaled_dot_product_attention`` per group with a ``[B, 1, Qmax,
    Kmax]`` boolean mask (causal within the sequence, nothing past its length),
-   or none when nothing is padded. Decodes on CPU in fp32 run as two batched
-   products and a softmax instead (:func:`_attend_decode`, 1.5x SDPA's CPU
-   kernel) or, in :class:`~tserve.gpu._llama.PagedLlama`, through the fused
-   kernel :func:`attend_groups` is handed;
+   or none when nothing is padded. Decodes run as two batched products and a
+   softmax instead where the model runner asks for it (``decode_products``:
+   1.5x SDPA's CPU kernel in fp32) or, in
+   :class:`~tserve.gpu._llama.PagedLlama`, through the fused kernel
+   :func:`attend_groups` is handed;
 4. scatters the real (non-padding) rows back into packed order.
 
 Decodes and prefill chunks are grouped apart so that a long chunk does not pad
@@ -108,6 +109,8 @@ class AttentionGroup:
     packed: tuple[int, int] | None = None  # queries are packed tokens [start, stop)
     is_causal: bool = False  # only with mask None: Qmax == Kmax, all sequences unpadded
     fresh: bool = False  # every sequence starts at 0: keys/values are this step's
+    # A decode group that reads the pool runs as two batched products, not SDPA.
+    products: bool = False
 
     def to(self, device: torch.device) -> AttentionGroup:
         if self.kv_slots.device == device:
@@ -137,9 +140,16 @@ class StepMetadata:
 
 
 def build_step(
-    chunks: Sequence[ScheduledChunk], pool: KVPool, device: torch.device
+    chunks: Sequence[ScheduledChunk],
+    pool: KVPool,
+    device: torch.device,
+    *,
+    decode_products: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
     """Pack ``chunks`` into ``(input_ids [1, T], position_ids [1, T], metadata)``.
+
+    ``decode_products``: decodes attend as batched products
+    (:attr:`AttentionGroup.products`), the runner's choice for its device.
 
     Tokens are packed in chunk order. Every chunk's sequence must have a block
     table covering ``start + len(token_ids)`` positions. Per-token lists are
@@ -164,7 +174,7 @@ def build_step(
     decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
     groups = tuple(
-        _group(members, chunks, offsets, block_size).to(device)
+        _group(members, chunks, offsets, block_size, decode_products).to(device)
         for members in (decodes, prefills)
         if members
     )
@@ -177,6 +187,7 @@ def _group(
     chunks: Sequence[ScheduledChunk],
     offsets: list[int],
     block_size: int,
+    decode_products: bool,
 ) -> AttentionGroup:
     """Index tensors (on CPU) for one padded attention batch over ``members``."""
     q_lens = [len(chunks[i].token_ids) for i in members]
@@ -232,6 +243,7 @@ def _group(
         packed=packed,
         is_causal=is_causal,
         fresh=fresh,
+        products=decode_products and q_max == 1 and not fresh,
     )
 
 
@@ -334,14 +346,14 @@ def _attend(
     scaling: float | None,
 ) -> torch.Tensor:
     """Attention for one group; returns ``[B * Qmax, H, D]`` (rows in ``[B, Qmax]`` order)."""
-    batch, q_max, kv_max = group.shape
+    batch, _, kv_max = group.shape
     q = _take(new.q, group)
     if group.fresh:  # the keys of these queries are their own tokens: [B, KVH, Qmax, D]
         k, v = _take(new.k, group).transpose(1, 2), _take(new.v, group).transpose(1, 2)
     else:  # [KVH, B, Kmax, D]
         k = k_pool.index_select(1, group.kv_slots).view(-1, batch, kv_max, k_pool.shape[-1])
         v = v_pool.index_select(1, group.kv_slots).view(-1, batch, kv_max, v_pool.shape[-1])
-        if q_max == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
+        if group.products:
             return _attend_decode(q, k, v, group.key_bias, scaling)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     o = F.scaled_dot_product_attention(

@@ -9,13 +9,18 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__x86_64__)
 #include <immintrin.h>
+/* Each exported loop is compiled for AVX-512, AVX2 and plain x86-64, the
+ * loader picking one from the CPU's flags (an ifunc) when the library loads. */
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONES
 #endif
 
 #define LANES 16
 
-static float dot(const float *a, const float *b, int64_t n) {
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t n) {
     float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
@@ -30,7 +35,7 @@ static float dot(const float *a, const float *b, int64_t n) {
 /* exp for x <= 0 (softmax after subtracting the max), vectorizable:
  * 2^k * p(r) with r in [-ln2/2, ln2/2], p a degree-6 polynomial
  * (relative error below 2e-7, as close as fp32 holds); x below -87 gives 0. */
-static void exp_nonpositive(float *x, int64_t n) {
+static inline __attribute__((always_inline)) void exp_nonpositive(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         float v = x[i] < -87.0f ? -87.0f : x[i];
         float k = nearbyintf(v * 1.44269504088896341f);
@@ -51,7 +56,7 @@ static void exp_nonpositive(float *x, int64_t n) {
 
 /* out[r, i] = silu(gate) * up for gate_up rows [gate (inter) | up (inter)]:
  * silu(g) = g / (1 + e^-g), written with e = exp(-|g|) so exp sees only x <= 0. */
-void tserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out,
+CLONES void tserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out,
                      float *scratch) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
@@ -66,7 +71,7 @@ void tserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *o
 }
 
 /* residual += hidden (when add), then out = RMSNorm(residual) * weight, row by row. */
-void tserve_add_rms_norm(float *residual, const float *hidden, const float *weight, float *out,
+CLONES void tserve_add_rms_norm(float *residual, const float *hidden, const float *weight, float *out,
                          int64_t rows, int64_t dim, float eps, int add) {
     for (int64_t r = 0; r < rows; r++) {
         float *res = residual + r * dim;
@@ -85,7 +90,7 @@ void tserve_add_rms_norm(float *residual, const float *hidden, const float *weig
  * heads, K heads, V heads, each `head_dim` wide), with cos/sin tables [positions, head_dim / 2]; then copies
  * each token's K and V heads into the pool ([kv_heads, slots, head_dim] each)
  * at its slot. */
-void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
+CLONES void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, const int64_t *positions,
                        const float *cos_table, const float *sin_table, const int64_t *slots,
                        float *k_pool, float *v_pool, int64_t num_slots) {
@@ -118,7 +123,7 @@ void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, int64_t h
  * at positions 0.., position p in slot tables[b * width + p / block_size] *
  * block_size + p % block_size. Query head h reads KV head h / (heads /
  * kv_heads). `scores` is scratch of (heads / kv_heads) * max(lens) floats. */
-void tserve_paged_decode(const float *q, int64_t q_stride, const float *k_pool,
+CLONES void tserve_paged_decode(const float *q, int64_t q_stride, const float *k_pool,
                          const float *v_pool, int64_t num_slots, const int64_t *tables,
                          int64_t width, const int64_t *lens, int64_t block_size, int64_t batch,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
@@ -170,21 +175,23 @@ void tserve_paged_decode(const float *q, int64_t q_stride, const float *k_pool,
  * is: blocks of up to BLOCK_ROWS rows in turn reuse it from L2 (a panel is
  * K * 128 bytes). A BLOCK_ROWS x PANEL tile of the output lives in 24 of the
  * 32 vector registers for the whole K loop. AVX-512 only:
- * tserve_linear_available() says whether this build has it. */
+ * tserve_linear_available() says whether this CPU has it. */
 #define PANEL 32
 #define BLOCK_ROWS 12
 #define PREFETCH_ROWS 32 /* k rows ahead (4 KiB): the hardware prefetcher alone lags */
 
 int tserve_linear_available(void) {
-#ifdef __AVX512F__
-    return 1;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
 #else
     return 0;
 #endif
 }
 
-#ifdef __AVX512F__
-static inline __attribute__((always_inline)) void linear_tile(
+#if defined(__x86_64__)
+#define AVX512 __attribute__((target("avx512f")))
+AVX512 static inline __attribute__((always_inline)) void linear_tile(
     int rows, const float *x, int64_t k_dim, const float *panel, const float *bias,
     float *y, int64_t n_dim, __mmask16 low, __mmask16 high) {
     __m512 acc[BLOCK_ROWS][2];
@@ -211,8 +218,8 @@ static inline __attribute__((always_inline)) void linear_tile(
 #define TILE(R) \
     case R: linear_tile(R, xs, k_dim, panel, b, ys, n_dim, low, high); break;
 
-void tserve_linear(const float *x, int64_t m_dim, int64_t k_dim, const float *packed,
-                   const float *bias, int64_t n_dim, float *y) {
+AVX512 void tserve_linear(const float *x, int64_t m_dim, int64_t k_dim, const float *packed,
+                          const float *bias, int64_t n_dim, float *y) {
     for (int64_t p = 0; p * PANEL < n_dim; p++) {
         int64_t cols = n_dim - p * PANEL;
         __mmask16 low = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);

@@ -14,43 +14,33 @@ stubbed out, that glue cost 6 ms of a 1-sequence step and 35 ms of a
 * ``paged_decode``: one query per sequence over its keys and values read
   where they lie in the paged pool (no gather), softmax included.
 
-The source is compiled with the system's C compiler (``cc``, or ``$CC``)
-into ``~/.cache/tserve/kernels/`` the first time a process needs it (well
-under a second; the file's name is a hash of the source, the flags and the
-CPU, so another machine or version builds its own), and loaded with
-ctypes: no torch headers, no Python extension ABI. :func:`cpu_kernels`
-returns None when there is no compiler or the build fails (logged once);
-the forward pass then runs on torch alone, with the same results up to
-float rounding.
+The C sources (this file's ``_cpu_kernels.c`` and the quantized products'
+``_quant_kernels.c``) are compiled into one shared library, ``_kernels``,
+when the package is installed (``setup.py``; an editable install builds it
+in place), and loaded with ctypes: no torch headers, no Python extension
+ABI, no compiler on the serving machine. The library is built for any
+x86-64 CPU and picks its instructions at run time from the CPU's flags
+(AVX-512, AVX2, or plain x86-64). :func:`kernel_library` returns None where
+it was not built (a source tree never installed: logged once); the forward
+pass then runs on torch alone, with the same results up to float rounding.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
+import importlib.util
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import Any, Final
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LINEAR_PANEL", "CpuKernels", "cpu_kernels"]
+__all__ = ["LINEAR_PANEL", "CpuKernels", "cpu_kernels", "kernel_library"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE: Final = Path(__file__).with_name("_cpu_kernels.c")
-# -march=native: the file is built on, and named for, the CPU that runs it.
-# Without -ffast-math (which would change the whole process's float mode).
-_FLAGS: Final = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
-_BUILD_TIMEOUT: Final = 120.0
+_LIBRARY: Final = "tserve.gpu._kernels"  # setup.py's extension
 LINEAR_PANEL: Final = 32  # PANEL in _cpu_kernels.c
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
@@ -216,52 +206,25 @@ class CpuKernels:
 
 
 @functools.cache
-def cpu_kernels() -> CpuKernels | None:
-    """The kernels for this machine, built on first call; None where they
-    cannot be (no C compiler, a failed build: logged once). Blocks while it
-    builds (well under a second). Safe to call from several processes at
-    once: each builds into a private file and renames it into place."""
+def kernel_library() -> ctypes.CDLL | None:
+    """The compiled kernels (``tserve/gpu/_kernels*.so``, built at install), or
+    None where the package was never built (logged once)."""
+    spec = importlib.util.find_spec(_LIBRARY)  # located, not imported: it is no Python module
+    if spec is None or spec.origin is None:
+        log.warning(
+            "tserve's compiled CPU kernels are not built (pip install -e . builds them); "
+            "running on torch alone"
+        )
+        return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        log.warning("fused CPU kernels unavailable (%s); running on torch alone", exc)
+        return ctypes.CDLL(spec.origin)
+    except OSError as exc:
+        log.warning("tserve's compiled CPU kernels do not load (%s); running on torch alone", exc)
         return None
 
 
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc, gcc or $CC)")
-    source = _SOURCE.read_bytes()
-    key = hashlib.blake2b(digest_size=12)
-    for part in (source, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_identity()):
-        key.update(part)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tserve" / "kernels"
-    target = cache / f"cpu-kernels-{key.hexdigest()}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(dir=cache, suffix=".so.part")
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *_FLAGS, "-shared", "-o", scratch, str(_SOURCE), "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=_BUILD_TIMEOUT,
-        )
-        os.replace(scratch, target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(scratch)
-    return target
-
-
-def _cpu_identity() -> bytes:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    with contextlib.suppress(OSError):
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-        if wanted:
-            return "\n".join(wanted).encode()
-    return platform.processor().encode() + platform.machine().encode()
+@functools.cache
+def cpu_kernels() -> CpuKernels | None:
+    """The fused fp32 kernels, or None without :func:`kernel_library`."""
+    library = kernel_library()
+    return None if library is None else CpuKernels(library)

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from tserve.gpu._core import PeerKeyedBookkeeping, PeerOutput
-from tserve.gpu._engine import resolve_device
 from tserve.gpu._gemm import tune_linears
+from tserve.gpu._model_runner import resolve_device
 from tserve.gpu._models import (
     DEFAULT_EMBEDDING_MODEL_NAME,
     ProgressCallback,

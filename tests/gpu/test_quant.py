@@ -1,0 +1,118 @@
+"""The quantized products against dequantize-then-``F.linear``, on awkward shapes.
+
+Weights come from the ``gguf`` package's quantizers and its dequantizers are
+the reference: an implementation independent of tserve's. Each kernel runs
+in every variant this CPU has (portable C, and AVX2 where present) on shapes
+where such kernels go wrong: one block, odd row counts, rows that leave a
+partial tile, more rows than a tile or a chunk, odd output counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tserve.gpu._quant import (
+    FORMATS,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    QuantKernels,
+    quant_kernels,
+)
+
+_SHAPES = [(1, 33, 32), (5, 7, 96), (13, 100, 576), (67, 9, 64), (130, 3, 160)]  # (rows, n, k)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> QuantKernels:
+    found = quant_kernels()
+    assert found is not None, "the package is installed, so its kernels are built"
+    return found
+
+
+def _weight(fmt: str, n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A random ``[n, k]`` weight in ``fmt``, and gguf's own dequantization of it."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[fmt]
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((n, k), dtype=np.float32)
+    data = gguf.quants.quantize(values, qtype)
+    reference = gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(n, k)
+    raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(n, -1))
+    return QuantizedWeight(FORMATS[fmt], raw, n, k), torch.from_numpy(reference)
+
+
+def _isas(kernels: QuantKernels) -> list[int]:
+    return sorted({0, kernels.best_isa})
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize(("rows", "n", "k"), _SHAPES)
+def test_every_variant_is_the_product_with_the_dequantized_weight(
+    kernels: QuantKernels, fmt: str, rows: int, n: int, k: int
+) -> None:
+    weight, dense = _weight(fmt, n, k, seed=rows * n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    expected = F.linear(x, dense)
+    for isa in _isas(kernels):
+        out = kernels.linear(x, weight, isa=isa)  # type: ignore[arg-type]
+        # fp32 products: only the order of the sums differs.
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize(("rows", "n", "k"), _SHAPES)
+def test_int8_activations_cost_about_half_a_percent(
+    kernels: QuantKernels, fmt: str, rows: int, n: int, k: int
+) -> None:
+    """llama.cpp's scheme: activations rounded to 8 bits per block of 32."""
+    weight, dense = _weight(fmt, n, k, seed=rows + n * k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+    expected = F.linear(x, dense)
+    outs = [kernels.linear(x, weight, int8=True, isa=isa) for isa in _isas(kernels)]  # type: ignore[arg-type]
+    for out in outs:
+        error = float((out - expected).norm() / expected.norm())
+        assert error < 0.015
+    # Integer sums are exact: every variant gives the same products up to the scaling's rounding.
+    torch.testing.assert_close(outs[0], outs[-1], rtol=1e-5, atol=1e-4)
+
+
+def test_a_batch_of_leading_dimensions_keeps_its_shape(kernels: QuantKernels) -> None:
+    weight, dense = _weight("Q4_1", 10, 64, seed=1)
+    x = torch.randn(2, 3, 64)
+    out = kernels.linear(x, weight)
+    assert out.shape == (2, 3, 10)
+    torch.testing.assert_close(out, F.linear(x, dense), rtol=1e-5, atol=1e-4)
+    assert kernels.linear(torch.empty(0, 64), weight).shape == (0, 10)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dequantized_rows_are_gguf_s_own(kernels: QuantKernels, fmt: str) -> None:
+    weight, dense = _weight(fmt, 40, 96, seed=3)
+    torch.testing.assert_close(kernels.dequantize(weight), dense, rtol=1e-6, atol=1e-6)
+    ids = torch.tensor([[39, 0], [7, 7]])
+    embedding = QuantizedEmbedding(weight, kernels)
+    torch.testing.assert_close(embedding(ids), dense[ids], rtol=1e-6, atol=1e-6)
+
+
+def test_a_tuned_layer_gives_the_same_product_on_either_route(kernels: QuantKernels) -> None:
+    """Many rows may go through an fp32 copy and the BLAS; the product is the same."""
+    weight, dense = _weight("Q4_1", 96, 64, seed=5)
+    layer = QuantizedLinear(weight, kernels)
+    chosen = layer.tune(rows=(2, 8))
+    assert chosen in (None, 1, 2)
+    x = torch.randn(9, 64)
+    for kernel_rows in (None, 0):
+        layer.kernel_rows = kernel_rows
+        torch.testing.assert_close(layer(x), F.linear(x, dense), rtol=1e-5, atol=1e-4)
+
+
+def test_a_weight_of_the_wrong_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="not uint8"):
+        QuantizedWeight(FORMATS["Q4_1"], torch.zeros(4, 19, dtype=torch.uint8), 4, 32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantizedWeight(FORMATS["Q8_0"], torch.zeros(4, 34, dtype=torch.uint8), 4, 40)

@@ -16,7 +16,7 @@ Modules:
   bookkeeping every core shares: aborts, counters, the test-only forward
   fault; the tokenizer files sent to an API process on another host.
 * ``_engine.py`` — :class:`EngineCore`, generation: scheduler + model runner +
-  sampler, one forward pass per step; ``resolve_device``.
+  sampler, one forward pass per step.
 * ``_embed_core.py`` — :class:`EmbedCore`, embeddings: batched encoder passes,
   mean pooling.
 * ``_echo_core.py`` — :class:`EchoCore`, no model: paced tokens echoing the
@@ -27,16 +27,23 @@ Modules:
 * ``_kv.py`` — KV-cache accounting: the paged block allocator (plain Python).
 * ``_sequence.py`` — one record per request and the chunk of work in a step.
 * ``_model_runner.py`` — one forward pass over the scheduled chunks; owns the
-  KV pool; picks the model's forward pass (``model_impl``).
+  KV pool; the one place that decides the device path (``resolve_device``,
+  the glue kernels, decode attention, tuning) and the forward pass
+  (``model_impl``).
 * ``_llama.py`` — :class:`PagedLlama`, tserve's own forward pass for
   Llama-family models (Llama, Mistral, Qwen2): fused products over the loaded
-  weights, the head on sampled rows only.
+  weights, the head on sampled rows only; its glue as :class:`StepOps`.
+* ``_gguf.py`` — a GGUF file as a :class:`PagedLlama` over its tensors in their
+  own formats; its tokenizer.
+* ``_quant.py`` — linear layers and embeddings over quantized (Q8_0, Q4_0,
+  Q4_1) and 16-bit weights, through ``_quant_kernels.c``.
 * ``_attention.py`` — paged attention over the KV pool, plugged into
   transformers.
 * ``_gemm.py`` — CPU linear layers on the library measured fastest.
 * ``_cpu_kernels.py`` — fused fp32 CPU kernels for ``_llama.py`` (residual
-  add + RMSNorm, RoPE + K/V store, paged decode attention), compiled from
-  ``_cpu_kernels.c`` on first use and loaded with ctypes.
+  add + RMSNorm, RoPE + K/V store, paged decode attention); loads the
+  library ``setup.py`` compiles at install from ``_cpu_kernels.c`` and
+  ``_quant_kernels.c`` (ctypes).
 * ``_sampler.py`` — the next token per request from its logits.
 * ``_constraints.py`` — structured outputs: grammars compiled in a worker
   thread (bounded cache), each constrained row's mask, its matcher.

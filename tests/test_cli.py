@@ -68,6 +68,13 @@ def test_prefix_caching_is_on_unless_the_flag_or_the_environment_says_no(
     assert parse_args([]).no_prefix_caching is True
 
 
+def test_dequantize_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_args([]).dequantize is False
+    assert parse_args(["serve", "--dequantize"]).dequantize is True
+    monkeypatch.setenv("TSERVE_DEQUANTIZE", "1")
+    assert parse_args([]).dequantize is True
+
+
 def test_model_impl_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_args([]).model_impl == "auto"
     assert parse_args(["serve", "--model-impl", "hf"]).model_impl == "hf"

@@ -1,0 +1,159 @@
+"""Prefill and decode tokens per second on a GGUF file: tserve's engine beside llama.cpp's.
+
+Run: ``python -m benchmarks.gguf_engine [--gguf PATH] [--prompt 64] [--gen 32]
+[--threads 1] [--repeats 3] [--llama-bench PATH]``
+
+The measurements of ``llama-bench -p P -n G -t T``, on the same file, in
+one process per side, alternating sides within each repeat (a shared
+machine drifts; alternation shares the drift), the best of ``--repeats``
+each:
+
+* prefill: one request of ``--prompt`` random tokens (prefix caching off),
+  the time of the engine steps until its first token (one step while the
+  prompt fits ``--batch-tokens``);
+* decode: the same request's next ``--gen`` tokens, each one step of one
+  sequence, from the first token to the last.
+
+Sides: ``native`` (the file as it is: tserve's quantized kernels),
+``dequantized`` (the same file converted once to fp32, ``--dequantize``;
+``--no-dequantized`` leaves it out), and, with ``--llama-bench``, llama.cpp's
+``llama-bench`` (``-r 1 -o json``, its ``avg_ts``). Prints a table and the
+ratios, writes JSON under ``results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._results import result_stem, write_json
+from tserve.gpu._engine import EngineCore
+from tserve.gpu._models import default_gguf
+from tserve.protocol import AddRequest, EngineConfig, SamplingParams
+
+
+def _core(gguf: Path, threads: int, batch_tokens: int, *, dequantize: bool) -> EngineCore:
+    config = EngineConfig(
+        model=str(gguf),
+        device="cpu",
+        dtype="float32",
+        threads=threads,
+        max_num_seqs=1,
+        max_num_batched_tokens=batch_tokens,
+        kv_cache_tokens=4096,
+        enable_prefix_caching=False,
+        dequantize=dequantize,
+    )
+    return EngineCore(config, progress=lambda line: print(f"  {line}"))
+
+
+def _measure(core: EngineCore, prompt: list[int], gen: int, tag: str) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of one request on an idle core."""
+    params = SamplingParams(max_tokens=gen + 1, temperature=0.0, ignore_eos=True)
+    core.add(AddRequest(tag, prompt, params), b"bench")
+    tokens = 0
+    start = time.perf_counter()
+    first = end = start
+    while core.has_work:
+        for _, out in core.step():
+            if out.token_ids and tokens == 0:
+                first = time.perf_counter()
+            tokens += len(out.token_ids)
+        end = time.perf_counter()
+    assert tokens == gen + 1, f"{tag}: {tokens} tokens"
+    return len(prompt) / (first - start), gen / (end - first)
+
+
+def _llama_bench(
+    binary: str, gguf: Path, prompt: int, gen: int, threads: int
+) -> tuple[float, float]:
+    command = [binary, "-m", str(gguf), "-p", str(prompt), "-n", str(gen)]
+    command += ["-t", str(threads), "-r", "1", "-o", "json"]
+    result = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    runs = json.loads(result.stdout)
+    rates = {("pp" if run["n_prompt"] else "tg"): float(run["avg_ts"]) for run in runs}
+    return rates["pp"], rates["tg"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gguf_engine", description=__doc__)
+    parser.add_argument("--gguf", type=Path, default=None, help="default: the bundled SmolLM2")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--gen", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-tokens", type=int, default=512)
+    parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
+    parser.add_argument("--no-dequantized", action="store_true")
+    args = parser.parse_args()
+
+    gguf = (args.gguf or default_gguf()).resolve()
+    print(f"{gguf.name}, {args.threads} thread(s), -p {args.prompt} -n {args.gen}")
+    cores = {"native": _core(gguf, args.threads, args.batch_tokens, dequantize=False)}
+    if not args.no_dequantized:
+        cores["dequantized"] = _core(gguf, args.threads, args.batch_tokens, dequantize=True)
+    vocab = cores["native"].vocab_size
+    rng = random.Random(0)
+    best: dict[str, list[float]] = {}
+    runs: list[dict[str, Any]] = []
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for side, core in cores.items():
+            prompt = [rng.randrange(vocab) for _ in range(args.prompt)]
+            rates = _measure(core, prompt, args.gen, f"{side}-{repeat}")
+            if repeat:
+                runs.append(
+                    {"side": side, "repeat": repeat, "prefill": rates[0], "decode": rates[1]}
+                )
+                old = best.get(side, [0.0, 0.0])
+                best[side] = [max(old[0], rates[0]), max(old[1], rates[1])]
+        if args.llama_bench and repeat:
+            rates = _llama_bench(args.llama_bench, gguf, args.prompt, args.gen, args.threads)
+            runs.append(
+                {"side": "llama.cpp", "repeat": repeat, "prefill": rates[0], "decode": rates[1]}
+            )
+            old = best.get("llama.cpp", [0.0, 0.0])
+            best["llama.cpp"] = [max(old[0], rates[0]), max(old[1], rates[1])]
+        print(
+            f"  round {repeat}: " + ", ".join(f"{r['side']} {r['decode']:.1f}" for r in runs[-3:])
+        )
+
+    print(f"{'side':>12} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    for side, (prefill, decode) in best.items():
+        print(f"{side:>12} {prefill:>14.1f} {decode:>13.1f}")
+    ratios: dict[str, dict[str, float]] = {}
+    for other in ("dequantized", "llama.cpp"):
+        if other in best:
+            ratios[f"native/{other}"] = {
+                "prefill": best["native"][0] / best[other][0],
+                "decode": best["native"][1] / best[other][1],
+            }
+            print(
+                f"native / {other}: prefill {ratios[f'native/{other}']['prefill']:.2f}, "
+                f"decode {ratios[f'native/{other}']['decode']:.2f}"
+            )
+    meta = {
+        "gguf": str(gguf),
+        "prompt": args.prompt,
+        "gen": args.gen,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "llama_bench": args.llama_bench,
+        "machine": platform.processor() or platform.machine(),
+        "load_average": os.getloadavg(),
+    }
+    path = write_json(
+        result_stem("gguf_engine"), {"meta": meta, "best": best, "ratios": ratios, "runs": runs}
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

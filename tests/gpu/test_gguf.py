@@ -160,3 +160,25 @@ def test_the_default_model_runs_quantized_and_knows_paris(tmp_path: Path) -> Non
         tokens.append(answer[-1])
     assert tokenizer.decode(answer).startswith("The capital of France is Paris")
     assert default_cache_root() != tmp_path  # nothing written outside the test's directory
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_engine_process_of_the_installed_package_serves_a_quantized_file(
+    smollm2_tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Q4_1 weights load only through the compiled kernels: the engine process
+    (a fresh interpreter) finds them, and answers as the in-process core does."""
+    import anyio
+
+    from tserve.nursery import open_llm
+
+    path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
+    prompt = [(i * 13) % 512 for i in range(9)]
+    expected = _greedy(small_core(path, cache_dir=str(tmp_path)), prompt, 8)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with anyio.fail_after(300):
+        async with open_llm(path, log_level="WARNING", cache_dir=str(tmp_path)) as llm:
+            assert llm.ready.model == "tiny.gguf"
+            assert llm.ready.model_path == str(path.parent.resolve())
+            assert (await llm.complete(prompt, params)).token_ids == expected

@@ -295,11 +295,12 @@ def test_killing_the_parent_makes_the_engine_exit(
 
 
 def test_killing_the_parent_while_the_model_loads_stops_the_load(tmp_path: Path) -> None:
-    """The first start converts the default model (many seconds); the API process
-    dies meanwhile. The engine stops converting, leaves no half-written model
-    behind, and exits, instead of finishing the load for nobody."""
+    """The first start with ``dequantize`` converts the default model to fp32 (many
+    seconds); the API process dies meanwhile. The engine stops converting, leaves
+    no half-written model behind, and exits, instead of finishing the load for nobody."""
     cache = tmp_path / "cache"
-    config = _config(Path("default"), cache_dir=str(cache))  # "default": SmolLM2
+    # "default": SmolLM2's GGUF, which only the dequantize path converts.
+    config = _config(Path("default"), cache_dir=str(cache), dequantize=True)
     engine = _Orphanable(f"ipc://{tmp_path}/engine.sock", config)
     try:
         deadline = time.monotonic() + HANG_GUARD

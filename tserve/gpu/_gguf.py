@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -37,7 +35,7 @@ import numpy as np
 import torch
 
 from tserve.gpu._llama import LayerWeights, PagedLlama, rope_table
-from tserve.gpu._models import ModelLoadError, ProgressCallback
+from tserve.gpu._models import ModelLoadError, ProgressCallback, publish_dir, staging_dir
 from tserve.gpu._quant import (
     FORMATS,
     QuantizedEmbedding,
@@ -317,19 +315,11 @@ def tokenizer_dir(path: Path, cache_dir: Path, progress: ProgressCallback) -> Pa
     from transformers import AutoTokenizer, GenerationConfig
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
+    with staging_dir(target.parent) as staging:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer.save_pretrained(staging)
         eos = tokenizer.eos_token_id
         if eos is not None:
             GenerationConfig(eos_token_id=eos).save_pretrained(staging)  # type: ignore[no-untyped-call]
-        (staging / _TOKENIZER_COMPLETE).write_text(f"{path}\n")
-        if target.exists():  # an incomplete leftover, or a concurrent converter won
-            if (target / _TOKENIZER_COMPLETE).is_file():
-                return target
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        publish_dir(staging, target, _TOKENIZER_COMPLETE, f"{path}\n")
     return target

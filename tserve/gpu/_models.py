@@ -182,14 +182,9 @@ def converted_gguf_dir(
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     report(f"converting {gguf.name} into {target} (once)")
-    with _staging_dir(target.parent) as staging:
+    with staging_dir(target.parent) as staging:
         _convert_gguf(gguf, staging, report)
-        (staging / _COMPLETE_MARKER).write_text(f"{gguf}\n")
-        if target.exists():  # an incomplete leftover, or a concurrent converter won
-            if (target / _COMPLETE_MARKER).is_file():
-                return target
-            shutil.rmtree(target)
-        staging.rename(target)
+        publish_dir(staging, target, _COMPLETE_MARKER, f"{gguf}\n")
     report(f"converted model ready in {target}")
     return target
 
@@ -213,13 +208,25 @@ def default_gguf() -> Path:
 
 
 @contextlib.contextmanager
-def _staging_dir(parent: Path) -> Iterator[Path]:
+def staging_dir(parent: Path) -> Iterator[Path]:
     """A fresh directory under ``parent``; removed on exit unless renamed away."""
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=parent))
     try:
         yield staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish_dir(staging: Path, target: Path, marker: str, contents: str) -> None:
+    """Mark ``staging`` complete (``marker`` holding ``contents``) and rename it to
+    ``target``, unless a complete ``target`` is already there (a concurrent
+    converter won); an incomplete leftover ``target`` is replaced."""
+    (staging / marker).write_text(contents)
+    if target.exists():
+        if (target / marker).is_file():
+            return
+        shutil.rmtree(target)
+    staging.rename(target)
 
 
 def _convert_gguf(gguf: Path, out: Path, report: ProgressCallback) -> None:

@@ -311,3 +311,28 @@ def test_the_compiled_grammar_cache_is_bounded(tiny_model_dir: Path) -> None:
     )
     assert list(compiler._cache) == [texts[2], texts[0]]
     compiler.close()
+
+
+def test_prefix_cache_hits_and_chunked_prefill_keep_grammars_in_step(
+    tiny_model_dir: Path,
+) -> None:
+    """A constrained request whose prompt is served from the prefix cache, or
+    prefilled in chunks of a small budget, writes the same valid output as one
+    prefilled whole with the cache off (greedy, same prompt)."""
+    prompt = [(7 * i + 3) % 250 + 5 for i in range(70)]  # 4 full blocks of 16, then a tail
+    constraint = JsonSchema(SCHEMA)
+
+    def request(request_id: str) -> AddRequest:
+        params = SamplingParams(constraint=constraint, max_tokens=150, temperature=0.0)
+        return AddRequest(request_id, prompt, params)
+
+    whole_core = small_core(tiny_model_dir, enable_prefix_caching=False, max_num_batched_tokens=256)
+    whole = _drive(whole_core, {0: [request("whole")]})
+    reference = _assert_valid(whole_core, whole, "whole", constraint)
+
+    cached_core = small_core(tiny_model_dir, enable_prefix_caching=True, max_num_batched_tokens=16)
+    run = _drive(cached_core, {0: [request("first")], 40: [request("second")]})
+    assert cached_core.stats().prefix_cache_hits >= 64, "the second prompt was not cached"
+    for request_id in ("first", "second"):
+        assert _assert_valid(cached_core, run, request_id, constraint) == reference
+    _idle(cached_core)

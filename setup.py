@@ -11,7 +11,11 @@ setup(
     ext_modules=[
         Extension(
             "tserve.gpu._kernels",
-            sources=["tserve/gpu/_cpu_kernels.c", "tserve/gpu/_quant_kernels.c"],
+            sources=[
+                "tserve/gpu/_cpu_kernels.c",
+                "tserve/gpu/_quant_kernels.c",
+                "tserve/gpu/_kquant_kernels.c",
+            ],
             extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math"],
             libraries=["m"],
         )

@@ -4,16 +4,20 @@
 package's writer and quantizers: llama metadata, tensors under GGUF names,
 Q and K rows permuted into interleaved-pair RoPE order (the converter's
 ``LlamaModel.permute``), 2-D weights in the format asked for and norms in
-F32, and the directory's tokenizer files copied beside the file.
+F32, and the directory's tokenizer files copied beside the file. K-quants,
+which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tests.gpu import kquant_blocks
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -92,6 +96,8 @@ def write_gguf(
             writer.add_tensor(name, weight.astype(np.float32))
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, weight.astype(np.float16))
+        elif kind in kquant_blocks.FORMATS:
+            writer.add_tensor(name, kquant_blocks.quantize(weight, kind), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -101,4 +107,34 @@ def write_gguf(
     for name in _TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out.parent / name)
+    return out
+
+
+def build_wide_model(tokenizer_dir: Path, out: Path) -> Path:
+    """A tiny random Llama whose every weight row is whole K-quant super-blocks
+    (hidden size 256, MLP 512, untied head), with ``tokenizer_dir``'s tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = json.loads((tokenizer_dir / "config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=tokenizer["vocab_size"],
+        hidden_size=kquant_blocks.SUPER,
+        intermediate_size=2 * kquant_blocks.SUPER,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer["eos_token_id"],
+        pad_token_id=tokenizer["pad_token_id"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    for name in _TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
     return out

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.gpu.cores import small_core
-from tests.gpu.gguf_files import write_gguf
+from tests.gpu.gguf_files import build_wide_model, write_gguf
 from tserve.gpu._gguf import _Concat as Concat
 from tserve.gpu._gguf import load_gguf
 from tserve.gpu._llama import PagedLlama
@@ -93,6 +93,50 @@ def test_layers_of_mixed_formats_and_an_untied_head(tiny_model_dir: Path, tmp_pa
     with torch.inference_mode():
         expected = _reference(path)(torch.tensor([prompt])).logits[0, 6:]
     torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_wide_model(tiny_model_dir, tmp_path_factory.mktemp("wide-model"))
+
+
+_Q4_K_M: dict[str, str] = {
+    "token_embd.weight": "Q4_K",
+    "output.weight": "Q6_K",
+    "blk.0.attn_v.weight": "Q6_K",
+    "blk.0.ffn_down.weight": "Q6_K",
+    "blk.1.attn_output.weight": "Q5_K",
+    "blk.1.ffn_up.weight": "Q5_K",
+}
+"""llama.cpp's Q4_K_M mix in small: Q4_K, with Q6_K for the head and some V and
+down weights (and here a few Q5_K)."""
+
+
+def test_a_k_quant_gguf_runs_in_its_formats_with_the_logits_of_its_fp32_conversion(
+    wide_model_dir: Path, tmp_path: Path
+) -> None:
+    path = write_gguf(wide_model_dir, tmp_path / "gguf" / "wide.gguf", "Q4_K", formats=_Q4_K_M)
+    loaded = _load(path, tmp_path)
+    assert loaded.formats == {"F32": 5, "Q4_K": 11, "Q5_K": 2, "Q6_K": 3}
+    assert isinstance(loaded.model.layers[0].qkv, Concat)  # V is Q6_K beside Q4_K Q and K
+    assert isinstance(loaded.model.embed, QuantizedEmbedding)
+    runner = ModelRunner(loaded.model, num_blocks=16, block_size=4)
+    prompt = [(i * 29) % 512 for i in range(22)]
+    ours = _logits(runner, prompt, split=11)
+    with torch.inference_mode():
+        expected = _reference(path)(torch.tensor([prompt])).logits[0, 10:]
+    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def test_the_engine_serves_a_k_quant_file_as_its_fp32_conversion_would(
+    wide_model_dir: Path, tmp_path: Path
+) -> None:
+    path = write_gguf(wide_model_dir, tmp_path / "gguf" / "wide.gguf", "Q4_K", formats=_Q4_K_M)
+    native = small_core(path, cache_dir=str(tmp_path / "cache"))
+    converted = small_core(path, cache_dir=str(tmp_path / "cache"), dequantize=True)
+    prompt = [(i * 17) % 512 for i in range(9)]
+    assert _greedy(native, prompt, 12) == _greedy(converted, prompt, 12)
 
 
 def test_a_format_without_a_kernel_is_an_error_naming_the_tensor(

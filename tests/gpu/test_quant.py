@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from tserve.gpu._quant import (
     FORMATS,
+    K_FORMATS,
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
@@ -23,6 +24,8 @@ from tserve.gpu._quant import (
     quant_kernels,
 )
 
+_GGUF_QUANTIZED = [name for name, fmt in FORMATS.items() if fmt not in K_FORMATS]
+"""The formats gguf quantizes (K-quants: test_kquant.py)."""
 _SHAPES = [(1, 33, 32), (5, 7, 96), (13, 100, 576), (67, 9, 64), (130, 3, 160)]  # (rows, n, k)
 
 
@@ -50,7 +53,7 @@ def _isas(kernels: QuantKernels) -> list[int]:
     return sorted({0, kernels.best_isa})
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", _GGUF_QUANTIZED)
 @pytest.mark.parametrize(("rows", "n", "k"), _SHAPES)
 def test_every_variant_is_the_product_with_the_dequantized_weight(
     kernels: QuantKernels, fmt: str, rows: int, n: int, k: int
@@ -90,7 +93,7 @@ def test_a_batch_of_leading_dimensions_keeps_its_shape(kernels: QuantKernels) ->
     assert kernels.linear(torch.empty(0, 64), weight).shape == (0, 10)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", _GGUF_QUANTIZED)
 def test_dequantized_rows_are_gguf_s_own(kernels: QuantKernels, fmt: str) -> None:
     weight, dense = _weight(fmt, 40, 96, seed=3)
     torch.testing.assert_close(kernels.dequantize(weight), dense, rtol=1e-6, atol=1e-6)

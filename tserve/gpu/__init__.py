@@ -36,14 +36,15 @@ Modules:
 * ``_gguf.py`` — a GGUF file as a :class:`PagedLlama` over its tensors in their
   own formats; its tokenizer.
 * ``_quant.py`` — linear layers and embeddings over quantized (Q8_0, Q4_0,
-  Q4_1) and 16-bit weights, through ``_quant_kernels.c``.
+  Q4_1; K-quants Q4_K, Q5_K, Q6_K) and 16-bit weights, through
+  ``_quant_kernels.c`` and ``_kquant_kernels.c``.
 * ``_attention.py`` — paged attention over the KV pool, plugged into
   transformers.
 * ``_gemm.py`` — CPU linear layers on the library measured fastest.
 * ``_cpu_kernels.py`` — fused fp32 CPU kernels for ``_llama.py`` (residual
   add + RMSNorm, RoPE + K/V store, paged decode attention); loads the
-  library ``setup.py`` compiles at install from ``_cpu_kernels.c`` and
-  ``_quant_kernels.c`` (ctypes).
+  library ``setup.py`` compiles at install from ``_cpu_kernels.c``,
+  ``_quant_kernels.c`` and ``_kquant_kernels.c`` (ctypes).
 * ``_sampler.py`` — the next token per request from its logits.
 * ``_constraints.py`` — structured outputs: grammars compiled in a worker
   thread (bounded cache), each constrained row's mask, its matcher.

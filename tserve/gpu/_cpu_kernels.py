@@ -15,7 +15,7 @@ stubbed out, that glue cost 6 ms of a 1-sequence step and 35 ms of a
   where they lie in the paged pool (no gather), softmax included.
 
 The C sources (this file's ``_cpu_kernels.c`` and the quantized products'
-``_quant_kernels.c``) are compiled into one shared library, ``_kernels``,
+``_quant_kernels.c`` and ``_kquant_kernels.c``) are compiled into one shared library, ``_kernels``,
 when the package is installed (``setup.py``; an editable install builds it
 in place), and loaded with ctypes: no torch headers, no Python extension
 ABI, no compiler on the serving machine. The library is built for any

@@ -5,7 +5,8 @@ nothing is written back) and builds a :class:`~tserve.gpu._llama.PagedLlama`
 over its tensors:
 
 * weights in a format :mod:`tserve.gpu._quant` multiplies by (``Q8_0``,
-  ``Q4_0``, ``Q4_1``, ``F16``, ``BF16``) stay in it; ``F32`` ones become plain
+  ``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``, ``F16``, ``BF16``) stay
+  in it; ``F32`` ones become plain
   fp32 layers. Q, K and V are joined into one weight, and gate and up, by
   copying their rows once (llama.cpp's converter stores Q and K rows in
   interleaved-pair RoPE order; the copy puts them back in the rotate-half

@@ -2,10 +2,12 @@
 
 A weight stays as the GGUF file lays it out: one row per output feature,
 each row a run of blocks (``Q8_0``, ``Q4_0``, ``Q4_1``: 32 weights each, a
-fp16 scale, and for ``Q4_1`` a fp16 offset) or of 16-bit floats (``F16``,
-``BF16``). ``_quant_kernels.c`` multiplies by it directly; every weight row
-is read once per product whatever the number of rows (decode rows and
-prefill chunks alike).
+fp16 scale, and for ``Q4_1`` a fp16 offset), of K-quant super-blocks
+(``Q4_K``, ``Q5_K``, ``Q6_K``: 256 weights each, 4.5, 5.5 and 6.56 bits a
+weight with their scales) or of 16-bit floats (``F16``, ``BF16``).
+``_quant_kernels.c`` (and ``_kquant_kernels.c`` for the K-quants) multiplies
+by it directly; every weight row is read once per product whatever the
+number of rows (decode rows and prefill chunks alike).
 
 **Activations** stay fp32: each block of weights is dequantized in
 registers once per tile of up to 4 activation rows and multiplied in fp32,
@@ -17,7 +19,7 @@ activations quantized to 8 bits per block of 32 and integer dot products
 by about 0.5 % (relative, measured on SmolLM2's layers), which flips
 near-ties: SmolLM2 answers "What is the capital of France?" greedily with
 "The capital of France is Paris." in fp32 and with "L'Étoile, ..." in int8,
-its two top logits being 0.06 apart.
+its two top logits being 0.06 apart. K-quants take fp32 activations only.
 
 **Instructions.** AVX2 + FMA + F16C where the CPU has them (chosen at run
 time), else portable C, said once in the log. ``F32`` weights are no
@@ -47,6 +49,7 @@ from tserve.gpu._cpu_kernels import kernel_library
 __all__ = [
     "BLOCK_FORMATS",
     "FORMATS",
+    "K_FORMATS",
     "QuantKernels",
     "QuantizedEmbedding",
     "QuantizedLinear",
@@ -63,12 +66,27 @@ F16: Final = 1
 Q4_0: Final = 2
 Q4_1: Final = 3
 Q8_0: Final = 8
+Q4_K: Final = 12
+Q5_K: Final = 13
+Q6_K: Final = 14
 BF16: Final = 30
-FORMATS: Final = {"F16": F16, "BF16": BF16, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+FORMATS: Final = {
+    "F16": F16,
+    "BF16": BF16,
+    "Q4_0": Q4_0,
+    "Q4_1": Q4_1,
+    "Q8_0": Q8_0,
+    "Q4_K": Q4_K,
+    "Q5_K": Q5_K,
+    "Q6_K": Q6_K,
+}
 """The formats the kernels multiply by, by GGUF name."""
 BLOCK_FORMATS: Final = frozenset({Q4_0, Q4_1, Q8_0})
+K_FORMATS: Final = frozenset({Q4_K, Q5_K, Q6_K})
+"""Super-blocks of 256 weights (``_kquant_kernels.c``)."""
 _BLOCK: Final = 32
-_BLOCK_BYTES: Final = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+_BLOCK_BYTES: Final = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+_BLOCK_VALUES: Final = {Q4_0: _BLOCK, Q4_1: _BLOCK, Q8_0: _BLOCK, Q4_K: 256, Q5_K: 256, Q6_K: 256}
 _ISA_NAMES: Final = ("portable C", "AVX2 + FMA + F16C")
 
 Isa = Literal[0, 1]
@@ -77,8 +95,8 @@ Isa = Literal[0, 1]
 
 def row_bytes(fmt: int, k: int) -> int:
     """Bytes of one weight row of ``k`` values in ``fmt``."""
-    if fmt in BLOCK_FORMATS:
-        return k // _BLOCK * _BLOCK_BYTES[fmt]
+    if fmt in _BLOCK_VALUES:
+        return k // _BLOCK_VALUES[fmt] * _BLOCK_BYTES[fmt]
     return 2 * k
 
 
@@ -86,7 +104,8 @@ def row_bytes(fmt: int, k: int) -> int:
 class QuantizedWeight:
     """A ``[out_features, in_features]`` weight in ``fmt``: ``data [out, row_bytes]`` uint8.
 
-    For a block format ``in_features`` is a multiple of 32 (GGUF's own rule).
+    For a block format ``in_features`` is a multiple of its block (32; a
+    K-quant's 256): GGUF's own rule.
     """
 
     fmt: int
@@ -98,8 +117,9 @@ class QuantizedWeight:
         expected = (self.out_features, row_bytes(self.fmt, self.in_features))
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
             raise ValueError(f"weight data {tuple(self.data.shape)} is not uint8 {expected}")
-        if self.fmt in BLOCK_FORMATS and self.in_features % _BLOCK:
-            raise ValueError(f"in_features {self.in_features} is not a multiple of {_BLOCK}")
+        block = _BLOCK_VALUES.get(self.fmt, 1)
+        if self.in_features % block:
+            raise ValueError(f"in_features {self.in_features} is not a multiple of {block}")
 
 
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -123,6 +143,12 @@ class QuantKernels:
             library.tserve_qlinear, _INT, _INT, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr
         )
         self._dequantize = _declare(library.tserve_dequantize, _INT, ptr, i64, ptr, i64, ptr)
+        self._klinear = _declare(
+            library.tserve_kqlinear, _INT, _INT, ptr, i64, i64, i64, i64, ptr, i64, ptr
+        )
+        self._kdequantize = _declare(
+            library.tserve_kdequantize, _INT, _INT, ptr, i64, ptr, i64, ptr
+        )
 
     def linear(
         self,
@@ -135,13 +161,18 @@ class QuantKernels:
         """``x [..., in] @ W.T``: a new fp32 ``[..., out]``. Blocks for the product.
 
         ``int8`` (block formats): activations quantized to 8 bits per block and
-        integer products; else fp32 against the weights dequantized in registers.
+        integer products; else (and for K-quants) fp32 against the weights
+        dequantized in registers.
         """
         k, n = weight.in_features, weight.out_features
         rows = x.reshape(-1, k).contiguous()
         m = rows.shape[0]
         out = torch.empty(m, n)
-        if m:
+        chosen = self.best_isa if isa is None else isa
+        if m and weight.fmt in K_FORMATS:
+            data = weight.data.data_ptr()
+            self._klinear(chosen, weight.fmt, data, n, 0, n, k, rows.data_ptr(), m, out.data_ptr())
+        elif m:
             xd = xs = None
             operand = rows
             if int8 and weight.fmt in BLOCK_FORMATS:
@@ -150,7 +181,7 @@ class QuantKernels:
                 pointers = (operand.data_ptr(), xd.data_ptr(), xs.data_ptr())
                 self._quantize(rows.data_ptr(), m, k, *pointers)
             self._linear(
-                self.best_isa if isa is None else isa,
+                chosen,
                 weight.fmt,
                 weight.data.data_ptr(),
                 n,
@@ -165,19 +196,24 @@ class QuantKernels:
             )
         return out.view(*x.shape[:-1], n)
 
-    def dequantize(self, weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(
+        self, weight: QuantizedWeight, rows: torch.Tensor | None = None, *, isa: Isa | None = None
+    ) -> torch.Tensor:
         """The fp32 rows ``rows`` (int64 ``[r]``; all when None) of the weight: ``[r, in]``."""
         count = weight.out_features if rows is None else rows.numel()
         out = torch.empty(count, weight.in_features)
         index = None if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
-        self._dequantize(
-            weight.fmt,
+        where = (
             weight.data.data_ptr(),
             weight.in_features,
             0 if index is None else index.data_ptr(),
             count,
             out.data_ptr(),
         )
+        if weight.fmt in K_FORMATS:
+            self._kdequantize(self.best_isa if isa is None else isa, weight.fmt, *where)
+        else:
+            self._dequantize(weight.fmt, *where)
         return out
 
 

@@ -1,0 +1,336 @@
+/* Linear layers over GGUF's K-quant weights as they lie in the file (tserve/gpu/_quant.py).
+ *
+ * y[M, N] = x[M, K] W^T with W stored row by row (one output feature per
+ * row) in Q4_K, Q5_K or Q6_K: super-blocks of 256 weights along K, laid out
+ * as ggml lays them (block_q4_K, block_q5_K, block_q6_K in ggml-common.h):
+ *
+ *   Q4_K (144 bytes): d, dmin (fp16); 12 bytes of 6-bit scales and mins for
+ *        8 groups of 32; 128 bytes of nibbles, 32 bytes per pair of groups
+ *        (low nibbles: the even group, high: the odd). w = d*sc*q - dmin*m.
+ *   Q5_K (176 bytes): as Q4_K, with 32 bytes of fifth bits before the
+ *        nibbles (bit g of byte l: element l of group g).
+ *   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
+ *        int8 scales (one per 16 weights), d (fp16) last. w = d*sc*(q - 32).
+ *
+ * Every row of W is read once per call whatever M is: one W row (at most a
+ * few KiB) stays in L1 while tiles of up to TILE_ROWS rows of x run over it
+ * in turn, CHUNK_ROWS rows of x at a time.
+ *
+ * Activations are fp32 against weights dequantized in registers: each group
+ * of 32 weights is widened to fp32 once per tile of x rows, so the products
+ * are fp32 ones, equal to dequantize-then-matmul up to summation order.
+ *
+ * Each kernel has a portable C version and an AVX2 + FMA + F16C one; the
+ * caller picks by `isa` (tserve_quant_isa() in _quant_kernels.c says what
+ * this CPU runs; the codes are the same). Single-threaded; columns [n0, n1)
+ * only, so callers may split N. Format codes are GGML's type ids.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define Q4_K 12
+#define Q5_K 13
+#define Q6_K 14
+#define QK 256 /* weights per super-block */
+#define GROUPS 8 /* groups of 32 per super-block */
+#define TILE_ROWS 4
+#define CHUNK_ROWS 64 /* rows of x kept hot per pass over W */
+
+#define ISA_AVX2 1
+
+static int64_t super_bytes(int fmt) {
+    switch (fmt) {
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        float f = (float)mant * (1.0f / 16777216.0f); /* subnormal (or zero): mant * 2^-24 */
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Q4_K / Q5_K: group g's scale and min, as fp32 (d * sc, dmin * m); ggml's get_scale_min_k4. */
+static void scale_min(const uint8_t *blk, float scale[GROUPS], float min[GROUPS]) {
+    float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
+    const uint8_t *q = blk + 4;
+    for (int g = 0; g < GROUPS; g++) {
+        int sc, m;
+        if (g < 4) {
+            sc = q[g] & 63, m = q[g + 4] & 63;
+        } else {
+            sc = (q[g + 4] & 0x0f) | ((q[g - 4] >> 6) << 4);
+            m = (q[g + 4] >> 4) | ((q[g] >> 6) << 4);
+        }
+        scale[g] = d * (float)sc, min[g] = dmin * (float)m;
+    }
+}
+
+/* One super-block as 256 fp32 weights, in the order ggml's dequantize_row_* writes them. */
+static void super_floats(int fmt, const uint8_t *blk, float *out) {
+    if (fmt == Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        float d = half_to_float(load_u16(blk + 208));
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, out += 128)
+            for (int l = 0; l < 32; l++) {
+                int s = l / 16;
+                out[l] = d * (float)sc[s] *
+                         (float)(((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                out[l + 32] = d * (float)sc[s + 2] *
+                              (float)(((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                out[l + 64] = d * (float)sc[s + 4] *
+                              (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                out[l + 96] = d * (float)sc[s + 6] *
+                              (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        return;
+    }
+    float scale[GROUPS], min[GROUPS];
+    scale_min(blk, scale, min);
+    const uint8_t *qh = blk + 16, *qs = blk + (fmt == Q5_K ? 48 : 16);
+    for (int g = 0; g < GROUPS; g++) {
+        const uint8_t *pair = qs + 32 * (g / 2);
+        int shift = 4 * (g & 1);
+        for (int l = 0; l < 32; l++) {
+            int q = (pair[l] >> shift) & 0x0f;
+            if (fmt == Q5_K) q |= ((qh[l] >> g) & 1) << 4;
+            out[32 * g + l] = scale[g] * (float)q - min[g];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ portable */
+
+/* One W row against `rows` fp32 rows of x: each super-block dequantized once. */
+static void row_portable(int fmt, const uint8_t *wrow, int64_t k, int rows, const float *x,
+                         float *y, int64_t y_stride) {
+    int64_t nb = k / QK, unit = super_bytes(fmt);
+    float w[QK], total[TILE_ROWS] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        super_floats(fmt, wrow + b * unit, w);
+        for (int r = 0; r < rows; r++) {
+            const float *xb = x + r * k + b * QK;
+            float sum = 0.0f;
+            for (int j = 0; j < QK; j++) sum += w[j] * xb[j];
+            total[r] += sum;
+        }
+    }
+    for (int r = 0; r < rows; r++) y[r * y_stride] = total[r];
+}
+
+typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, float *, int64_t);
+
+/* ------------------------------------------------------------------ AVX2 */
+#if defined(__x86_64__)
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+
+AVX2 INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 bytes -> 4 x 8 floats (unsigned, or signed with `is_signed`). */
+AVX2 INLINE void bytes_floats(__m256i v, int is_signed, __m256i out[4]) {
+    __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++)
+        out[i] = is_signed ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
+}
+
+/* The 32 quants of group g (0..7) of a super-block as bytes: 0..31 unsigned
+ * (Q4_K, Q5_K) or q - 32 signed (Q6_K). */
+AVX2 INLINE __m256i group_quants(int fmt, const uint8_t *blk, int g) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    if (fmt == Q6_K) {
+        int half = g / 4, within = g % 4;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32 * (within & 1)));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
+        ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (within >> 1))), low);
+        qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * within)),
+                              _mm256_set1_epi8(3));
+        __m256i q = _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
+        return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+    }
+    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16) + 32 * (g / 2);
+    __m256i raw = _mm256_loadu_si256((const __m256i *)qs);
+    __m256i q = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(4 * (g & 1))), low);
+    if (fmt == Q5_K) {
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g)),
+                                       _mm256_set1_epi8(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+    }
+    return q;
+}
+
+/* Group g of a super-block as 4 x 8 fp32 weights (dequantized in registers).
+ * `scale`, `min`: Q4_K/Q5_K's per-group ones (scale_min); Q6_K reads its own. */
+AVX2 INLINE void group_floats(int fmt, const uint8_t *blk, int g, const float *scale,
+                              const float *min, __m256 w[4]) {
+    __m256i q[4];
+    bytes_floats(group_quants(fmt, blk, g), fmt == Q6_K, q);
+    if (fmt == Q6_K) {
+        const int8_t *sc = (const int8_t *)(blk + 192) + 2 * g;
+        float d = _cvtsh_ss(load_u16(blk + 208));
+        __m256 first = _mm256_set1_ps(d * (float)sc[0]), second = _mm256_set1_ps(d * (float)sc[1]);
+        w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[0]), first);
+        w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[1]), first);
+        w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[2]), second);
+        w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[3]), second);
+        return;
+    }
+    __m256 s = _mm256_set1_ps(scale[g]), m = _mm256_set1_ps(-min[g]);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), s, m);
+}
+
+/* One W row against `rows` fp32 rows: ACC accumulators per row (4 for one
+ * row, so the FMAs of a group do not wait on each other). */
+AVX2 INLINE void tile_avx2(int fmt, const uint8_t *wrow, int64_t k, int rows, const float *x,
+                           float *y, int64_t y_stride) {
+    enum { ACC = 4 };
+    int64_t nb = k / QK, unit = super_bytes(fmt);
+    int acc_n = rows == 1 ? 4 : 2;
+    __m256 acc[TILE_ROWS][ACC];
+    for (int r = 0; r < rows; r++)
+        for (int a = 0; a < ACC; a++) acc[r][a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wrow + b * unit;
+        float scale[GROUPS], min[GROUPS];
+        if (fmt != Q6_K) scale_min(blk, scale, min);
+        for (int g = 0; g < GROUPS; g++) {
+            __m256 w[4];
+            group_floats(fmt, blk, g, scale, min, w);
+            for (int r = 0; r < rows; r++) {
+                const float *xg = x + r * k + b * QK + 32 * g;
+                for (int i = 0; i < 4; i++)
+                    acc[r][i % acc_n] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xg + 8 * i),
+                                                        acc[r][i % acc_n]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m256 sum = acc[r][0];
+        for (int a = 1; a < acc_n; a++) sum = _mm256_add_ps(sum, acc[r][a]);
+        y[r * y_stride] = hsum(sum);
+    }
+}
+
+/* The format and the tile's row count as constants in each instance, so each
+ * inner loop is specialised. */
+#define AVX2_ROW(FMT)                                                                        \
+    AVX2 static void row_avx2_##FMT(const uint8_t *wrow, int64_t k, int rows, const float *x, \
+                                    float *y, int64_t y_stride) {                            \
+        switch (rows) {                                                                      \
+        case 4: tile_avx2(FMT, wrow, k, 4, x, y, y_stride); break;                           \
+        case 3: tile_avx2(FMT, wrow, k, 3, x, y, y_stride); break;                           \
+        case 2: tile_avx2(FMT, wrow, k, 2, x, y, y_stride); break;                           \
+        default: tile_avx2(FMT, wrow, k, 1, x, y, y_stride); break;                          \
+        }                                                                                    \
+    }
+
+AVX2_ROW(Q4_K)
+AVX2_ROW(Q5_K)
+AVX2_ROW(Q6_K)
+
+static row_fn avx2_row(int fmt) {
+    switch (fmt) {
+    case Q4_K: return row_avx2_Q4_K;
+    case Q5_K: return row_avx2_Q5_K;
+    case Q6_K: return row_avx2_Q6_K;
+    default: return 0;
+    }
+}
+
+/* One super-block into 256 floats with the AVX2 group decoder. */
+AVX2 static void super_floats_avx2(int fmt, const uint8_t *blk, float *out) {
+    float scale[GROUPS], min[GROUPS];
+    if (fmt != Q6_K) scale_min(blk, scale, min);
+    for (int g = 0; g < GROUPS; g++) {
+        __m256 w[4];
+        switch (fmt) { /* constant formats, so each decoder is specialised */
+        case Q4_K: group_floats(Q4_K, blk, g, scale, min, w); break;
+        case Q5_K: group_floats(Q5_K, blk, g, scale, min, w); break;
+        default: group_floats(Q6_K, blk, g, scale, min, w); break;
+        }
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 32 * g + 8 * i, w[i]);
+    }
+}
+#else
+static row_fn avx2_row(int fmt) {
+    (void)fmt;
+    return 0;
+}
+#endif
+
+/* ------------------------------------------------------------------ entry */
+
+/* Whether tserve_kqlinear and tserve_kdequantize run `fmt`. */
+int tserve_kquant_format_supported(int fmt) { return super_bytes(fmt) != 0; }
+
+/* Rows `rows` (or 0..n_rows-1 when NULL) of W [*, k] (k a multiple of 256) as fp32
+ * into out [n_rows, k]. */
+void tserve_kdequantize(int isa, int fmt, const uint8_t *w, int64_t k, const int64_t *rows,
+                        int64_t n_rows, float *out) {
+    int64_t nb = k / QK, unit = super_bytes(fmt), stride = nb * unit;
+    for (int64_t i = 0; i < n_rows; i++) {
+        const uint8_t *row = w + (rows ? rows[i] : i) * stride;
+        for (int64_t b = 0; b < nb; b++) {
+#if defined(__x86_64__)
+            if (isa == ISA_AVX2) {
+                super_floats_avx2(fmt, row + b * unit, out + i * k + b * QK);
+                continue;
+            }
+#endif
+            super_floats(fmt, row + b * unit, out + i * k + b * QK);
+        }
+    }
+    (void)isa;
+}
+
+/* y[M, N] (row stride n) columns [n0, n1) = x W^T for x fp32 [M, k], W [N, k] in `fmt`. */
+void tserve_kqlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
+                     int64_t k, const float *x, int64_t m, float *y) {
+    int64_t stride = k / QK * super_bytes(fmt);
+    row_fn fast = isa == ISA_AVX2 ? avx2_row(fmt) : 0;
+    for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
+        int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
+        for (int64_t j = n0; j < n1; j++) {
+            const uint8_t *wrow = w + j * stride;
+            for (int64_t r = m0; r < m1; r += TILE_ROWS) {
+                int rows = m1 - r < TILE_ROWS ? (int)(m1 - r) : TILE_ROWS;
+                if (fast)
+                    fast(wrow, k, rows, x + r * k, y + r * n + j, n);
+                else
+                    row_portable(fmt, wrow, k, rows, x + r * k, y + r * n + j, n);
+            }
+        }
+    }
+}

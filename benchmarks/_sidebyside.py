@@ -1,11 +1,13 @@
-"""tserve and a peer server side by side: one machine, one model directory, one workload.
+"""tserve and peer servers side by side: one machine, one model, one workload.
 
 Each server runs in turn on a free loopback port; ``python -m tserve bench``
 sends it the identical streamed workload at each concurrency level; the
-rounds alternate (tserve, peer, tserve, peer, ...), so that a slow phase of a
-shared machine hits both. The result is a table of tserve ÷ peer ratios
-(output throughput, TTFT and ITL median and p99) from the mean of each
-server's rounds, a JSON document and a PNG plot.
+rounds alternate (tserve, peer, [another peer,] tserve, peer, ...), so that a
+slow phase of a shared machine hits all of them. The result is one table of
+tserve ÷ peer ratios per peer (output throughput, TTFT and ITL median and
+p99) from the mean of each server's rounds, a JSON document, the tables as
+Markdown and a PNG plot. A server's ``probe`` measures its process (memory,
+say) after it starts and after its workload.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,7 +31,7 @@ from benchmarks._results import REPO_ROOT
 from tserve.bench._metrics import Summary
 from tserve.bench._report import plot_sweep
 
-__all__ = ["Peer", "Workload", "run_side_by_side"]
+__all__ = ["Peer", "Rounds", "Workload", "run_rounds", "run_side_by_side", "write_results"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +47,15 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
-    """A server to compare: ``command(port)`` starts it (serving ``model_dir`` under
-    its path as the model name) with ``env`` added to this process's."""
+    """A server to compare: ``command(port)`` starts it (serving the model under
+    the name the workload asks for) with ``env`` added to this process's.
+    ``probe(pid)``, given the server's pid, returns what it measured there."""
 
     name: str
     command: Callable[[int], list[str]]
     env: dict[str, str]
     start_timeout: float = 300.0
+    probe: Callable[[int], dict[str, Any]] | None = None
 
 
 def free_port() -> int:
@@ -104,7 +109,7 @@ class Server:
 
 
 def bench(
-    server: Server, model_dir: Path, work: Workload, out: Path, tag: str
+    server: Server, model: str, tokenizer: Path, work: Workload, out: Path, tag: str
 ) -> dict[int, dict[str, Any]]:
     """The workload against one server: one ``python -m tserve bench`` per level."""
     summaries: dict[int, dict[str, Any]] = {}
@@ -112,8 +117,8 @@ def bench(
         stem = f"{tag}-c{concurrency}"
         command = [
             sys.executable, "-m", "tserve", "bench",
-            "--base-url", server.url, "--model", str(model_dir),
-            "--tokenizer", str(model_dir), "--endpoint", "completions",
+            "--base-url", server.url, "--model", model,
+            "--tokenizer", str(tokenizer), "--endpoint", "completions",
             "--dataset-name", "sonnet", "--sonnet-input-len", str(work.input_len),
             "--sonnet-prefix-len", str(work.input_len // 2),
             "--sonnet-output-len", str(work.output_len),
@@ -187,6 +192,141 @@ def table(ours: dict[int, dict[str, Any]], peer: dict[int, dict[str, Any]]) -> s
     return "\n".join(lines)
 
 
+@dataclasses.dataclass
+class Rounds:
+    """What :func:`run_rounds` measured, by server name (tserve's first)."""
+
+    stamp: str
+    out: Path  # where each bench run's own JSON and each server's log went
+    work: Workload
+    model: str
+    runs: dict[str, list[dict[int, dict[str, Any]]]]  # one entry per round
+    means: dict[str, dict[int, dict[str, Any]]]  # level -> summary, mean of the rounds
+    starts: dict[str, list[float]]  # seconds to /health 200, per round
+    probes: dict[str, list[dict[str, Any]]]  # per round: {"started": ..., "after": ...}
+    load: list[str]  # 1-minute load average before and after each run
+    wall_s: float
+    pairs: list[tuple[str, str]]  # (ours, peer): the tables to make
+
+    def tables(self) -> dict[str, str]:
+        """Each pair's Markdown table, by "OURS ÷ PEER"."""
+        return {f"{a} ÷ {b}": table(self.means[a], self.means[b]) for a, b in self.pairs}
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-")
+
+
+def run_rounds(
+    label: str,
+    servers: Sequence[Peer],
+    model: str,
+    tokenizer: Path,
+    work: Workload,
+    result_dir: Path = REPO_ROOT / "results",
+    pairs: Sequence[tuple[str, str]] | None = None,
+) -> Rounds:
+    """``work.rounds`` rounds of every server in turn.
+
+    Blocks for the whole run (minutes); each bench run's JSON and each
+    server's log go under ``result_dir/LABEL-TIME/``. ``model`` is the name
+    the requests ask for, ``tokenizer`` the directory the prompts are made with.
+    ``pairs`` (server names, ours first) are the tables to make; by default
+    the first server against each other.
+    """
+    names = [s.name for s in servers]
+    if len({_slug(name) for name in names}) != len(names):
+        raise ValueError(f"servers need distinct names, not {names}")
+    chosen = list(pairs) if pairs is not None else [(names[0], name) for name in names[1:]]
+    if any(name not in names for pair in chosen for name in pair):
+        raise ValueError(f"pairs {chosen} name a server not in {names}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = result_dir / f"{label}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[int, dict[str, Any]]]] = {s.name: [] for s in servers}
+    starts: dict[str, list[float]] = {s.name: [] for s in servers}
+    probes: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
+    load: list[str] = []
+    t0 = time.monotonic()
+    for r in range(work.rounds):
+        for peer in servers:
+            tag = f"{_slug(peer.name)}-r{r}"
+            server = Server(peer, out / f"{tag}.log")
+            try:
+                before = os.getloadavg()[0]
+                started = None if peer.probe is None else peer.probe(server.proc.pid)
+                runs[peer.name].append(bench(server, model, tokenizer, work, out, tag))
+                if peer.probe is not None:
+                    probes[peer.name].append(
+                        {"started": started, "after": peer.probe(server.proc.pid)}
+                    )
+                starts[peer.name].append(server.start_s)
+                load.append(f"{tag} {before:.1f}/{os.getloadavg()[0]:.1f}")
+            finally:
+                server.stop()
+    means = {
+        name: {c: _mean_summary([r[c] for r in by_round]) for c in work.levels}
+        for name, by_round in runs.items()
+    }
+    wall_s = time.monotonic() - t0
+    return Rounds(stamp, out, work, model, runs, means, starts, probes, load, wall_s, chosen)
+
+
+def write_results(
+    label: str,
+    rounds: Rounds,
+    *,
+    notes: Sequence[str] = (),
+    extra: dict[str, Any] | None = None,
+    result_dir: Path = REPO_ROOT / "results",
+) -> Path:
+    """Print the tables and write ``result_dir/LABEL-TIME.json``, ``.md`` and ``.png``.
+
+    ``notes`` are Markdown paragraphs after the tables; ``extra`` joins the JSON.
+    Returns the JSON's path.
+    """
+    work = rounds.work
+    parts = []
+    for name, text in rounds.tables().items():
+        parts.append(
+            f"{name} ({Path(rounds.model).name}, sonnet {work.input_len} in / "
+            f"{work.output_len} out, /v1/completions streamed, mean of {work.rounds} "
+            "alternating round(s); throughput ÷ > 1 and latency ÷ < 1 favour tserve):\n\n" + text
+        )
+    parts.append("1-min load average before/after each run: " + ", ".join(rounds.load))
+    parts += notes
+    markdown = "\n\n".join(parts) + "\n"
+    print("\n" + markdown)
+    doc = {
+        "date": rounds.stamp,
+        "model": rounds.model,
+        "workload": dataclasses.asdict(work),
+        "startup_s": rounds.starts,
+        "probes": {name: found for name, found in rounds.probes.items() if found},
+        "load_average": rounds.load,
+        "wall_s": rounds.wall_s,
+        "rounds": {
+            name: [{str(c): s for c, s in r.items()} for r in by_round]
+            for name, by_round in rounds.runs.items()
+        },
+        "tables": rounds.tables(),
+        **(extra or {}),
+    }
+    stem = result_dir / f"{label}-{rounds.stamp}"
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps(doc, indent=1))
+    stem.with_suffix(".md").write_text(markdown)
+    series = {
+        name: [(float(c), Summary.from_json(s)) for c, s in by_level.items()]
+        for name, by_level in rounds.means.items()
+    }
+    png_path = stem.with_suffix(".png")
+    title = f"{' vs '.join(rounds.means)}: {Path(rounds.model).name}"
+    plot_sweep(series, "concurrent streams", title, png_path)
+    print(f"wrote {json_path}, .md and .png (runs in {rounds.out})")
+    return json_path
+
+
 def run_side_by_side(
     label: str,
     ours: Peer,
@@ -195,58 +335,9 @@ def run_side_by_side(
     work: Workload,
     result_dir: Path = REPO_ROOT / "results",
 ) -> int:
-    """Alternate ``work.rounds`` rounds of ours and peer; print and write the table.
-
-    Blocks for the whole run (minutes). Writes ``result_dir/LABEL-TIME.json``
-    and ``.png``, and each bench run's own JSON under ``result_dir/LABEL-TIME/``.
-    """
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = result_dir / f"{label}-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
-    rounds: dict[str, list[dict[int, dict[str, Any]]]] = {ours.name: [], peer.name: []}
-    starts: dict[str, list[float]] = {ours.name: [], peer.name: []}
-    load: list[str] = []  # 1-minute load average before and after each run
-    t0 = time.monotonic()
-    for r in range(work.rounds):
-        for server_peer in (ours, peer):
-            tag = f"{server_peer.name.split()[0]}-r{r}"
-            server = Server(server_peer, out / f"{tag}.log")
-            try:
-                before = os.getloadavg()[0]
-                rounds[server_peer.name].append(bench(server, model_dir, work, out, tag))
-                starts[server_peer.name].append(server.start_s)
-                load.append(f"{tag} {before:.1f}/{os.getloadavg()[0]:.1f}")
-            finally:
-                server.stop()
-    means = {
-        name: {c: _mean_summary([r[c] for r in runs]) for c in work.levels}
-        for name, runs in rounds.items()
-    }
-    text = table(means[ours.name], means[peer.name])
-    print(
-        f"\ntserve ÷ {peer.name} ({model_dir.name}, sonnet {work.input_len} in / "
-        f"{work.output_len} out, /v1/completions streamed, mean of {work.rounds} alternating "
-        "round(s); throughput ÷ > 1 and latency ÷ < 1 favour tserve):\n"
-    )
-    print(text)
-    print("\n1-min load average before/after each run (2 cores): " + ", ".join(load))
-    doc = {
-        "date": stamp,
-        "model_dir": str(model_dir),
-        "workload": dataclasses.asdict(work),
-        "startup_s": starts,
-        "load_average": load,
-        "wall_s": time.monotonic() - t0,
-        "rounds": {k: [{str(c): s for c, s in r.items()} for r in v] for k, v in rounds.items()},
-        "table": text,
-    }
-    json_path = result_dir / f"{label}-{stamp}.json"
-    json_path.write_text(json.dumps(doc, indent=1))
-    series = {
-        name: [(float(c), Summary.from_json(s)) for c, s in by_level.items()]
-        for name, by_level in means.items()
-    }
-    png_path = result_dir / f"{label}-{stamp}.png"
-    plot_sweep(series, "concurrent streams", f"tserve vs {peer.name}: {model_dir.name}", png_path)
-    print(f"\nwrote {json_path} and {png_path} (runs in {out})")
+    """Alternate ``work.rounds`` rounds of ours and peer on ``model_dir`` (its path
+    the model's name, its tokenizer the prompts'); print and write the table
+    (:func:`write_results`). Blocks for the whole run (minutes)."""
+    rounds = run_rounds(label, [ours, peer], str(model_dir), model_dir, work, result_dir)
+    write_results(label, rounds, result_dir=result_dir)
     return 0

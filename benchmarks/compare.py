@@ -9,7 +9,7 @@ torch wheel and ``transformers[serving]``, and runs offline with
 ``python -m tserve bench`` (streamed /v1/completions, sonnet prompts, greedy,
 1, 16 and 64 concurrent streams), stops it, and prints one table of
 tserve ÷ peer ratios for output throughput and median/p99 TTFT and ITL.
-Writes ``results/compare-TIME.json`` and ``.png`` (``benchmarks/_sidebyside.py``).
+Writes ``results/compare-TIME.json``, ``.md`` and ``.png`` (``benchmarks/_sidebyside.py``).
 
 Same work for both: the same prompts, ``max_tokens`` and ``temperature 0``;
 no ``ignore_eos`` (``transformers serve`` refuses unknown fields), so a

@@ -14,7 +14,7 @@ The workload, identical for both (``python -m tserve bench``): streamed
 /v1/completions, sonnet prompts of ``--input-len`` tokens, ``--output-len``
 output tokens, greedy, at 1, 4, 16 and 64 concurrent streams, in
 ``--rounds`` alternating rounds (tserve, vLLM, tserve, vLLM). Prints and
-writes (``results/vs_vllm-TIME.json`` and ``.png``) the tserve ÷ vLLM table
+writes (``results/vs_vllm-TIME.json``, ``.md`` and ``.png``) the tserve ÷ vLLM table
 of output throughput and TTFT/ITL median and p99.
 """
 

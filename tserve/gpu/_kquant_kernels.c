@@ -165,6 +165,24 @@ AVX2 INLINE void bytes_floats(__m256i v, int is_signed, __m256i out[4]) {
         out[i] = is_signed ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
 }
 
+/* Q4_K / Q5_K: the 8 groups' scales (d * sc) and mins (dmin * m) into
+ * scale[8], min[8]: llama.cpp's unpacking of the 12 bytes in 32-bit words. */
+AVX2 INLINE void scale_min_avx2(const uint8_t *blk, float scale[GROUPS], float min[GROUPS]) {
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+    u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4); /* mins 4..7 */
+    uint32_t mins_low = u[1] & six;                           /* mins 0..3 */
+    u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);        /* scales 4..7 */
+    u[2] = mins_low;
+    u[0] &= six; /* scales 0..3 */
+    __m128i bytes = _mm_loadu_si128((const __m128i *)u);
+    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    _mm256_storeu_ps(scale, _mm256_mul_ps(sc, _mm256_set1_ps(_cvtsh_ss(load_u16(blk)))));
+    _mm256_storeu_ps(min, _mm256_mul_ps(m, _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)))));
+}
+
 /* The 32 quants of group g (0..7) of a super-block as bytes: 0..31 unsigned
  * (Q4_K, Q5_K) or q - 32 signed (Q6_K). */
 AVX2 INLINE __m256i group_quants(int fmt, const uint8_t *blk, int g) {
@@ -224,7 +242,8 @@ AVX2 INLINE void tile_avx2(int fmt, const uint8_t *wrow, int64_t k, int rows, co
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wrow + b * unit;
         float scale[GROUPS], min[GROUPS];
-        if (fmt != Q6_K) scale_min(blk, scale, min);
+        if (fmt != Q6_K) scale_min_avx2(blk, scale, min);
+#pragma GCC unroll 8
         for (int g = 0; g < GROUPS; g++) {
             __m256 w[4];
             group_floats(fmt, blk, g, scale, min, w);
@@ -272,7 +291,7 @@ static row_fn avx2_row(int fmt) {
 /* One super-block into 256 floats with the AVX2 group decoder. */
 AVX2 static void super_floats_avx2(int fmt, const uint8_t *blk, float *out) {
     float scale[GROUPS], min[GROUPS];
-    if (fmt != Q6_K) scale_min(blk, scale, min);
+    if (fmt != Q6_K) scale_min_avx2(blk, scale, min);
     for (int g = 0; g < GROUPS; g++) {
         __m256 w[4];
         switch (fmt) { /* constant formats, so each decoder is specialised */

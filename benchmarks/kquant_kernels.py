@@ -1,0 +1,78 @@
+"""The K-quant products' speed beside the Q4_1 kernel's, on the same weight shape.
+
+Run: ``python -m benchmarks.kquant_kernels [--n 1536] [--k 1536] [--rows 1 4 16 64]
+[--repeats 9]``
+
+One thread. For each row count, one product per format in turn, ``--repeats``
+rounds (alternating formats within a round, so a shared machine's drift
+falls on all of them), the best time of each; prints each format's time and
+its ratio to Q4_1's (below 1: faster), writes JSON under ``results/``.
+Weights: Q4_1 and Q8_0 from ``gguf``'s quantizers, K-quants random
+super-blocks in ggml's layout (``tests/gpu/kquant_blocks.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+
+from benchmarks._results import result_stem, write_json
+from tests.gpu import kquant_blocks
+from tserve.gpu._quant import FORMATS, QuantizedWeight, quant_kernels
+
+
+def _weights(n: int, k: int) -> dict[str, QuantizedWeight]:
+    import gguf
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((n, k), dtype=np.float32)
+    weights = {}
+    for fmt in ("Q4_1", "Q8_0"):
+        data = gguf.quants.quantize(values, gguf.GGMLQuantizationType[fmt])
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
+        weights[fmt] = QuantizedWeight(FORMATS[fmt], torch.from_numpy(raw), n, k)
+    for fmt in kquant_blocks.FORMATS:
+        raw = kquant_blocks.random_rows(fmt, n, k, rng)
+        weights[fmt] = QuantizedWeight(FORMATS[fmt], torch.from_numpy(raw), n, k)
+    return weights
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.kquant_kernels", description=__doc__
+    )
+    parser.add_argument("--n", type=int, default=1536, help="output features")
+    parser.add_argument("--k", type=int, default=1536, help="input features (a multiple of 256)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    kernels = quant_kernels()
+    if kernels is None:
+        raise SystemExit("the compiled kernels are not built (pip install -e .)")
+    torch.set_num_threads(1)
+    weights = _weights(args.n, args.k)
+    table: dict[int, dict[str, float]] = {}
+    for rows in args.rows:
+        x = torch.randn(rows, args.k)
+        best = dict.fromkeys(weights, float("inf"))
+        for _ in range(args.repeats + 1):  # the first round warms up
+            for fmt, weight in weights.items():
+                start = time.perf_counter()
+                kernels.linear(x, weight)
+                best[fmt] = min(best[fmt], time.perf_counter() - start)
+        table[rows] = best
+        cells = (f"{fmt} {s * 1e3:.3f} ms ({s / best['Q4_1']:.2f})" for fmt, s in best.items())
+        print(f"rows {rows:>3}: " + ", ".join(cells))
+    meta = {"n": args.n, "k": args.k, "repeats": args.repeats, "load_average": os.getloadavg()}
+    meta["isa"] = kernels.best_isa
+    path = write_json(result_stem("kquant_kernels"), {"meta": meta, "seconds": table})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -336,3 +336,20 @@ def test_prefix_cache_hits_and_chunked_prefill_keep_grammars_in_step(
     for request_id in ("first", "second"):
         assert _assert_valid(cached_core, run, request_id, constraint) == reference
     _idle(cached_core)
+
+
+def test_close_stops_the_grammar_threads(core: EngineCore) -> None:
+    """The engine calls close() on its way out; the compile and mask threads end."""
+    before = set(threading.enumerate())  # other tests' cores keep theirs
+    request = _request("c", Regex(PATTERN))
+    _assert_valid(core, _drive(core, {0: [request]}), "c", Regex(PATTERN))
+    ours = [
+        t
+        for t in set(threading.enumerate()) - before
+        if t.name.startswith(("tserve-grammar", "tserve-masks"))
+    ]
+    assert ours, "the grammar threads were never started"
+    core.close()
+    for thread in ours:
+        thread.join(timeout=60)
+    assert not [t for t in ours if t.is_alive()]

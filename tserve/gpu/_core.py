@@ -111,6 +111,9 @@ class Core(Protocol):
     def ready_info(self) -> EngineReady:
         """What an API process learns in answer to its Hello."""
 
+    def close(self) -> None:
+        """Stop the core's own threads (the engine is exiting); does not block."""
+
 
 class LiveRequest(Protocol):
     """What the shared bookkeeping reads of a core's record of one live request."""
@@ -188,6 +191,9 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
     def abort_all(self) -> None:
         """Abort every live request (shutdown); the outputs go out with the next step."""
         self._end_aborted(list(self._live()))
+
+    def close(self) -> None:
+        """No threads of its own (a core that has some overrides this)."""
 
     def ready_info(self) -> EngineReady:
         """What an API process learns in answer to its Hello."""

@@ -293,6 +293,11 @@ class EngineCore(CoreBookkeeping[Sequence]):
                 self._logprobs.setdefault(seq.request_id, []).append(result.logprob)
         return sampled, failed
 
+    def close(self) -> None:
+        """Stop the grammar compile and mask threads: queued compiles are dropped;
+        the interpreter's exit waits for the one compile in flight, if any."""
+        self.constraints.close()
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=self.scheduler.num_running,

@@ -121,7 +121,10 @@ def run_engine(
                 return 1
             if core is None:
                 return 0
-            return _serve(core, sock, outbox, tick, lifeline)
+            try:
+                return _serve(core, sock, outbox, tick, lifeline)
+            finally:
+                core.close()
     except Stopped:  # a stop that landed just after loading finished
         return 0
     finally:

@@ -144,8 +144,9 @@ class QuantKernels:
         )
         self._dequantize = _declare(library.tserve_dequantize, _INT, ptr, i64, ptr, i64, ptr)
         self._klinear = _declare(
-            library.tserve_kqlinear, _INT, _INT, ptr, i64, i64, i64, i64, ptr, i64, ptr
+            library.tserve_kqlinear, _INT, _INT, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr
         )
+        self._kgroup_sums = _declare(library.tserve_kgroup_sums, ptr, i64, i64, ptr)
         self._kdequantize = _declare(
             library.tserve_kdequantize, _INT, _INT, ptr, i64, ptr, i64, ptr
         )
@@ -170,8 +171,10 @@ class QuantKernels:
         out = torch.empty(m, n)
         chosen = self.best_isa if isa is None else isa
         if m and weight.fmt in K_FORMATS:
-            data = weight.data.data_ptr()
-            self._klinear(chosen, weight.fmt, data, n, 0, n, k, rows.data_ptr(), m, out.data_ptr())
+            sums = torch.empty(m, k // _BLOCK)  # each block of 32 of x summed
+            self._kgroup_sums(rows.data_ptr(), m, k, sums.data_ptr())
+            operands = (rows.data_ptr(), sums.data_ptr(), m, out.data_ptr())
+            self._klinear(chosen, weight.fmt, weight.data.data_ptr(), n, 0, n, k, *operands)
         elif m:
             xd = xs = None
             operand = rows

@@ -41,6 +41,19 @@ MESSAGES: list[p.Message] = [
     p.Shutdown(reason="SIGTERM"),
     p.EngineReady("tiny", "/models/tiny", 2048, 512, [0, 2], 64, 65536, "cpu", 42),
     p.EngineReady("minilm", "/models/minilm", 256, 30522, [], 64, 0, "cpu", 43, "embed", 384),
+    p.EngineReady(
+        "smollm2",
+        "/models/smollm2",
+        8192,
+        49152,
+        [2],
+        64,
+        16384,
+        "cpu",
+        44,
+        kv_block_size=16,
+        sampling_defaults=p.SamplingDefaults(0.2, 0.9, None, "SmolLM2-135M-Instruct's model card"),
+    ),
     p.StepOutputs([], p.EngineStats()),
     p.StepOutputs(
         [

@@ -30,6 +30,7 @@ from tserve.protocol import (
     JsonSchema,
     LarkGrammar,
     Regex,
+    SamplingDefaults,
     SamplingParams,
 )
 
@@ -88,6 +89,7 @@ __all__ = [
     "Regex",
     "RequestFailed",
     "RequestTimeout",
+    "SamplingDefaults",
     "SamplingParams",
     "ShuttingDown",
     "Usage",

@@ -149,6 +149,16 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "serve a GGUF file (the default model is one) through a one-time fp32 conversion "
         "instead of as it is (quantized, through tserve's CPU kernels)",
     )
+    _option(
+        eng,
+        "--generation-config",
+        str,
+        d.generation_config,
+        "where a request that leaves temperature, top_p or top_k unset gets them: 'auto' "
+        "(what the model recommends: its generation_config.json, a GGUF file's sampling "
+        "metadata, the default model's card; OpenAI's defaults where it says nothing), "
+        "'none' (OpenAI's defaults always), or a directory with a generation_config.json",
+    )
     _option(eng, "--cache-dir", str, None, "where converted models are cached")
     _option(
         eng,
@@ -177,6 +187,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "model_impl": args.model_impl,
         "dequantize": args.dequantize,
+        "generation_config": args.generation_config,
         "cache_dir": args.cache_dir,
         "engine_kind": args.engine_kind,
         "echo_step_time": args.echo_step_time,

@@ -46,6 +46,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     the engine at least this often; on a network bind it is also the period
     of the ZMTP heartbeats (``tserve.gpu._bind``).
 
+    ``generation_config``: where a request that leaves temperature, top_p or
+    top_k unset gets them (vLLM's ``--generation-config``): "auto" = what the
+    model recommends (its generation_config.json, a GGUF file's
+    ``general.sampling.*`` metadata, the default model's card), "none" =
+    OpenAI's defaults always, else a directory whose generation_config.json
+    alone gives them (``tserve.gpu._sampling_defaults``).
+
     ``grammar_compile_timeout``: a constrained request whose grammar is not
     compiled this many seconds after it arrived ends with an error (it waits
     unscheduled until then; others step on). ``grammar_cache_size``: compiled
@@ -85,3 +92,4 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     grammar_compile_timeout: float = 10.0
     grammar_cache_size: int = 64
     dequantize: bool = False
+    generation_config: str = "auto"

@@ -30,13 +30,14 @@ Framing rules:
 from __future__ import annotations
 
 import enum
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
 import msgspec
 
 from tserve.engine_config import CpuGemm, EngineConfig, ModelImpl
 
 __all__ = [
+    "OPENAI_SAMPLING",
     "TOKENIZER_FILES",
     "AddRequest",
     "Choice",
@@ -59,6 +60,8 @@ __all__ = [
     "ProtocolError",
     "Regex",
     "RequestOutput",
+    "Sampling",
+    "SamplingDefaults",
     "SamplingParams",
     "Shutdown",
     "StepOutputs",
@@ -138,7 +141,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     """How to pick each next token of one request.
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable
-    those filters. ``seed`` makes sampling reproducible for this request
+    those filters. ``temperature``, ``top_p`` and ``top_k`` None (unset) take
+    the model's recommended value (the engine's :class:`SamplingDefaults`,
+    which it applies to every request it receives), else OpenAI's: 1.0, 1.0
+    and no top-k. ``seed`` makes sampling reproducible for this request
     whatever else is in the batch. ``logprobs`` is the number of top
     alternatives to report per token (0 = only the chosen token's logprob,
     None = no logprobs). EOS ends the request unless ``ignore_eos``.
@@ -151,9 +157,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -163,6 +169,68 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     stop: tuple[str, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     constraint: Constraint | None = None
+
+
+class Sampling(NamedTuple):
+    """The values one request samples with, every one set (see SamplingParams)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+OPENAI_SAMPLING: Final = Sampling(temperature=1.0, top_p=1.0, top_k=0)
+"""What a request that sets none of them gets from a model that recommends nothing."""
+
+
+class SamplingDefaults(msgspec.Struct, array_like=True, frozen=True):
+    """A model's recommended sampling values; None where it recommends nothing.
+
+    The engine reads them once at load (``EngineConfig.generation_config``,
+    ``tserve.gpu._sampling_defaults``), applies them to every request that
+    leaves the field unset, and reports them in :class:`EngineReady`.
+    ``source`` says where they came from ("" when from nowhere).
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    source: str = ""
+
+    def resolve(self, params: SamplingParams) -> Sampling:
+        """What ``params`` samples with: its own values, else these, else OpenAI's."""
+        return Sampling(
+            _first(params.temperature, self.temperature, OPENAI_SAMPLING.temperature),
+            _first(params.top_p, self.top_p, OPENAI_SAMPLING.top_p),
+            _first(params.top_k, self.top_k, OPENAI_SAMPLING.top_k),
+        )
+
+    def describe(self) -> str:
+        """One line for the logs: the values in use and where they came from."""
+        stated = [
+            f"{name} {value}"
+            for name, value in (
+                ("temperature", self.temperature),
+                ("top_p", self.top_p),
+                ("top_k", self.top_k),
+            )
+            if value is not None
+        ]
+        if not stated:
+            return "sampling defaults: OpenAI's (the model recommends none, or they are off)"
+        return (
+            f"sampling defaults: {', '.join(stated)} (from {self.source}), for requests that "
+            "leave them unset; OpenAI's for the rest"
+        )
+
+
+_V = TypeVar("_V", int, float)
+
+
+def _first(own: _V | None, default: _V | None, fallback: _V) -> _V:
+    if own is not None:
+        return own
+    return fallback if default is None else default
 
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -345,8 +413,9 @@ class EngineReady(msgspec.Struct, array_like=True, frozen=True):
     its host reads the same tokenizer. ``task``: ``EngineConfig.task``; an
     embedding engine says ``embedding_dim`` (else 0), and its
     ``max_model_len`` is its longest input. ``kv_block_size``: tokens in one
-    KV block (0 without a KV cache). The last three are trailing and
-    defaulted, so older frames decode.
+    KV block (0 without a KV cache). ``sampling_defaults``: what the engine
+    gives a request that leaves temperature, top_p or top_k unset. The last
+    four are trailing and defaulted, so older frames decode.
     """
 
     model: str
@@ -361,6 +430,7 @@ class EngineReady(msgspec.Struct, array_like=True, frozen=True):
     task: str = "generate"
     embedding_dim: int = 0
     kv_block_size: int = 0
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
 
 class Heartbeat(msgspec.Struct, array_like=True, frozen=True):

@@ -86,17 +86,22 @@ def generation_problem(
 
 
 def params_problem(params: SamplingParams, vocab_size: int) -> Problem | None:
-    """The first field of ``params`` out of its range, or None."""
+    """The first field of ``params`` out of its range, or None (an unset field is fine)."""
     most_logprobs = min(MAX_LOGPROBS, vocab_size)
     checks: tuple[tuple[bool, str, str], ...] = (
         (params.max_tokens >= 1, "max_tokens", "must be at least 1"),
         (
-            math.isfinite(params.temperature) and params.temperature >= 0,
+            params.temperature is None
+            or (math.isfinite(params.temperature) and params.temperature >= 0),
             "temperature",
             "must be a finite number >= 0",
         ),
-        (math.isfinite(params.top_p) and 0 < params.top_p <= 1, "top_p", "must be in (0, 1]"),
-        (params.top_k >= -1, "top_k", "must be -1, 0 or positive"),
+        (
+            params.top_p is None or (math.isfinite(params.top_p) and 0 < params.top_p <= 1),
+            "top_p",
+            "must be in (0, 1]",
+        ),
+        (params.top_k is None or params.top_k >= -1, "top_k", "must be -1, 0 or positive"),
         (
             params.logprobs is None or 0 <= params.logprobs <= most_logprobs,
             "logprobs",

@@ -74,7 +74,7 @@ async def test_64_then_256_seeded_requests_complete_and_reproduce_at_any_concurr
 
             # The seeds are what make sampled requests agree: another seed
             # gives another output (it is not greedy decoding in disguise).
-            sampled = [s for s in specs_64 if s.params.temperature > 0 and s.params.top_k != 1]
+            sampled = [s for s in specs_64 if s.params.temperature and s.params.top_k != 1]
             reseeded = await run_concurrently(
                 llm,
                 [

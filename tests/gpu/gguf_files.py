@@ -38,9 +38,12 @@ def write_gguf(
     *,
     formats: dict[str, str] | None = None,
     architecture: str = "llama",
+    sampling: dict[str, float | int] | None = None,
 ) -> Path:
     """``model_dir``'s Llama as ``out`` (a .gguf in a directory of its own), every
-    2-D weight in ``fmt`` unless ``formats`` names another for a GGUF tensor name."""
+    2-D weight in ``fmt`` unless ``formats`` names another for a GGUF tensor name;
+    ``sampling``: ``general.sampling.<key>`` metadata (ints as int32, floats as
+    float32, as llama.cpp's converter writes them)."""
     import gguf
     import torch
     from transformers import LlamaForCausalLM
@@ -89,6 +92,11 @@ def write_gguf(
     writer.add_vocab_size(config.vocab_size)
     if config.eos_token_id is not None:
         writer.add_eos_token_id(config.eos_token_id)
+    for key, value in (sampling or {}).items():
+        if isinstance(value, int):
+            writer.add_int32(f"general.sampling.{key}", value)
+        else:
+            writer.add_float32(f"general.sampling.{key}", value)
     for name, weight in tensors.items():
         kind = (formats or {}).get(name, fmt) if weight.ndim == 2 else "F32"
         qtype = gguf.GGMLQuantizationType[kind]

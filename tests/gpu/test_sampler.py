@@ -10,7 +10,7 @@ import torch
 
 from tserve.gpu._sampler import FAULT_ENV, Sampler, SampleResult, _candidates
 from tserve.gpu._sequence import Sequence
-from tserve.protocol import SamplingParams
+from tserve.protocol import Sampling, SamplingParams
 
 VOCAB = 50
 
@@ -201,7 +201,7 @@ def test_bad_rows_and_params_fail_alone() -> None:
 def test_candidates_match_a_full_sort(top_p: float, top_k: int) -> None:
     """Narrow top-w selections give exactly the kept set a full sort gives."""
     flat = torch.randn(4, 20000, generator=torch.Generator().manual_seed(8)) * 0.5
-    params = [SamplingParams(top_p=top_p, top_k=top_k)] * 4
+    params = [Sampling(temperature=1.0, top_p=top_p, top_k=top_k)] * 4
     for row, (ids, cdf) in zip(flat, _candidates(flat, params), strict=True):
         probs = torch.softmax(row, dim=-1)
         values, order = probs.sort(descending=True)

@@ -27,7 +27,9 @@ def body(base: dict[str, Any], **fields: Any) -> bytes:
 def test_completion_defaults() -> None:
     req = parse_completion(body(COMPLETION))
     assert req.prompts == ["hi"] and req.n == 1 and not req.stream and not req.echo
-    assert req.params.max_tokens == 16 and req.params.temperature == 1.0
+    assert req.params.max_tokens == 16
+    # Left out: unset, for the engine to fill with the model's defaults (else OpenAI's).
+    assert (req.params.temperature, req.params.top_p, req.params.top_k) == (None, None, None)
     assert req.params.logprobs is None and req.logprobs is None
 
 

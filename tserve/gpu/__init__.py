@@ -46,6 +46,8 @@ Modules:
   library ``setup.py`` compiles at install from ``_cpu_kernels.c``,
   ``_quant_kernels.c`` and ``_kquant_kernels.c`` (ctypes).
 * ``_sampler.py`` — the next token per request from its logits.
+* ``_sampling_defaults.py`` — what a model recommends sampling with
+  (``--generation-config``), for requests that leave it unset.
 * ``_constraints.py`` — structured outputs: grammars compiled in a worker
   thread (bounded cache), each constrained row's mask, its matcher.
 * ``_models.py`` — finding, converting and loading models and encoders.

@@ -52,6 +52,7 @@ from tserve.protocol import (
     EngineStats,
     FinishReason,
     RequestOutput,
+    SamplingDefaults,
     TokenizerBundle,
     tokenizer_file_allowed,
 )
@@ -149,6 +150,7 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
     device: object  # reported as str()
     # Class defaults a core may override.
     eos_token_ids: Collection[int] = ()
+    sampling_defaults = SamplingDefaults()
     task = "generate"
     embedding_dim = 0
 
@@ -210,6 +212,7 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
             task=self.task,
             embedding_dim=self.embedding_dim,
             kv_block_size=self._kv_block_size(),
+            sampling_defaults=self.sampling_defaults,
         )
 
     def _kv_tokens_total(self) -> int:

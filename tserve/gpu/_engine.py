@@ -8,6 +8,10 @@ sampling it — ends that request alone with ``FinishReason.ERROR`` and frees
 its KV; only an exception out of the batch itself (the forward pass, the
 device) escapes ``step()``, and the process treats that as fatal.
 
+A request that leaves temperature, top_p or top_k unset samples with the
+model's recommended value (read once at load, ``_sampling_defaults.py``),
+else OpenAI's; the values are reported in ``EngineReady``.
+
 It is a :class:`~tserve.gpu._core.Core`; the bookkeeping it shares with the
 other cores (aborts, counters, the test-only forward fault) is in ``_core.py``.
 
@@ -35,6 +39,7 @@ from tserve.gpu._kv import BlockManager
 from tserve.gpu._model_runner import ModelRunner, resolve_device, runs_gguf
 from tserve.gpu._models import (
     DEFAULT_MODEL_NAME,
+    ModelLoadError,
     converted_gguf_dir,
     default_cache_root,
     default_gguf,
@@ -42,6 +47,7 @@ from tserve.gpu._models import (
 )
 from tserve.gpu._quant import quant_kernels
 from tserve.gpu._sampler import Sampler
+from tserve.gpu._sampling_defaults import read_sampling_defaults
 from tserve.gpu._scheduler import Scheduler
 from tserve.gpu._sequence import ScheduledChunk, Sequence, SequenceStatus
 from tserve.protocol import (
@@ -76,7 +82,9 @@ class EngineCore(CoreBookkeeping[Sequence]):
         default = config.model == "default"
         path = default_gguf() if default else Path(config.model).expanduser()
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_root()
+        is_default = default or _is_default_gguf(path)
         model: Any
+        sampling_metadata: dict[str, Any] = {}  # a GGUF file's general.sampling.*
         if path.suffix == ".gguf" and path.is_file() and not config.dequantize:
             if not runs_gguf(device, dtype):
                 raise ValueError(
@@ -87,6 +95,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
             gguf = load_gguf(path, kernels=quant_kernels(), cache_dir=cache, progress=progress)
             model, model_config = gguf.model, gguf.config
             self.model_path = gguf.tokenizer_dir.resolve()
+            sampling_metadata, defaults_dir = gguf.sampling, path.parent
             tokenizer = None  # llguidance reads the tokenizer.json there
             self.eos_token_ids = _eos_ids(model_config, None)
         else:
@@ -97,8 +106,16 @@ class EngineCore(CoreBookkeeping[Sequence]):
             model, tokenizer = load_model(path, device=device, dtype=dtype)
             model_config = model.config
             self.model_path = path.resolve()
+            defaults_dir = path
             self.eos_token_ids = _eos_ids(model, tokenizer)
         self.model_name = "SmolLM2-135M-Instruct" if default else path.name
+        self.sampling_defaults = read_sampling_defaults(
+            config.generation_config,
+            model_dir=defaults_dir,
+            gguf_metadata=sampling_metadata,
+            default_model=is_default,
+        )
+        progress(self.sampling_defaults.describe())
         self.vocab_size = int(model_config.vocab_size)
         self.device = str(device)
         num_blocks = config.kv_cache_tokens // config.block_size
@@ -168,6 +185,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
                 request.params,
                 peer=peer,
                 deadline=request.deadline,
+                defaults=self.sampling_defaults,
             )
             problem = self._queue(seq)
         if problem is not None:
@@ -344,6 +362,14 @@ class EngineCore(CoreBookkeeping[Sequence]):
             self.sampler.release(seq.request_id)
             self.constraints.release(seq.request_id)
         return RequestOutput(seq.request_id, new, seq.finish_reason, logprobs, seq.error)
+
+
+def _is_default_gguf(path: Path) -> bool:
+    """Whether ``path`` is the bundled default model's file (named by its path)."""
+    try:
+        return path.suffix == ".gguf" and path.resolve() == default_gguf().resolve()
+    except ModelLoadError:  # the package is not installed: it cannot be
+        return False
 
 
 def _tokenizer_json(tokenizer: object, model_dir: Path) -> str:

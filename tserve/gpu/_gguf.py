@@ -55,13 +55,15 @@ _TOKENIZER_COMPLETE: Final = ".tserve-tokenizer"
 @dataclasses.dataclass
 class GgufModel:
     """A loaded GGUF: ``config`` is the transformers config its metadata
-    describes; ``tokenizer_dir`` holds its tokenizer files."""
+    describes; ``tokenizer_dir`` holds its tokenizer files; ``sampling``
+    its ``general.sampling.*`` metadata (full key -> value)."""
 
     path: Path
     config: Any
     tokenizer_dir: Path
     model: PagedLlama
     formats: dict[str, int]  # GGUF format name -> tensors in it
+    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def load_gguf(
@@ -125,7 +127,9 @@ def load_gguf(
         eps=config.rms_norm_eps,
         vocab_size=config.vocab_size,
     )
-    return GgufModel(path, config, tokenizer_dir(path, cache_dir, progress), model, formats)
+    tokenizer = tokenizer_dir(path, cache_dir, progress)
+    sampling = meta.with_prefix("general.sampling.")
+    return GgufModel(path, config, tokenizer, model, formats, sampling)
 
 
 def _reader(path: Path) -> Any:
@@ -157,6 +161,11 @@ class _Metadata:
     def get(self, key: str, default: Any = None) -> Any:
         field = self._fields.get(key)
         return default if field is None else field.contents()
+
+    def with_prefix(self, prefix: str) -> dict[str, Any]:
+        return {
+            key: field.contents() for key, field in self._fields.items() if key.startswith(prefix)
+        }
 
     def need(self, key: str) -> Any:
         value = self.get(key)

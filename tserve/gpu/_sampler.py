@@ -7,7 +7,8 @@ Pipeline for one step (``logits [N, V]``, one row per request):
 2. batched over the rest: frequency/presence penalties (over the request's
    OUTPUT tokens), then ``logit_bias``, then the grammar mask of constrained
    rows (tokens it forbids become -inf), raw logprobs, greedy argmax, and
-   for sampled rows temperature, top-k and top-p on one sorted copy;
+   for sampled rows temperature, top-k and top-p (``Sequence.sampling``: the
+   request's own, else the model's defaults, else OpenAI's) on one sorted copy;
 3. per request, guarded: draw one uniform number from the request's own
    generator (seeded requests) and invert the row's CDF, then assemble its
    logprobs.
@@ -42,7 +43,7 @@ from typing import Final, TypeAlias
 import torch
 
 from tserve.gpu._sequence import Sequence
-from tserve.protocol import SamplingParams, TokenLogprob
+from tserve.protocol import Sampling, SamplingParams, TokenLogprob
 from tserve.validity import GREEDY_BELOW, params_problem
 
 __all__ = ["FAULT_ENV", "SampleResult", "Sampler", "SamplingFault"]
@@ -166,6 +167,7 @@ class Sampler:
         """Step 2 over ``rows``: everything that vectorises. ``argmax [N]`` is each
         row's argmax of ``logits``."""
         params = [seqs[i].params for i in rows]
+        sampling = [seqs[i].sampling for i in rows]
         # ``rows`` is increasing: all of them means the whole tensor, no copy.
         raw = logits if len(rows) == logits.shape[0] else logits[rows]
         processed = _apply_penalties(raw, [seqs[i] for i in rows])
@@ -178,7 +180,7 @@ class Sampler:
             logprobs = {rows[j]: lp[k] for k, j in enumerate(want_lp)}
         # Without penalties, bias or masks the rows' argmax is the one sample()
         # took with the max; otherwise only the greedy rows need theirs.
-        greedy_at = [j for j, p in enumerate(params) if _is_greedy(p)]
+        greedy_at = [j for j, s in enumerate(sampling) if _is_greedy(s)]
         if processed is raw:
             greedy = dict(zip(rows, argmax[rows].tolist(), strict=True))
         elif greedy_at:
@@ -186,10 +188,10 @@ class Sampler:
             greedy = {rows[j]: b for j, b in zip(greedy_at, best, strict=True)}
         else:
             greedy = {}
-        sampled = [j for j, p in enumerate(params) if not _is_greedy(p)]
+        sampled = [j for j, s in enumerate(sampling) if not _is_greedy(s)]
         candidates: dict[int, _Candidates] = {}
         if sampled:
-            drawn = _candidates(processed[sampled], [params[j] for j in sampled])
+            drawn = _candidates(processed[sampled], [sampling[j] for j in sampled])
             candidates = {rows[j]: c for j, c in zip(sampled, drawn, strict=True)}
         return _Batch(
             rows=rows,
@@ -233,8 +235,8 @@ class Sampler:
 # ---------------------------------------------------------------------------- pieces
 
 
-def _is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < GREEDY_BELOW or params.top_k == 1
+def _is_greedy(sampling: Sampling) -> bool:
+    return sampling.temperature < GREEDY_BELOW or sampling.top_k == 1
 
 
 def _check(params: SamplingParams, vocab: int, finite: bool) -> str | None:
@@ -303,7 +305,7 @@ def _apply_masks(
     return out
 
 
-def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> list[_Candidates]:
+def _candidates(logits: torch.Tensor, params: list[Sampling]) -> list[_Candidates]:
     """Temperature, then top-k, then top-p, for each row of ``logits [S, V]``.
 
     A row's ``(ids, cdf)``: ``cdf`` is the unnormalised cumulative sum of the
@@ -329,7 +331,7 @@ def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> list[_Can
     return [c for c in out if c is not None]
 
 
-def _top_candidates(probs: torch.Tensor, params: list[SamplingParams]) -> list[_Candidates]:
+def _top_candidates(probs: torch.Tensor, params: list[Sampling]) -> list[_Candidates]:
     """Candidates of filtered rows from the narrowest top-w selection that holds them.
 
     Widths are tried in ``_CANDIDATE_WIDTHS`` order, then the whole vocabulary;
@@ -356,7 +358,7 @@ def _top_candidates(probs: torch.Tensor, params: list[SamplingParams]) -> list[_
     return [c for c in result if c is not None]
 
 
-def _kept_cdf(values: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _kept_cdf(values: torch.Tensor, params: Sampling) -> torch.Tensor:
     """Cumulative probabilities of ``values`` (falling) with top-k/top-p drops as 0."""
     rank = torch.arange(len(values), device=values.device)
     before = torch.cumsum(values, dim=0) - values  # mass strictly above each token

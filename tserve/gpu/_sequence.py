@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from tserve.protocol import FinishReason, SamplingParams
+from tserve.protocol import FinishReason, Sampling, SamplingDefaults, SamplingParams
 
 __all__ = ["IllegalTransition", "ScheduledChunk", "Sequence", "SequenceStatus"]
 
@@ -39,6 +39,9 @@ _ALLOWED: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 }
 
 
+_NO_DEFAULTS = SamplingDefaults()
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     """The engine's state for one request.
@@ -54,6 +57,8 @@ class Sequence:
       of a position never change, so the list only grows, preemption included.
     * ``num_cached_blocks <= len(block_table)``: the leading blocks of the table
       that the block manager has already offered to the prefix cache.
+    * ``sampling`` is what the request samples with, fixed at creation:
+      ``params``' own values, else ``defaults``' (the model's), else OpenAI's.
     """
 
     request_id: str
@@ -70,6 +75,11 @@ class Sequence:
     num_sent: int = 0
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_blocks: int = 0
+    defaults: dataclasses.InitVar[SamplingDefaults | None] = None
+    sampling: Sampling = dataclasses.field(init=False)
+
+    def __post_init__(self, defaults: SamplingDefaults | None) -> None:
+        self.sampling = (defaults or _NO_DEFAULTS).resolve(self.params)
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,7 @@ from tserve.nursery._request import Prompt, RequestSeam, RequestStream, loop_cal
 from tserve.nursery._results import Completion
 from tserve.nursery._session import EngineSession
 from tserve.nursery._tokenizer import ChatTokenizer, Message, Tools
-from tserve.protocol import EngineStats, SamplingParams, TokenLogprob
+from tserve.protocol import EngineStats, SamplingDefaults, SamplingParams, TokenLogprob
 from tserve.validity import generation_problem
 
 __all__ = ["LLM", "LLMStats"]
@@ -108,6 +108,13 @@ class LLM(EngineClient):
         """
         await self._mux_done.wait()
         return self._mux.dead_reason or "the LLM was closed"
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """What the engine gives a request that leaves temperature, top_p or top_k
+        unset: its model's recommendation (``EngineConfig.generation_config``),
+        empty for OpenAI's. ``resolve(params)`` says what a request samples with."""
+        return self.ready.sampling_defaults
 
     @property
     def stats(self) -> LLMStats:

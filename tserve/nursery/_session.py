@@ -132,8 +132,11 @@ async def _start_mux(tg: anyio.abc.TaskGroup, session: EngineSession, *, model: 
             await tg.start(_run_mux, mux, engine.address, session.done)
         finally:
             progress.cancel_scope.cancel()
-    log.info("engine ready: %s (%s, %s)", mux.ready.model, where, mux.ready.device)
-    return mux.ready
+    ready = mux.ready
+    log.info("engine ready: %s (%s, %s)", ready.model, where, ready.device)
+    if ready.task == "generate":
+        log.info("%s", ready.sampling_defaults.describe())
+    return ready
 
 
 async def _run_mux(

@@ -93,8 +93,9 @@ class GenerationDefaults:
 
     ``eos_token_ids`` is empty when the file names none (the model config's
     then holds). The sampling values are the model authors' suggestions,
-    read without torch; requests are not changed by them (an OpenAI request
-    says what it wants, and the engine reports the eos ids it stops on).
+    read without torch; the API process does not apply them: the engine
+    reads and applies its own (``EngineReady.sampling_defaults``, which also
+    serves an engine on another host), as it reports the eos ids it stops on.
     """
 
     eos_token_ids: tuple[int, ...] = ()

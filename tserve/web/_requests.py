@@ -19,6 +19,9 @@ Rules:
   ``tool`` message needs its ``tool_call_id``.
 * vLLM-style extras are accepted: ``top_k``, ``ignore_eos``,
   ``stop_token_ids``, ``structured_outputs`` and the ``guided_*`` fields.
+* ``temperature``, ``top_p`` and ``top_k`` left out stay unset: the engine
+  gives them the model's recommended values (``EngineReady.sampling_defaults``),
+  else OpenAI's.
 * Bounds: ``n`` times the number of prompts is at most :data:`MAX_CHOICES`,
   at most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_LENGTH`
   characters, at most :data:`MAX_MESSAGES` chat messages, ``logprobs``/``top_logprobs`` at
@@ -194,9 +197,10 @@ def _params(
     stop = body.stop
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None or body.top_k < 0 else body.top_k,
+        # Unset: the engine's defaults (the model's recommendation, else OpenAI's).
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=None if body.top_k is None else max(body.top_k, 0),
         seed=body.seed,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),

@@ -114,8 +114,9 @@ def _tokens(core: object, params: SamplingParams, rid: str) -> list[int]:
 def test_the_engine_applies_a_gguf_files_sampling_metadata(
     smollm2_tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """top_k 1 from the file makes an unset request greedy, whatever its seed;
-    the request's own top_k wins; with generation_config "none" it samples."""
+    """top_k 1 from the file makes an unset request greedy, whatever its seed,
+    as it is or dequantized; the request's own top_k wins; with
+    generation_config "none" it samples."""
     path = write_gguf(
         smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "F32", sampling={"top_k": 1}
     )
@@ -137,6 +138,10 @@ def test_the_engine_applies_a_gguf_files_sampling_metadata(
         for s in range(3)
     ]
     assert greedy not in own  # sampling at temperature 1 over the whole vocabulary
+    # Served through its fp32 conversion, the file still says top_k 1.
+    converted = small_core(path, cache_dir=cache, dequantize=True)
+    assert converted.sampling_defaults == core.sampling_defaults
+    assert _tokens(converted, SamplingParams(max_tokens=n, seed=0, ignore_eos=True), "c") == greedy
     off = small_core(path, cache_dir=cache, generation_config="none")
     assert off.sampling_defaults == SamplingDefaults()
     unset_off = [

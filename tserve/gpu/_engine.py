@@ -34,7 +34,7 @@ import torch
 
 from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
-from tserve.gpu._gguf import load_gguf
+from tserve.gpu._gguf import load_gguf, sampling_metadata
 from tserve.gpu._kv import BlockManager
 from tserve.gpu._model_runner import ModelRunner, resolve_device, runs_gguf
 from tserve.gpu._models import (
@@ -84,7 +84,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_root()
         is_default = default or _is_default_gguf(path)
         model: Any
-        sampling_metadata: dict[str, Any] = {}  # a GGUF file's general.sampling.*
+        gguf_sampling: dict[str, Any] = {}  # a GGUF file's general.sampling.*
         if path.suffix == ".gguf" and path.is_file() and not config.dequantize:
             if not runs_gguf(device, dtype):
                 raise ValueError(
@@ -95,24 +95,29 @@ class EngineCore(CoreBookkeeping[Sequence]):
             gguf = load_gguf(path, kernels=quant_kernels(), cache_dir=cache, progress=progress)
             model, model_config = gguf.model, gguf.config
             self.model_path = gguf.tokenizer_dir.resolve()
-            sampling_metadata, defaults_dir = gguf.sampling, path.parent
+            gguf_sampling, defaults_dir = gguf.sampling, path.parent
             tokenizer = None  # llguidance reads the tokenizer.json there
             self.eos_token_ids = _eos_ids(model_config, None)
         else:
+            defaults_dir = path
             if path.suffix == ".gguf" and path.is_file():
+                # Its conversion keeps none of its sampling metadata; the
+                # bundled file states none (its card's values apply).
+                if config.generation_config == "auto" and not is_default:
+                    gguf_sampling = sampling_metadata(path)
+                defaults_dir = path.parent
                 name = DEFAULT_MODEL_NAME if default else None
                 path = converted_gguf_dir(path, cache, name=name, progress=progress)
             progress(f"loading {path} on {device} ({dtype})")
             model, tokenizer = load_model(path, device=device, dtype=dtype)
             model_config = model.config
             self.model_path = path.resolve()
-            defaults_dir = path
             self.eos_token_ids = _eos_ids(model, tokenizer)
         self.model_name = "SmolLM2-135M-Instruct" if default else path.name
         self.sampling_defaults = read_sampling_defaults(
             config.generation_config,
             model_dir=defaults_dir,
-            gguf_metadata=sampling_metadata,
+            gguf_metadata=gguf_sampling,
             default_model=is_default,
         )
         progress(self.sampling_defaults.describe())

@@ -44,8 +44,9 @@ from tserve.gpu._quant import (
     QuantizedWeight,
     QuantKernels,
 )
+from tserve.gpu._sampling_defaults import GGUF_SAMPLING_PREFIX
 
-__all__ = ["GgufModel", "load_gguf", "tokenizer_dir"]
+__all__ = ["GgufModel", "load_gguf", "sampling_metadata", "tokenizer_dir"]
 
 _ARCHITECTURE: Final = "llama"
 _F32: Final = 0
@@ -128,8 +129,19 @@ def load_gguf(
         vocab_size=config.vocab_size,
     )
     tokenizer = tokenizer_dir(path, cache_dir, progress)
-    sampling = meta.with_prefix("general.sampling.")
+    sampling = meta.with_prefix(GGUF_SAMPLING_PREFIX)
     return GgufModel(path, config, tokenizer, model, formats, sampling)
+
+
+def sampling_metadata(path: Path) -> dict[str, Any]:
+    """``path``'s ``general.sampling.*`` metadata (full key -> value), for a file
+    served through its fp32 conversion, which keeps none of it. Blocking: the
+    whole metadata is read (seconds for a large vocabulary)."""
+    try:
+        reader = _reader(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {str(path)!r} as GGUF: {exc}") from exc
+    return _Metadata(reader, path).with_prefix(GGUF_SAMPLING_PREFIX)
 
 
 def _reader(path: Path) -> Any:

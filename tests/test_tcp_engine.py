@@ -206,13 +206,20 @@ def test_api_servers_share_an_engine_and_outlive_each_other_but_not_it(
 def test_a_model_engine_over_tcp(tiny_model_dir: Path, keys: Path, tmp_path: Path) -> None:
     """The tiny model's engine and one API server: it tokenizes exactly as the
     model directory says without having it, holds no torch, frees the KV of
-    a client that hangs up (as over ipc); a server with a key the engine does
-    not know is refused and says so within 10 s."""
-    engine = Engine(tiny_model_dir, keys, log=tmp_path / "engine.log")
+    a client that hangs up (as over ipc); the sampling defaults of the
+    engine's --generation-config apply to the server's requests; a server
+    with a key the engine does not know is refused and says so within 10 s."""
+    defaults = tmp_path / "defaults"
+    defaults.mkdir()
+    (defaults / "generation_config.json").write_text(json.dumps({"top_k": 1}))
+    engine = Engine(
+        tiny_model_dir, keys, "--generation-config", str(defaults), log=tmp_path / "engine.log"
+    )
     server: Server | None = None
     try:
         server = _api(engine, keys, tmp_path, "api.log")
         _check_the_tokenizer_came_over_the_wire(server, tiny_model_dir)
+        _check_the_engines_sampling_defaults_apply(server)
         mapped = mapped_files(server.process.pid)
         assert [f for f in mapped if any(part in f for part in ENGINE_ONLY)] == []
         _check_disconnects_free_the_engine(server)
@@ -255,6 +262,21 @@ def _check_the_tokenizer_came_over_the_wire(server: Server, model_dir: Path) -> 
     body = {"messages": messages, "max_tokens": 3, "ignore_eos": True}
     reply = server.client.post("/v1/chat/completions", json=body)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+
+def _check_the_engines_sampling_defaults_apply(server: Server) -> None:
+    """top_k 1 from the engine makes every request that leaves it unset greedy,
+    whatever its seed; the request's own top_k samples."""
+
+    def text(**sampling: Any) -> str:
+        body = {"prompt": "hello", "max_tokens": 16, "ignore_eos": True, **sampling}
+        reply = server.client.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return str(reply.json()["choices"][0]["text"])
+
+    greedy = text(temperature=0)
+    assert [text(seed=seed) for seed in (1, 2, 3)] == [greedy] * 3
+    assert greedy not in [text(seed=seed, top_k=0) for seed in (1, 2, 3)]
 
 
 def _check_disconnects_free_the_engine(server: Server) -> None:

@@ -3,10 +3,12 @@
 Run: ``python -m benchmarks.kquant_kernels [--n 1536] [--k 1536] [--rows 1 4 16 64]
 [--repeats 9]``
 
-One thread. For each row count, one product per format in turn, ``--repeats``
-rounds (alternating formats within a round, so a shared machine's drift
-falls on all of them), the best time of each; prints each format's time and
-its ratio to Q4_1's (below 1: faster), writes JSON under ``results/``.
+One thread. For each row count, one product per format and activation
+treatment (fp32; ``int8``, 8 bits per block of 32) in turn, ``--repeats``
+rounds (alternating within a round, so a shared machine's drift falls on all
+of them), the best time of each; prints each one's time and its ratio to
+Q4_1's with the same activations (below 1: faster), writes JSON under
+``results/``.
 Weights: Q4_1 and Q8_0 from ``gguf``'s quantizers, K-quants random
 super-blocks in ggml's layout (``tests/gpu/kquant_blocks.py``).
 """
@@ -23,6 +25,8 @@ import torch
 from benchmarks._results import result_stem, write_json
 from tests.gpu import kquant_blocks
 from tserve.gpu._quant import FORMATS, QuantizedWeight, quant_kernels
+
+_MODES = ("fp32", "int8")
 
 
 def _weights(n: int, k: int) -> dict[str, QuantizedWeight]:
@@ -58,15 +62,23 @@ def main() -> int:
     table: dict[int, dict[str, float]] = {}
     for rows in args.rows:
         x = torch.randn(rows, args.k)
-        best = dict.fromkeys(weights, float("inf"))
+        best = {f"{fmt} {mode}": float("inf") for mode in _MODES for fmt in weights}
         for _ in range(args.repeats + 1):  # the first round warms up
-            for fmt, weight in weights.items():
-                start = time.perf_counter()
-                kernels.linear(x, weight)
-                best[fmt] = min(best[fmt], time.perf_counter() - start)
+            for mode in _MODES:
+                for fmt, weight in weights.items():
+                    start = time.perf_counter()
+                    kernels.linear(x, weight, int8=mode == "int8")
+                    seconds = time.perf_counter() - start
+                    best[f"{fmt} {mode}"] = min(best[f"{fmt} {mode}"], seconds)
         table[rows] = best
-        cells = (f"{fmt} {s * 1e3:.3f} ms ({s / best['Q4_1']:.2f})" for fmt, s in best.items())
-        print(f"rows {rows:>3}: " + ", ".join(cells))
+        for mode in _MODES:
+            base = best[f"Q4_1 {mode}"]
+            cells = (
+                f"{name.split()[0]} {s * 1e3:.3f} ms ({s / base:.2f})"
+                for name, s in best.items()
+                if name.endswith(mode)
+            )
+            print(f"rows {rows:>3} {mode}: " + ", ".join(cells))
     meta = {"n": args.n, "k": args.k, "repeats": args.repeats, "load_average": os.getloadavg()}
     meta["isa"] = kernels.best_isa
     path = write_json(result_stem("kquant_kernels"), {"meta": meta, "seconds": table})

@@ -70,6 +70,23 @@ def test_every_variant_is_the_product_with_the_dequantized_weight(
 
 
 @pytest.mark.parametrize("fmt", kquant_blocks.FORMATS)
+@pytest.mark.parametrize(("rows", "n", "k"), _SHAPES)
+def test_int8_activations_cost_about_half_a_percent(
+    kernels: QuantKernels, fmt: str, rows: int, n: int, k: int
+) -> None:
+    """llama.cpp's scheme: activations rounded to 8 bits per block of 32."""
+    weight, dense = _weight(fmt, n, k, seed=rows + n * k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+    expected = F.linear(x, dense)
+    outs = [kernels.linear(x, weight, int8=True, isa=isa) for isa in _isas(kernels)]  # type: ignore[arg-type]
+    for out in outs:
+        error = float((out - expected).norm() / expected.norm())
+        assert error < 0.015
+    # Integer sums are exact: every variant gives the same products up to the scaling's rounding.
+    torch.testing.assert_close(outs[0], outs[-1], rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.parametrize("fmt", kquant_blocks.FORMATS)
 def test_dequantized_rows_are_gguf_s_own(kernels: QuantKernels, fmt: str) -> None:
     weight, dense = _weight(fmt, 40, 512, seed=3)
     for isa in _isas(kernels):

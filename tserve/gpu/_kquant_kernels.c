@@ -22,6 +22,13 @@
  * computed once per call), so the products are fp32 ones, equal to
  * dequantize-then-matmul up to rounding and summation order.
  *
+ * With int8 activations instead (tserve_kqlinear_int8), x comes quantized to
+ * 8 bits per block of 32 as tserve_quantize_q8 (_quant_kernels.c) writes it:
+ * q int8, its scale d and s = d * sum(q) per block. A group's products are then
+ * integer dot products of its quants with q (exact), scaled by the group's
+ * scale times d, less the group's min times s (Q4_K, Q5_K); Q6_K's signed
+ * quants and two scales per group enter the integer sum directly.
+ *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one; the
  * caller picks by `isa` (tserve_quant_isa() in _quant_kernels.c says what
  * this CPU runs; the codes are the same). Single-threaded; columns [n0, n1)
@@ -143,6 +150,62 @@ static void row_portable(int fmt, const uint8_t *wrow, int64_t k, int rows, cons
     }
     for (int r = 0; r < rows; r++) y[r * y_stride] = total[r];
 }
+
+/* The quants of group g of a super-block as in super_floats: 0..15 / 0..31 (Q4_K,
+ * Q5_K) or q - 32 (Q6_K). */
+static void group_ints(int fmt, const uint8_t *blk, int g, int q[32]) {
+    if (fmt == Q6_K) {
+        int half = g / 4, within = g % 4;
+        const uint8_t *ql = blk + 64 * half + 32 * (within & 1), *qh = blk + 128 + 32 * half;
+        int low_shift = 4 * (within >> 1), high_shift = 2 * within;
+        for (int l = 0; l < 32; l++)
+            q[l] = (((ql[l] >> low_shift) & 0x0f) | (((qh[l] >> high_shift) & 3) << 4)) - 32;
+        return;
+    }
+    const uint8_t *pair = blk + (fmt == Q5_K ? 48 : 16) + 32 * (g / 2), *qh = blk + 16;
+    for (int l = 0; l < 32; l++) {
+        q[l] = (pair[l] >> (4 * (g & 1))) & 0x0f;
+        if (fmt == Q5_K) q[l] |= ((qh[l] >> g) & 1) << 4;
+    }
+}
+
+/* One W row against `rows` int8 rows of x (xd, xs: row stride k / 32). */
+static void row_portable_int8(int fmt, const uint8_t *wrow, int64_t k, int rows, const int8_t *x,
+                              const float *xd, const float *xs, float *y, int64_t y_stride) {
+    int64_t nb = k / QK, unit = super_bytes(fmt), groups = k / 32;
+    for (int r = 0; r < rows; r++) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = wrow + b * unit;
+            float scale[GROUPS], min[GROUPS], d = 0.0f;
+            if (fmt != Q6_K)
+                scale_min(blk, scale, min);
+            else
+                d = half_to_float(load_u16(blk + 208));
+            for (int g = 0; g < GROUPS; g++) {
+                int q[32];
+                group_ints(fmt, blk, g, q);
+                const int8_t *xg = x + r * k + b * QK + 32 * g;
+                int64_t at = r * groups + b * GROUPS + g;
+                if (fmt == Q6_K) {
+                    const int8_t *sc = (const int8_t *)(blk + 192) + 2 * g;
+                    int32_t first = 0, second = 0;
+                    for (int l = 0; l < 16; l++) first += q[l] * xg[l];
+                    for (int l = 16; l < 32; l++) second += q[l] * xg[l];
+                    total += d * xd[at] * (float)(sc[0] * first + sc[1] * second);
+                    continue;
+                }
+                int32_t dot = 0;
+                for (int l = 0; l < 32; l++) dot += q[l] * xg[l];
+                total += scale[g] * xd[at] * (float)dot - min[g] * xs[at];
+            }
+        }
+        y[r * y_stride] = total;
+    }
+}
+
+typedef void (*row_int8_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
+                            const float *, float *, int64_t);
 
 typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, const float *, float *,
                        int64_t);
@@ -286,6 +349,46 @@ AVX2 INLINE void tile_avx2(int fmt, const uint8_t *wrow, int64_t k, int rows, co
         y[r * y_stride] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) - hsum(offset[r]);
 }
 
+/* One W row against `rows` int8 rows (xd, xs: row stride k / 32): per group
+ * an 8-bit dot product (maddubs: quants 0..63 times int8 x), scaled. */
+AVX2 INLINE void tile_int8_avx2(int fmt, const uint8_t *wrow, int64_t k, int rows,
+                                const int8_t *x, const float *xd, const float *xs, float *y,
+                                int64_t y_stride) {
+    int64_t nb = k / QK, unit = super_bytes(fmt), groups = k / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE_ROWS];
+    float offset[TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wrow + b * unit;
+        float scale[GROUPS], min[GROUPS], d = 0.0f;
+        if (fmt != Q6_K)
+            scale_min_avx2(blk, scale, min);
+        else
+            d = _cvtsh_ss(load_u16(blk + 208));
+#pragma GCC unroll 8
+        for (int g = 0; g < GROUPS; g++) {
+            __m256i q = group_quants(fmt, blk, g), weights = ones;
+            float factor = fmt == Q6_K ? d : scale[g];
+            if (fmt == Q6_K) { /* |q| against x with q's sign; int16 scales per half */
+                const int8_t *sc = (const int8_t *)(blk + 192) + 2 * g;
+                weights = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+            }
+            __m256i magnitude = fmt == Q6_K ? _mm256_sign_epi8(q, q) : q;
+            for (int r = 0; r < rows; r++) {
+                int64_t at = r * groups + b * GROUPS + g;
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + b * QK + 32 * g));
+                if (fmt == Q6_K) xv = _mm256_sign_epi8(xv, q);
+                __m256i pairs = _mm256_maddubs_epi16(magnitude, xv);
+                __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, weights));
+                acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(factor * xd[at]), acc[r]);
+                if (fmt != Q6_K) offset[r] += min[g] * xs[at];
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) y[r * y_stride] = hsum(acc[r]) - offset[r];
+}
+
 /* The format and the tile's row count as constants in each instance, so each
  * inner loop is specialised. */
 #define AVX2_ROW(FMT)                                                                        \
@@ -302,6 +405,31 @@ AVX2 INLINE void tile_avx2(int fmt, const uint8_t *wrow, int64_t k, int rows, co
 AVX2_ROW(Q4_K)
 AVX2_ROW(Q5_K)
 AVX2_ROW(Q6_K)
+
+#define AVX2_ROW_INT8(FMT)                                                                   \
+    AVX2 static void row_int8_avx2_##FMT(const uint8_t *wrow, int64_t k, int rows,           \
+                                         const int8_t *x, const float *xd, const float *xs,  \
+                                         float *y, int64_t y_stride) {                       \
+        switch (rows) {                                                                      \
+        case 4: tile_int8_avx2(FMT, wrow, k, 4, x, xd, xs, y, y_stride); break;              \
+        case 3: tile_int8_avx2(FMT, wrow, k, 3, x, xd, xs, y, y_stride); break;              \
+        case 2: tile_int8_avx2(FMT, wrow, k, 2, x, xd, xs, y, y_stride); break;              \
+        default: tile_int8_avx2(FMT, wrow, k, 1, x, xd, xs, y, y_stride); break;             \
+        }                                                                                    \
+    }
+
+AVX2_ROW_INT8(Q4_K)
+AVX2_ROW_INT8(Q5_K)
+AVX2_ROW_INT8(Q6_K)
+
+static row_int8_fn avx2_row_int8(int fmt) {
+    switch (fmt) {
+    case Q4_K: return row_int8_avx2_Q4_K;
+    case Q5_K: return row_int8_avx2_Q5_K;
+    case Q6_K: return row_int8_avx2_Q6_K;
+    default: return 0;
+    }
+}
 
 static row_fn avx2_row(int fmt) {
     switch (fmt) {
@@ -328,6 +456,10 @@ AVX2 static void super_floats_avx2(int fmt, const uint8_t *blk, float *out) {
 }
 #else
 static row_fn avx2_row(int fmt) {
+    (void)fmt;
+    return 0;
+}
+static row_int8_fn avx2_row_int8(int fmt) {
     (void)fmt;
     return 0;
 }
@@ -384,6 +516,30 @@ void tserve_kqlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, 
                     fast(wrow, k, rows, x + r * k, xsum + r * groups, y + r * n + j, n);
                 else
                     row_portable(fmt, wrow, k, rows, x + r * k, y + r * n + j, n);
+            }
+        }
+    }
+}
+
+/* y[M, N] (row stride n) columns [n0, n1) = x W^T for W [N, k] in `fmt` and x int8
+ * [M, k] with xd, xs [M, k / 32] from tserve_quantize_q8. */
+void tserve_kqlinear_int8(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
+                          int64_t k, const int8_t *x, const float *xd, const float *xs,
+                          int64_t m, float *y) {
+    int64_t stride = k / QK * super_bytes(fmt), groups = k / 32;
+    row_int8_fn fast = isa == ISA_AVX2 ? avx2_row_int8(fmt) : 0;
+    for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
+        int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
+        for (int64_t j = n0; j < n1; j++) {
+            const uint8_t *wrow = w + j * stride;
+            for (int64_t r = m0; r < m1; r += TILE_ROWS) {
+                int rows = m1 - r < TILE_ROWS ? (int)(m1 - r) : TILE_ROWS;
+                const int8_t *xr = x + r * k;
+                const float *dr = xd + r * groups, *sr = xs + r * groups;
+                if (fast)
+                    fast(wrow, k, rows, xr, dr, sr, y + r * n + j, n);
+                else
+                    row_portable_int8(fmt, wrow, k, rows, xr, dr, sr, y + r * n + j, n);
             }
         }
     }

@@ -19,7 +19,7 @@ activations quantized to 8 bits per block of 32 and integer dot products
 by about 0.5 % (relative, measured on SmolLM2's layers), which flips
 near-ties: SmolLM2 answers "What is the capital of France?" greedily with
 "The capital of France is Paris." in fp32 and with "L'Étoile, ..." in int8,
-its two top logits being 0.06 apart. K-quants take fp32 activations only.
+its two top logits being 0.06 apart. K-quants have both (``_kquant_kernels.c``).
 
 **Instructions.** AVX2 + FMA + F16C where the CPU has them (chosen at run
 time), else portable C, said once in the log. ``F32`` weights are no
@@ -131,8 +131,8 @@ def _declare(function: Any, *argtypes: type[ctypes._SimpleCData[Any]]) -> Any:
 
 
 class QuantKernels:
-    """``_quant_kernels.c``'s entry points. ``isa`` is what runs (this CPU's best
-    unless a caller forces portable, as the tests do)."""
+    """``_quant_kernels.c``'s and ``_kquant_kernels.c``'s entry points. ``isa`` is
+    what runs (this CPU's best unless a caller forces portable, as the tests do)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         library.tserve_quant_isa.restype = _INT
@@ -147,6 +147,21 @@ class QuantKernels:
             library.tserve_kqlinear, _INT, _INT, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr
         )
         self._kgroup_sums = _declare(library.tserve_kgroup_sums, ptr, i64, i64, ptr)
+        self._klinear_int8 = _declare(
+            library.tserve_kqlinear_int8,
+            _INT,
+            _INT,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+        )
         self._kdequantize = _declare(
             library.tserve_kdequantize, _INT, _INT, ptr, i64, ptr, i64, ptr
         )
@@ -161,8 +176,8 @@ class QuantKernels:
     ) -> torch.Tensor:
         """``x [..., in] @ W.T``: a new fp32 ``[..., out]``. Blocks for the product.
 
-        ``int8`` (block formats): activations quantized to 8 bits per block and
-        integer products; else (and for K-quants) fp32 against the weights
+        ``int8`` (block formats and K-quants): activations quantized to 8 bits
+        per block of 32 and integer products; else fp32 against the weights
         dequantized in registers.
         """
         k, n = weight.in_features, weight.out_features
@@ -171,10 +186,7 @@ class QuantKernels:
         out = torch.empty(m, n)
         chosen = self.best_isa if isa is None else isa
         if m and weight.fmt in K_FORMATS:
-            sums = torch.empty(m, k // _BLOCK)  # each block of 32 of x summed
-            self._kgroup_sums(rows.data_ptr(), m, k, sums.data_ptr())
-            operands = (rows.data_ptr(), sums.data_ptr(), m, out.data_ptr())
-            self._klinear(chosen, weight.fmt, weight.data.data_ptr(), n, 0, n, k, *operands)
+            self._k_product(rows, weight, out, int8=int8, isa=chosen)
         elif m:
             xd = xs = None
             operand = rows
@@ -198,6 +210,29 @@ class QuantKernels:
                 out.data_ptr(),
             )
         return out.view(*x.shape[:-1], n)
+
+    def _k_product(
+        self,
+        rows: torch.Tensor,
+        weight: QuantizedWeight,
+        out: torch.Tensor,
+        *,
+        int8: bool,
+        isa: int,
+    ) -> None:
+        """``out [m, n] = rows [m, k] @ W.T`` for a K-quant ``weight`` (``_kquant_kernels.c``)."""
+        m, k = rows.shape
+        n = weight.out_features
+        head = (isa, weight.fmt, weight.data.data_ptr(), n, 0, n, k)
+        per_block = torch.empty(m, k // _BLOCK)  # int8: the scales; fp32: the sums of x
+        if int8:
+            xq, sums = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // _BLOCK)
+            quantized = (xq.data_ptr(), per_block.data_ptr(), sums.data_ptr())
+            self._quantize(rows.data_ptr(), m, k, *quantized)
+            self._klinear_int8(*head, *quantized, m, out.data_ptr())
+        else:
+            self._kgroup_sums(rows.data_ptr(), m, k, per_block.data_ptr())
+            self._klinear(*head, rows.data_ptr(), per_block.data_ptr(), m, out.data_ptr())
 
     def dequantize(
         self, weight: QuantizedWeight, rows: torch.Tensor | None = None, *, isa: Isa | None = None

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import pytest
 
+from tests.guards import HANG_GUARD
 from tests.web.conftest import Server
 from tests.web.test_live import (
     check_disconnect_during_non_streaming_aborts,
@@ -67,7 +68,7 @@ class Engine:
             start_new_session=True,
         )
         assert self.process.stdout is not None
-        line = _read_line(self.process.stdout, timeout=60.0)
+        line = _read_line(self.process.stdout, timeout=HANG_GUARD)
         assert line.startswith("tserve: engine at tcp://"), (line, log.read_text()[-2000:])
         self.address = line.removeprefix("tserve: engine at ").strip()
 
@@ -127,7 +128,9 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``python -m tserve keys DIR``, the command itself."""
     directory = tmp_path_factory.mktemp("curve") / "keys"
     done = subprocess.run(
-        [sys.executable, "-m", "tserve", "keys", str(directory)], capture_output=True, timeout=60
+        [sys.executable, "-m", "tserve", "keys", str(directory)],
+        capture_output=True,
+        timeout=HANG_GUARD,
     )
     assert done.returncode == 0, done.stderr
     return directory
@@ -287,7 +290,9 @@ def _check_disconnects_free_the_engine(server: Server) -> None:
 
 def _check_an_unknown_key_is_refused(engine: Engine, keys: Path, tmp_path: Path) -> None:
     other = tmp_path / "other-keys"
-    subprocess.run([sys.executable, "-m", "tserve", "keys", str(other)], check=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "tserve", "keys", str(other)], check=True, timeout=HANG_GUARD
+    )
     shutil.copy(keys / "server.key", other / "server.key")  # the right engine, an unknown client
     command = [sys.executable, "-m", "tserve", "serve", "--engine", engine.address]
     command += ["--keys", str(other), "--port", "0"]

@@ -16,7 +16,6 @@ import anyio.lowlevel
 import pytest
 
 from tests.faults.workload import (
-    HANG_GUARD,
     Output,
     Spec,
     assert_complete,
@@ -26,6 +25,7 @@ from tests.faults.workload import (
     seeded_spec,
     wait_until_idle,
 )
+from tests.guards import HANG_GUARD
 from tserve.mux import Mailbox
 from tserve.nursery import LLM, InvalidRequest, RequestFailed, open_llm
 from tserve.protocol import AddRequest, FinishReason, SamplingParams

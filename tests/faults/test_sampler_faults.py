@@ -18,7 +18,6 @@ import anyio
 import pytest
 
 from tests.faults.workload import (
-    HANG_GUARD,
     Output,
     Spec,
     assert_complete,
@@ -28,6 +27,7 @@ from tests.faults.workload import (
     seeded_spec,
     wait_until_idle,
 )
+from tests.guards import HANG_GUARD
 from tserve.gpu._sampler import FAULT_ENV
 from tserve.nursery import LLM, RequestFailed, open_llm
 

@@ -15,7 +15,6 @@ import pytest
 from msgspec.structs import replace
 
 from tests.faults.workload import (
-    HANG_GUARD,
     Output,
     Spec,
     assert_complete,
@@ -26,6 +25,7 @@ from tests.faults.workload import (
     seeded_spec,
     wait_until_idle,
 )
+from tests.guards import HANG_GUARD
 from tserve.nursery import LLM, open_llm
 
 pytestmark = pytest.mark.anyio

@@ -16,7 +16,6 @@ import anyio
 from tserve.nursery import LLM, Completion, LLMStats
 from tserve.protocol import SamplingParams
 
-HANG_GUARD = 120.0  # seconds; only ever reached when something hangs
 MAX_TOKENS = 12
 
 # (token id, logprob, top alternatives) per generated token

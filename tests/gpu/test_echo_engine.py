@@ -14,7 +14,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.nursery.conftest import ENGINE, HANG_GUARD, settled
+from tests.guards import HANG_GUARD
+from tests.nursery.conftest import ENGINE, settled
 from tests.web.conftest import Server
 from tserve import LLM, RequestTimeout, SamplingParams, open_llm
 

@@ -22,11 +22,11 @@ import msgspec
 import pytest
 import zmq
 
+from tests.guards import HANG_GUARD
 from tserve import protocol as p
 from tserve.gpu._core import FORWARD_FAULT_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-HANG_GUARD = 60.0  # seconds; only ever reached when something is broken
 
 
 def _config(model_dir: Path, **overrides: Any) -> p.EngineConfig:

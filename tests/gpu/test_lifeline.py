@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import pytest
 
+from tests.guards import HANG_GUARD
 from tserve.gpu._process import _apply, _Stop
 from tserve.protocol import Shutdown, encode
 
@@ -44,7 +45,7 @@ def test_a_signal_interrupts_the_load_and_then_stops_the_loop() -> None:
         [sys.executable, "-c", SCRIPT],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_GUARD,
         cwd=REPO_ROOT,
         check=True,
     ).stdout.split("\n")
@@ -62,7 +63,7 @@ def test_a_signal_after_the_load_is_a_stop_reason() -> None:
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_GUARD,
         cwd=REPO_ROOT,
         check=True,
     )

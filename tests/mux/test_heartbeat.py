@@ -11,7 +11,8 @@ import time
 import anyio
 import pytest
 
-from tests.mux.test_mux import HANG_GUARD, _engine_and_mux, _open, _read_all
+from tests.guards import HANG_GUARD
+from tests.mux.test_mux import _engine_and_mux, _open, _read_all
 from tserve.mux import EngineDeadError
 from tserve.mux._heartbeat import Silence, SilenceClock
 

@@ -23,6 +23,7 @@ import anyio
 import pytest
 import zmq
 
+from tests.guards import HANG_GUARD
 from tests.mux.fake_engine import run_fake_engine
 from tests.mux.test_mux import _open, _read_all
 from tserve import protocol as p
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.anyio
 
 INTERVAL = 0.5  # s, the heartbeat interval of these tests
 REFUSAL_BOUND = 10.0  # s: the bound for saying that the engine refused us
-HANG_GUARD = 30.0
+
 BUNDLE = {"tokenizer.json": b"{}", "additional_chat_templates/tools.jinja": b"{{ x }}"}
 
 

@@ -13,13 +13,12 @@ import anyio
 import pytest
 import zmq
 
+from tests.guards import HANG_GUARD
 from tests.mux.fake_engine import run_fake_engine
 from tserve.mux import EngineDeadError, Mailbox, Mux, MuxClosedError, MuxError, open_mux
 from tserve.protocol import AddRequest, FinishReason, SamplingParams
 
 pytestmark = pytest.mark.anyio
-
-HANG_GUARD = 60  # seconds; only ever reached when something hangs
 
 
 def _add(request_id: str, first_token: int, max_tokens: int) -> AddRequest:

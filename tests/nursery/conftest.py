@@ -19,13 +19,12 @@ import anyio
 import pytest
 
 import tserve.mux._mux as mux_module
+from tests.guards import HANG_GUARD
 from tests.mux.conftest import ipc_address as ipc_address  # the fake engine tests' fixture
 from tserve import protocol
 from tserve.mux import Mux
 from tserve.nursery import LLM
 from tserve.protocol import EngineInput, FinishReason, Message, StepOutputs
-
-HANG_GUARD = 120.0  # seconds; only ever reached when something hangs
 
 # Engine options for tests: quiet, one thread, and a heartbeat fast enough
 # that "the engine reports X" settles quickly when idle.

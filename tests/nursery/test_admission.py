@@ -6,7 +6,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from tests.nursery.conftest import HANG_GUARD
+from tests.guards import HANG_GUARD
 from tserve.nursery import Overloaded
 from tserve.nursery._admission import Admission, Overload
 

@@ -13,7 +13,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from tests.nursery.conftest import ENGINE, HANG_GUARD, Wire, eventually, settled
+from tests.guards import HANG_GUARD
+from tests.nursery.conftest import ENGINE, Wire, eventually, settled
 from tserve import (
     LLM,
     InvalidRequest,

@@ -7,7 +7,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.nursery.conftest import ENGINE, HANG_GUARD, eventually, process_gone
+from tests.guards import HANG_GUARD
+from tests.nursery.conftest import ENGINE, eventually, process_gone
 from tserve import EngineDeadError, SamplingParams, open_llm
 from tserve.nursery import attach_llm
 

@@ -29,8 +29,9 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.guards import HANG_GUARD
 from tests.markers import needs_embedding_model
-from tests.nursery.conftest import ENGINE, HANG_GUARD, eventually
+from tests.nursery.conftest import ENGINE, eventually
 from tserve import LLM, EngineDeadError, SamplingParams, open_llm
 from tserve.nursery import Embedder, RequestState, RequestStream
 

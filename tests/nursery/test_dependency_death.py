@@ -14,8 +14,8 @@ import signal
 import anyio
 import pytest
 
+from tests.guards import HANG_GUARD
 from tests.mux.fake_engine import run_fake_engine
-from tests.nursery.conftest import HANG_GUARD
 from tserve.mux import EngineDeadError, Mailbox
 from tserve.nursery._engine_process import EngineRef
 from tserve.nursery._session import EngineSession, engine_session

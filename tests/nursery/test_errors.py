@@ -21,7 +21,8 @@ import pytest
 import tserve
 import tserve.mux
 import tserve.nursery
-from tests.nursery.conftest import ENGINE, HANG_GUARD
+from tests.guards import HANG_GUARD
+from tests.nursery.conftest import ENGINE
 from tserve import LLMError, SamplingParams, open_llm
 from tserve.nursery import attach_llm
 

@@ -14,7 +14,8 @@ import anyio
 import anyio.abc
 import pytest
 
-from tests.nursery.conftest import ENGINE, HANG_GUARD, eventually, process_gone
+from tests.guards import HANG_GUARD
+from tests.nursery.conftest import ENGINE, eventually, process_gone
 from tserve import LLM, EngineDeadError, SamplingParams, ShuttingDown, open_llm
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.nursery.conftest import ENGINE, HANG_GUARD, eventually, process_gone
+from tests.guards import HANG_GUARD
+from tests.nursery.conftest import ENGINE, eventually, process_gone
 from tserve import SamplingParams, open_llm
 
 pytestmark = pytest.mark.anyio

@@ -14,9 +14,9 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.guards import HANG_GUARD
 from tests.nursery.conftest import (
     ENGINE,
-    HANG_GUARD,
     Wire,
     eventually,
     fd_count,

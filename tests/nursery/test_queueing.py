@@ -16,7 +16,8 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.nursery.conftest import ENGINE, HANG_GUARD, eventually, fd_count, settled
+from tests.guards import HANG_GUARD
+from tests.nursery.conftest import ENGINE, eventually, fd_count, settled
 from tserve import LLM, Overloaded, SamplingParams, open_llm
 from tserve.nursery import RequestStream
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.nursery.conftest import ENGINE, HANG_GUARD
+from tests.guards import HANG_GUARD
+from tests.nursery.conftest import ENGINE
 from tserve import SamplingDefaults, SamplingParams, open_llm
 from tserve.nursery import attach_llm
 

@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
+from tests.guards import HANG_GUARD
 from tests.mux.fake_engine import run_fake_engine
-from tests.nursery.conftest import HANG_GUARD, eventually
+from tests.nursery.conftest import eventually
 from tserve.mux import EngineDeadError, Mux, open_mux
 from tserve.nursery import RequestState, RequestStream, RequestTimeout
 from tserve.nursery._admission import Admission

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.guards import HANG_GUARD
 from tserve._host import raise_fd_limit
 
 API_KEY = "sk-test-key"
@@ -64,7 +65,7 @@ class Server:
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        reader.join(timeout=120)  # a hang guard, not a timing assertion
+        reader.join(timeout=HANG_GUARD)
         if not found:
             self.process.kill()
             raise RuntimeError(f"server did not start:\n{self.log.read_text()[-3000:]}")
@@ -106,7 +107,7 @@ class Server:
             raise KeyError(name)
         return sum(values)
 
-    def wait_for_metric(self, name: str, value: float, timeout: float = 20.0) -> None:
+    def wait_for_metric(self, name: str, value: float, timeout: float = HANG_GUARD) -> None:
         """Poll /metrics until ``name == value`` (a hang guard, not a timing check)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -15,9 +15,8 @@ import pytest
 import trio
 import trio.testing
 
+from tests.guards import HANG_GUARD
 from tserve.web._accept import CONNECTION_HEADROOM, accept_connections, connection_bound
-
-HANG_GUARD = 30.0
 
 
 def connect(listener: socket.socket, n: int) -> list[socket.socket]:

@@ -18,6 +18,7 @@ import msgspec
 import trio
 import trio.testing
 
+from tests.guards import HANG_GUARD
 from tests.web.test_metrics_contract import samples
 from tserve._metrics_dir import ENV
 from tserve.nursery import LLMStats
@@ -26,8 +27,6 @@ from tserve.web._browser import BrowserGuard
 from tserve.web._metrics import CONTENT_TYPE
 from tserve.web._metrics_http import MAX_AGE, REFRESH, Rendering, serve_metrics
 from tserve.web._stats_files import PUBLISH_INTERVAL, ProcessStats, publish_stats, read_stats
-
-HANG_GUARD = 30.0
 
 
 def write_stats(directory: Path, pid: int, live: int, in_flight: int, engine: EngineStats) -> None:

@@ -16,7 +16,9 @@ setup(
                 "tserve/gpu/_quant_kernels.c",
                 "tserve/gpu/_kquant_kernels.c",
             ],
-            extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math"],
+            extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
+            # torch's own OpenMP runtime (the same libgomp.so.1) once torch is imported
+            extra_link_args=["-fopenmp"],
             libraries=["m"],
         )
     ]

@@ -1,7 +1,7 @@
 """Prefill and decode tokens per second on a GGUF file: tserve's engine beside llama.cpp's.
 
 Run: ``python -m benchmarks.gguf_engine [--gguf PATH] [--prompt 64] [--gen 32]
-[--threads 1] [--repeats 3] [--llama-bench PATH]``
+[--threads 1] [--repeats 3] [--llama-bench PATH] [--sides int8,fp32,dequantized]``
 
 The measurements of ``llama-bench -p P -n G -t T``, on the same file, in
 one process per side, alternating sides within each repeat (a shared
@@ -14,11 +14,14 @@ each:
 * decode: the same request's next ``--gen`` tokens, each one step of one
   sequence, from the first token to the last.
 
-Sides: ``native`` (the file as it is: tserve's quantized kernels),
-``dequantized`` (the same file converted once to fp32, ``--dequantize``;
-``--no-dequantized`` leaves it out), and, with ``--llama-bench``, llama.cpp's
-``llama-bench`` (``-r 1 -o json``, its ``avg_ts``). Prints a table and the
-ratios, writes JSON under ``results/``.
+Sides (``--sides``): ``int8`` and ``fp32`` (the file as it is, tserve's
+quantized kernels with ``--gguf-activations int8`` / ``fp32``),
+``dequantized`` (the same file converted once to fp32, ``--dequantize``),
+and, with ``--llama-bench``, llama.cpp's ``llama-bench`` (``-r 1 -o json``,
+its ``avg_ts``). Prints a table, each side's ratio to llama.cpp and the
+weight bytes a decode step reads divided by its time, beside this machine's
+one-core read bandwidth (a sum over 256 MiB, measured in the same run);
+writes JSON under ``results/``.
 """
 
 from __future__ import annotations
@@ -33,13 +36,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks._results import result_stem, write_json
 from tserve.gpu._engine import EngineCore
 from tserve.gpu._models import default_gguf
-from tserve.protocol import AddRequest, EngineConfig, SamplingParams
+from tserve.protocol import AddRequest, EngineConfig, GgufActivations, SamplingParams
+
+_SIDES = ("int8", "fp32", "dequantized")
 
 
-def _core(gguf: Path, threads: int, batch_tokens: int, *, dequantize: bool) -> EngineCore:
+def _core(gguf: Path, threads: int, batch_tokens: int, side: str) -> EngineCore:
+    activations: GgufActivations = "fp32" if side == "fp32" else "int8"
     config = EngineConfig(
         model=str(gguf),
         device="cpu",
@@ -49,7 +57,8 @@ def _core(gguf: Path, threads: int, batch_tokens: int, *, dequantize: bool) -> E
         max_num_batched_tokens=batch_tokens,
         kv_cache_tokens=4096,
         enable_prefix_caching=False,
-        dequantize=dequantize,
+        dequantize=side == "dequantized",
+        gguf_activations=activations,
     )
     return EngineCore(config, progress=lambda line: print(f"  {line}"))
 
@@ -69,6 +78,35 @@ def _measure(core: EngineCore, prompt: list[int], gen: int, tag: str) -> tuple[f
         end = time.perf_counter()
     assert tokens == gen + 1, f"{tag}: {tokens} tokens"
     return len(prompt) / (first - start), gen / (end - first)
+
+
+def _read_bandwidth() -> float:
+    """Bytes per second one core reads: the best of three sums over 256 MiB of fp32."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = torch.ones(64 << 20)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+        return data.numel() * data.element_size() / best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _step_bytes(core: EngineCore) -> int:
+    """Bytes of weights one decode step reads (each weight once, the embedding's one row aside)."""
+    from tserve.gpu._quant import QuantizedLinear
+
+    total = 0
+    for module in core.runner.model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.weight_q.data.numel()
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    return total
 
 
 def _llama_bench(
@@ -91,15 +129,19 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-tokens", type=int, default=512)
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
-    parser.add_argument("--no-dequantized", action="store_true")
+    parser.add_argument(
+        "--sides", default=",".join(_SIDES), help=f"tserve's sides, of {', '.join(_SIDES)}"
+    )
     args = parser.parse_args()
+    sides = [side for side in args.sides.split(",") if side]
+    if not sides or any(side not in _SIDES for side in sides):
+        parser.error(f"--sides: a comma-separated list of {', '.join(_SIDES)}")
 
     gguf = (args.gguf or default_gguf()).resolve()
     print(f"{gguf.name}, {args.threads} thread(s), -p {args.prompt} -n {args.gen}")
-    cores = {"native": _core(gguf, args.threads, args.batch_tokens, dequantize=False)}
-    if not args.no_dequantized:
-        cores["dequantized"] = _core(gguf, args.threads, args.batch_tokens, dequantize=True)
-    vocab = cores["native"].vocab_size
+    cores = {side: _core(gguf, args.threads, args.batch_tokens, side) for side in sides}
+    vocab = cores[sides[0]].vocab_size
+    bandwidth = _read_bandwidth()
     rng = random.Random(0)
     best: dict[str, list[float]] = {}
     runs: list[dict[str, Any]] = []
@@ -120,24 +162,33 @@ def main() -> int:
             )
             old = best.get("llama.cpp", [0.0, 0.0])
             best["llama.cpp"] = [max(old[0], rates[0]), max(old[1], rates[1])]
-        print(
-            f"  round {repeat}: " + ", ".join(f"{r['side']} {r['decode']:.1f}" for r in runs[-3:])
-        )
+        if repeat:
+            latest = runs[-len(cores) - bool(args.llama_bench) :]
+            latest_rates = ", ".join(f"{r['side']} {r['decode']:.1f}" for r in latest)
+            print(f"  round {repeat}: {latest_rates}")
+        bandwidth = max(bandwidth, _read_bandwidth())
 
-    print(f"{'side':>12} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    step_bytes = {side: _step_bytes(core) for side, core in cores.items()}
+    print(f"one-core read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'side':>12} {'prefill tok/s':>14} {'decode tok/s':>13} {'step GB/s':>10}")
     for side, (prefill, decode) in best.items():
-        print(f"{side:>12} {prefill:>14.1f} {decode:>13.1f}")
+        rate = f"{step_bytes[side] * decode / 1e9:>10.2f}" if side in step_bytes else ""
+        print(f"{side:>12} {prefill:>14.1f} {decode:>13.1f} {rate}")
     ratios: dict[str, dict[str, float]] = {}
-    for other in ("dequantized", "llama.cpp"):
-        if other in best:
-            ratios[f"native/{other}"] = {
-                "prefill": best["native"][0] / best[other][0],
-                "decode": best["native"][1] / best[other][1],
-            }
-            print(
-                f"native / {other}: prefill {ratios[f'native/{other}']['prefill']:.2f}, "
-                f"decode {ratios[f'native/{other}']['decode']:.2f}"
-            )
+    for side in cores:
+        for other in ("dequantized", "llama.cpp"):
+            if other in best and other != side:
+                ratio = {
+                    "prefill": best[side][0] / best[other][0],
+                    "decode": best[side][1] / best[other][1],
+                }
+                ratios[f"{side}/{other}"] = ratio
+                print(
+                    f"{side} / {other}: prefill {ratio['prefill']:.2f}, "
+                    f"decode {ratio['decode']:.2f}"
+                )
+        fraction = step_bytes[side] * best[side][1] / bandwidth
+        print(f"{side}: decode reads weights at {fraction:.2f} x one core's read bandwidth")
     meta = {
         "gguf": str(gguf),
         "prompt": args.prompt,
@@ -147,10 +198,11 @@ def main() -> int:
         "llama_bench": args.llama_bench,
         "machine": platform.processor() or platform.machine(),
         "load_average": os.getloadavg(),
+        "read_bandwidth": bandwidth,
+        "step_bytes": step_bytes,
     }
-    path = write_json(
-        result_stem("gguf_engine"), {"meta": meta, "best": best, "ratios": ratios, "runs": runs}
-    )
+    result = {"meta": meta, "best": best, "ratios": ratios, "runs": runs}
+    path = write_json(result_stem("gguf_engine"), result)
     print(f"wrote {path}")
     return 0
 

@@ -75,6 +75,18 @@ def test_dequantize_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyP
     assert parse_args([]).dequantize is True
 
 
+def test_gguf_activations_from_the_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert parse_args([]).gguf_activations == "int8"
+    assert parse_args(["serve", "--gguf-activations", "fp32"]).gguf_activations == "fp32"
+    monkeypatch.setenv("TSERVE_GGUF_ACTIVATIONS", "fp32")
+    assert parse_args([]).gguf_activations == "fp32"
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--gguf-activations", "int4"])
+    assert "--gguf-activations" in capsys.readouterr().err
+
+
 def test_model_impl_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_args([]).model_impl == "auto"
     assert parse_args(["serve", "--model-impl", "hf"]).model_impl == "hf"

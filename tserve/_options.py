@@ -159,6 +159,16 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "metadata, the default model's card; OpenAI's defaults where it says nothing), "
         "'none' (OpenAI's defaults always), or a directory with a generation_config.json",
     )
+    _option(
+        eng,
+        "--gguf-activations",
+        str,
+        d.gguf_activations,
+        "a GGUF file's quantized products: 'int8' (activations rounded to 8 bits per block "
+        "of 32, integer products, as llama.cpp does: the fastest) or 'fp32' (fp32 against the "
+        "weights dequantized in registers: the results of the fp32 conversion)",
+        choices=("int8", "fp32"),
+    )
     _option(eng, "--cache-dir", str, None, "where converted models are cached")
     _option(
         eng,
@@ -188,6 +198,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "model_impl": args.model_impl,
         "dequantize": args.dequantize,
         "generation_config": args.generation_config,
+        "gguf_activations": args.gguf_activations,
         "cache_dir": args.cache_dir,
         "engine_kind": args.engine_kind,
         "echo_step_time": args.echo_step_time,

@@ -10,7 +10,7 @@ from typing import Literal, TypeAlias
 
 import msgspec
 
-__all__ = ["CpuGemm", "EngineConfig", "ModelImpl"]
+__all__ = ["CpuGemm", "EngineConfig", "GgufActivations", "ModelImpl"]
 
 
 CpuGemm: TypeAlias = Literal["auto", "blas", "onednn", "avx512"]
@@ -18,6 +18,9 @@ CpuGemm: TypeAlias = Literal["auto", "blas", "onednn", "avx512"]
 
 ModelImpl: TypeAlias = Literal["auto", "hf"]
 """Whose forward pass runs the model: tserve's own where it covers the model, or transformers'."""
+
+GgufActivations: TypeAlias = Literal["int8", "fp32"]
+"""How a GGUF file's quantized products treat their activations (``tserve.gpu._quant``)."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -42,7 +45,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     "hf": transformers' for all. ``dequantize``: a GGUF file (the default
     model is one) is converted once to an fp32 directory and served from it,
     instead of as it is (its quantized weights through tserve's kernels; CPU
-    fp32 only). ``heartbeat_interval``: every peer hears from
+    fp32 only). ``gguf_activations`` (a GGUF file served as it is): "int8",
+    activations quantized to 8 bits per block of 32 against the packed
+    weights, integer products (llama.cpp's scheme); "fp32", fp32 against the
+    weights dequantized in registers (the fp32 conversion's results up to
+    summation order). ``heartbeat_interval``: every peer hears from
     the engine at least this often; on a network bind it is also the period
     of the ZMTP heartbeats (``tserve.gpu._bind``).
 
@@ -93,3 +100,4 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     grammar_cache_size: int = 64
     dequantize: bool = False
     generation_config: str = "auto"
+    gguf_activations: GgufActivations = "int8"

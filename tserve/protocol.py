@@ -34,7 +34,7 @@ from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
 import msgspec
 
-from tserve.engine_config import CpuGemm, EngineConfig, ModelImpl
+from tserve.engine_config import CpuGemm, EngineConfig, GgufActivations, ModelImpl
 
 __all__ = [
     "OPENAI_SAMPLING",
@@ -49,6 +49,7 @@ __all__ = [
     "EngineReady",
     "EngineStats",
     "FinishReason",
+    "GgufActivations",
     "Heartbeat",
     "Hello",
     "JsonSchema",

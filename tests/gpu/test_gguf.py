@@ -79,6 +79,58 @@ def test_a_gguf_runs_in_its_format_with_the_logits_of_its_fp32_conversion(
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
 
+class _Rounded(torch.nn.Module):
+    """A linear layer whose input is first rounded as the int8 kernels round it:
+    per block of 32, to multiples of its largest magnitude / 127."""
+
+    def __init__(self, linear: torch.nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = x.reshape(x.shape[0], -1, 32)
+        step = blocks.abs().amax(-1, keepdim=True) / 127
+        rounded = torch.round(blocks / torch.where(step > 0, step, 1)) * step
+        out: torch.Tensor = self.linear(rounded.reshape(x.shape))
+        return out
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_int8_activations_are_the_model_with_its_activations_rounded(
+    smollm2_tiny_dir: Path, tmp_path: Path, fmt: str
+) -> None:
+    """Every product on the packed int8 kernel (no tuning: one row or many alike)
+    against the same file on fp32 activations with each product's input rounded
+    to 8 bits per block: the integer sums are exact, so only float rounding
+    differs. (A random tiny model is far more sensitive to the rounding than a
+    trained one: its logits move by about 9 %.)"""
+    path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / f"tiny-{fmt}.gguf", fmt)
+    logits = []
+    for activations in ("int8", "fp32"):
+        loaded = load_gguf(
+            path, kernels=quant_kernels(), cache_dir=tmp_path, progress=lambda _: None,
+            activations=activations,
+        )  # fmt: skip
+        model = loaded.model
+        linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        assert linears and {linear.activations for linear in linears} == {activations}
+        # The tied embedding reads its rows from the head's bytes (packed for int8).
+        head = model.lm_head
+        assert isinstance(model.embed, QuantizedEmbedding) and isinstance(head, QuantizedLinear)
+        assert model.embed.weight_q.data.data_ptr() == head.weight_q.data.data_ptr()
+        runner = ModelRunner(model, num_blocks=16, block_size=4)
+        for linear in linears:
+            linear.kernel_rows = None
+        if activations == "fp32":
+            for layer in model.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    setattr(layer, name, _Rounded(getattr(layer, name)))
+            model.lm_head = _Rounded(model.lm_head)
+        logits.append(_logits(runner, [(i * 37) % 512 for i in range(24)], split=13))
+    ours, expected = logits
+    torch.testing.assert_close(ours, expected, atol=2e-4, rtol=1e-4)
+
+
 def test_layers_of_mixed_formats_and_an_untied_head(tiny_model_dir: Path, tmp_path: Path) -> None:
     """K in Q8_0 beside Q and V in Q4_1 cannot be one weight: they run side by side."""
     formats = {f"blk.{i}.attn_k.weight": "Q8_0" for i in range(2)} | {"output.weight": "Q8_0"}
@@ -132,8 +184,9 @@ def test_a_k_quant_gguf_runs_in_its_formats_with_the_logits_of_its_fp32_conversi
 def test_the_engine_serves_a_k_quant_file_as_its_fp32_conversion_would(
     wide_model_dir: Path, tmp_path: Path
 ) -> None:
+    """With fp32 activations, as the Q4_1 test above."""
     path = write_gguf(wide_model_dir, tmp_path / "gguf" / "wide.gguf", "Q4_K", formats=_Q4_K_M)
-    native = small_core(path, cache_dir=str(tmp_path / "cache"))
+    native = small_core(path, cache_dir=str(tmp_path / "cache"), gguf_activations="fp32")
     converted = small_core(path, cache_dir=str(tmp_path / "cache"), dequantize=True)
     prompt = [(i * 17) % 512 for i in range(9)]
     assert _greedy(native, prompt, 12) == _greedy(converted, prompt, 12)
@@ -167,8 +220,9 @@ def _greedy(core: Any, prompt: list[int], n: int) -> list[int]:
 def test_the_engine_serves_a_gguf_file_as_its_fp32_conversion_would(
     smollm2_tiny_dir: Path, tmp_path: Path
 ) -> None:
+    """With fp32 activations (int8 ones round them: their own test is below)."""
     path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
-    native = small_core(path, cache_dir=str(tmp_path / "cache"))
+    native = small_core(path, cache_dir=str(tmp_path / "cache"), gguf_activations="fp32")
     assert isinstance(native.runner.model, PagedLlama)
     assert native.model_path == path.parent.resolve() and native.model_name == "tiny.gguf"
     converted = small_core(path, cache_dir=str(tmp_path / "cache"), dequantize=True)
@@ -178,11 +232,16 @@ def test_the_engine_serves_a_gguf_file_as_its_fp32_conversion_would(
 
 
 def test_the_default_model_runs_quantized_and_knows_paris(tmp_path: Path) -> None:
-    """The bundled Q4_1 file, its tokenizer from its metadata (converted once)."""
+    """The bundled Q4_1 file, its tokenizer from its metadata (converted once), on
+    fp32 activations (int8 ones can flip this near-tie: tserve/gpu/_quant.py)."""
     from transformers import AutoTokenizer
 
     loaded = load_gguf(
-        default_gguf(), kernels=quant_kernels(), cache_dir=tmp_path, progress=lambda _: None
+        default_gguf(),
+        kernels=quant_kernels(),
+        cache_dir=tmp_path,
+        progress=lambda _: None,
+        activations="fp32",
     )
     assert loaded.formats == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
     assert loaded.tokenizer_dir.parent == tmp_path / "gguf-tokenizers"

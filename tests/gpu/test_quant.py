@@ -67,21 +67,58 @@ def test_every_variant_is_the_product_with_the_dequantized_weight(
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4 * k**0.5)
 
 
+_PACKED_SHAPES = [*_SHAPES, (4, 8, 32), (9, 17, 2048)]  # a whole panel; many panels of long rows
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize(("rows", "n", "k"), _SHAPES)
-def test_int8_activations_cost_about_half_a_percent(
+@pytest.mark.parametrize(("rows", "n", "k"), _PACKED_SHAPES)
+def test_int8_activations_are_the_product_with_the_rounded_activations(
     kernels: QuantKernels, fmt: str, rows: int, n: int, k: int
 ) -> None:
-    """llama.cpp's scheme: activations rounded to 8 bits per block of 32."""
+    """llama.cpp's scheme: each block of 32 activations rounded to 8 bits, scaled
+    by its largest magnitude over 127; integer sums are exact, so each variant is
+    the product with those rounded activations up to the scaling's rounding."""
     weight, dense = _weight(fmt, n, k, seed=rows + n * k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
-    expected = F.linear(x, dense)
-    outs = [kernels.linear(x, weight, int8=True, isa=isa) for isa in _isas(kernels)]  # type: ignore[arg-type]
-    for out in outs:
-        error = float((out - expected).norm() / expected.norm())
-        assert error < 0.015
-    # Integer sums are exact: every variant gives the same products up to the scaling's rounding.
-    torch.testing.assert_close(outs[0], outs[-1], rtol=1e-5, atol=1e-4)
+    blocks = x.view(rows, -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(blocks / torch.where(step > 0, step, 1)) * step).view(rows, k)
+    packed = kernels.pack(weight)
+    for isa in _isas(kernels):
+        out = kernels.linear_int8(x, packed, isa=isa)  # type: ignore[arg-type]
+        torch.testing.assert_close(out, F.linear(rounded, dense), rtol=1e-4, atol=1e-4 * k**0.5)
+        error = float((out - F.linear(x, dense)).norm() / F.linear(x, dense).norm())
+        assert error < 0.015  # what the rounding costs: about half a percent
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_the_packed_layout_keeps_every_row(kernels: QuantKernels, fmt: str) -> None:
+    weight, dense = _weight(fmt, 21, 96, seed=4)  # a partial last panel
+    packed = kernels.pack(weight)
+    torch.testing.assert_close(kernels.dequantize(packed), dense, rtol=0, atol=0)
+    rows = torch.tensor([20, 0, 9, 9])
+    torch.testing.assert_close(kernels.dequantize(packed, rows), dense[rows], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_product_shared_among_threads_is_the_same(
+    kernels: QuantKernels, activations: str, threads: int
+) -> None:
+    """Output rows split among torch's threads (3 here: more than this machine's
+    cores is allowed): every split gives each row's own sum."""
+    weight, _ = _weight("Q4_1", 203, 256, seed=6)
+    layer = QuantizedLinear(weight, kernels, activations)  # type: ignore[arg-type]
+    x = torch.randn(5, 256)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer(x)
+        torch.set_num_threads(threads)
+        shared = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone, shared)
 
 
 def test_a_batch_of_leading_dimensions_keeps_its_shape(kernels: QuantKernels) -> None:
@@ -102,16 +139,22 @@ def test_dequantized_rows_are_gguf_s_own(kernels: QuantKernels, fmt: str) -> Non
     torch.testing.assert_close(embedding(ids), dense[ids], rtol=1e-6, atol=1e-6)
 
 
-def test_a_tuned_layer_gives_the_same_product_on_either_route(kernels: QuantKernels) -> None:
-    """Many rows may go through an fp32 copy and the BLAS; the product is the same."""
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_a_tuned_layer_gives_the_same_product_on_either_route(
+    kernels: QuantKernels, activations: str
+) -> None:
+    """Many rows may go through an fp32 copy and the BLAS; the product is the
+    same (int8: up to the activations' rounding)."""
     weight, dense = _weight("Q4_1", 96, 64, seed=5)
-    layer = QuantizedLinear(weight, kernels)
+    layer = QuantizedLinear(weight, kernels, activations)  # type: ignore[arg-type]
+    bound = 1e-5 if activations == "fp32" else 0.015
     chosen = layer.tune(rows=(2, 8))
     assert chosen in (None, 1, 2)
     x = torch.randn(9, 64)
+    expected = F.linear(x, dense)
     for kernel_rows in (None, 0):
         layer.kernel_rows = kernel_rows
-        torch.testing.assert_close(layer(x), F.linear(x, dense), rtol=1e-5, atol=1e-4)
+        assert float((layer(x) - expected).norm() / expected.norm()) < bound
 
 
 def test_a_weight_of_the_wrong_size_is_refused() -> None:

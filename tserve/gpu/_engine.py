@@ -92,7 +92,13 @@ class EngineCore(CoreBookkeeping[Sequence]):
                     "serve it with --dequantize"
                 )
             progress(f"loading {path} as it is, on {device}")
-            gguf = load_gguf(path, kernels=quant_kernels(), cache_dir=cache, progress=progress)
+            gguf = load_gguf(
+                path,
+                kernels=quant_kernels(),
+                cache_dir=cache,
+                progress=progress,
+                activations=config.gguf_activations,
+            )
             model, model_config = gguf.model, gguf.config
             self.model_path = gguf.tokenizer_dir.resolve()
             gguf_sampling, defaults_dir = gguf.sampling, path.parent

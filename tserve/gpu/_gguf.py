@@ -39,6 +39,8 @@ from tserve.gpu._llama import LayerWeights, PagedLlama, rope_table
 from tserve.gpu._models import ModelLoadError, ProgressCallback, publish_dir, staging_dir
 from tserve.gpu._quant import (
     FORMATS,
+    Activations,
+    PackedWeight,
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
@@ -73,8 +75,10 @@ def load_gguf(
     kernels: QuantKernels | None,
     cache_dir: Path,
     progress: ProgressCallback,
+    activations: Activations = "fp32",
 ) -> GgufModel:
-    """Load ``path`` for tserve's own forward pass on CPU (fp32 activations).
+    """Load ``path`` for tserve's own forward pass on CPU; its quantized products
+    treat their activations as ``activations`` says (:mod:`tserve.gpu._quant`).
 
     ``kernels`` None (the compiled library is absent) is an error for a file
     with any weight not in F32. Raises ModelLoadError naming the file, and
@@ -95,7 +99,7 @@ def load_gguf(
     formats = _check_formats(path, tensors.values(), kernels)
     config = _config(meta, tensors)
     progress(f"{path.name}: {', '.join(f'{n} {k}' for k, n in sorted(formats.items()))} tensors")
-    weights = _Weights(tensors, path, kernels)
+    weights = _Weights(tensors, path, kernels, activations)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     layers = [
         LayerWeights(
@@ -113,14 +117,21 @@ def load_gguf(
         for i in range(config.num_hidden_layers)
     ]
     head_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    lm_head = weights.linear([head_name])
+    packed_head = getattr(lm_head, "weight_q", None)
+    embed: torch.nn.Module
+    if config.tie_word_embeddings and isinstance(packed_head, PackedWeight) and kernels:
+        embed = QuantizedEmbedding(packed_head, kernels)  # one copy of the tied rows, packed
+    else:
+        embed = weights.embedding("token_embd.weight")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rotary = LlamaRotaryEmbedding(config)
     model = PagedLlama(
-        embed=weights.embedding("token_embd.weight"),
+        embed=embed,
         layers=layers,
         norm=weights.vector("output_norm.weight"),
-        lm_head=weights.linear([head_name]),
+        lm_head=lm_head,
         rope=rope_table(rotary, config.max_position_embeddings, torch.device("cpu"), torch.float32),
         heads=heads,
         kv_heads=kv_heads,
@@ -252,10 +263,17 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> Any:
 class _Weights:
     """The file's tensors as tserve modules (rows as GGUF stores them: one per output)."""
 
-    def __init__(self, tensors: dict[str, Any], path: Path, kernels: QuantKernels | None) -> None:
+    def __init__(
+        self,
+        tensors: dict[str, Any],
+        path: Path,
+        kernels: QuantKernels | None,
+        activations: Activations,
+    ) -> None:
         self._tensors = tensors
         self._path = path
         self._kernels = kernels
+        self._activations = activations
 
     def _tensor(self, name: str) -> Any:
         tensor = self._tensors.get(name)
@@ -292,7 +310,8 @@ class _Weights:
             linear.weight = torch.nn.Parameter(dense, requires_grad=False)
             return linear
         assert self._kernels is not None, "checked by _check_formats"
-        return QuantizedLinear(QuantizedWeight(fmt, data, data.shape[0], k), self._kernels)
+        weight = QuantizedWeight(fmt, data, data.shape[0], k)
+        return QuantizedLinear(weight, self._kernels, self._activations)
 
     def embedding(self, name: str) -> torch.nn.Module:
         fmt, rows = self._rows(name, None)

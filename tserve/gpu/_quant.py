@@ -1,34 +1,56 @@
 """Linear layers and embeddings over GGUF weights kept in their formats.
 
-A weight stays as the GGUF file lays it out: one row per output feature,
+A weight comes as the GGUF file lays it out: one row per output feature,
 each row a run of blocks (``Q8_0``, ``Q4_0``, ``Q4_1``: 32 weights each, a
 fp16 scale, and for ``Q4_1`` a fp16 offset), of K-quant super-blocks
 (``Q4_K``, ``Q5_K``, ``Q6_K``: 256 weights each, 4.5, 5.5 and 6.56 bits a
 weight with their scales) or of 16-bit floats (``F16``, ``BF16``).
 ``_quant_kernels.c`` (and ``_kquant_kernels.c`` for the K-quants) multiplies
-by it directly; every weight row is read once per product whatever the
+by it directly; every weight byte is read once per product whatever the
 number of rows (decode rows and prefill chunks alike).
 
-**Activations** stay fp32: each block of weights is dequantized in
-registers once per tile of up to 4 activation rows and multiplied in fp32,
-so a product equals dequantize-then-``F.linear`` up to summation order
-(the tests bound the difference at float rounding), and greedy outputs match
-the model converted to fp32. The C code also has llama.cpp's scheme,
-activations quantized to 8 bits per block of 32 and integer dot products
-(``int8=True``); it is not the serving path because it moves every product
-by about 0.5 % (relative, measured on SmolLM2's layers), which flips
-near-ties: SmolLM2 answers "What is the capital of France?" greedily with
-"The capital of France is Paris." in fp32 and with "L'Étoile, ..." in int8,
-its two top logits being 0.06 apart. K-quants have both (``_kquant_kernels.c``).
+**Activations** (:data:`Activations`, the engine's ``--gguf-activations``):
+
+* ``int8`` (the serving default), llama.cpp's scheme: each block of 32
+  activations is rounded to 8 bits (scale: its largest magnitude / 127) and
+  multiplied by the weight's integers with 8-bit dot products; the weight is
+  repacked once at load into panels of 8 rows (:class:`PackedWeight`, the
+  same bytes), so that one pass of 256-bit integer products serves 8
+  outputs. Its products are several times faster than ``fp32``'s (the
+  decode step of SmolLM2 Q4_1 about 1.6 times on one core). Each product moves
+  by about 0.5 % (relative; the tests bound it), and the model's perplexity
+  on ``benchmarks/sonnet.txt`` (4,980 tokens, SmolLM2 Q4_1, windows of 512)
+  by +0.36 % (``benchmarks/perplexity.py``: 63.856 against 63.629 for the
+  model dequantized to fp32). Greedy answers can part from the fp32
+  model's at near-ties: SmolLM2 answers "What is the capital of France?"
+  with "The capital of France is Paris." in fp32 and, when its prompt's
+  products run int8, with "L'Étoile, ...", its two top logits being 0.06
+  apart.
+* ``fp32``: each block of weights is dequantized in registers once per tile
+  of up to 4 activation rows and multiplied in fp32, so a product equals
+  dequantize-then-``F.linear`` up to summation order (the tests bound the
+  difference at float rounding) and greedy outputs match the model
+  converted to fp32.
+
+K-quants (``_kquant_kernels.c``) have both paths, their int8 one on the
+file's layout (the activations quantized as above). ``F16``/``BF16``
+weights run ``fp32`` either way. ``F32`` weights are no
+business of this module: they load as plain fp32 linear layers.
 
 **Instructions.** AVX2 + FMA + F16C where the CPU has them (chosen at run
-time), else portable C, said once in the log. ``F32`` weights are no
-business of this module: they load as plain fp32 linear layers.
+time), else portable C, said once in the log.
+
+**Threads.** A product's output rows are split among torch's threads
+(``torch.set_num_threads``, the engine's ``--threads``), in torch's own
+OpenMP pool; small products, and K-quant ones, run on the caller alone.
 
 **Many rows.** For a prefill chunk the product is compute-bound; each layer
 measures once, per weight shape, whether its rows are faster through the
 kernel or through dequantizing the weight into a scratch fp32 copy and
 ``F.linear`` (the BLAS), and picks by row count (:class:`QuantizedLinear`).
+
+**Formats** are one table (``_FORMAT_TABLE``): a format's GGML id, block
+size and bytes, and whether it has a packed int8 kernel.
 """
 
 from __future__ import annotations
@@ -50,6 +72,8 @@ __all__ = [
     "BLOCK_FORMATS",
     "FORMATS",
     "K_FORMATS",
+    "Activations",
+    "PackedWeight",
     "QuantKernels",
     "QuantizedEmbedding",
     "QuantizedLinear",
@@ -61,32 +85,44 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# GGML's type ids (gguf.GGMLQuantizationType), the C code's format codes.
-F16: Final = 1
-Q4_0: Final = 2
-Q4_1: Final = 3
-Q8_0: Final = 8
-Q4_K: Final = 12
-Q5_K: Final = 13
-Q6_K: Final = 14
-BF16: Final = 30
-FORMATS: Final = {
-    "F16": F16,
-    "BF16": BF16,
-    "Q4_0": Q4_0,
-    "Q4_1": Q4_1,
-    "Q8_0": Q8_0,
-    "Q4_K": Q4_K,
-    "Q5_K": Q5_K,
-    "Q6_K": Q6_K,
+Activations = Literal["int8", "fp32"]
+"""How a product treats its activations: ``int8``, quantized per block of 32
+against the packed weight; ``fp32``, against the weight dequantized in registers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Format:
+    """A weight format the kernels multiply by. ``block``: values per block (1 for
+    a float format), of ``block_bytes`` bytes; ``int8``: it has an int8-activation
+    kernel, over a packed layout (:meth:`QuantKernels.pack`) if ``packs``."""
+
+    name: str
+    code: int  # GGML's type id (gguf.GGMLQuantizationType), the C code's format code
+    block: int
+    block_bytes: int
+    int8: bool
+    packs: bool
+
+
+_FORMAT_TABLE: Final = {
+    f.code: f
+    for f in (
+        _Format("F16", 1, 1, 2, int8=False, packs=False),
+        _Format("BF16", 30, 1, 2, int8=False, packs=False),
+        _Format("Q4_0", 2, 32, 18, int8=True, packs=True),
+        _Format("Q4_1", 3, 32, 20, int8=True, packs=True),
+        _Format("Q8_0", 8, 32, 34, int8=True, packs=True),
+        _Format("Q4_K", 12, 256, 144, int8=True, packs=False),
+        _Format("Q5_K", 13, 256, 176, int8=True, packs=False),
+        _Format("Q6_K", 14, 256, 210, int8=True, packs=False),
+    )
 }
+FORMATS: Final = {f.name: f.code for f in _FORMAT_TABLE.values()}
 """The formats the kernels multiply by, by GGUF name."""
-BLOCK_FORMATS: Final = frozenset({Q4_0, Q4_1, Q8_0})
-K_FORMATS: Final = frozenset({Q4_K, Q5_K, Q6_K})
+BLOCK_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block == 32)
+K_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block == 256)
 """Super-blocks of 256 weights (``_kquant_kernels.c``)."""
-_BLOCK: Final = 32
-_BLOCK_BYTES: Final = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
-_BLOCK_VALUES: Final = {Q4_0: _BLOCK, Q4_1: _BLOCK, Q8_0: _BLOCK, Q4_K: 256, Q5_K: 256, Q6_K: 256}
+_GROUP: Final = 32  # the K-quant kernels take x summed per group of this many values
 _ISA_NAMES: Final = ("portable C", "AVX2 + FMA + F16C")
 
 Isa = Literal[0, 1]
@@ -95,17 +131,16 @@ Isa = Literal[0, 1]
 
 def row_bytes(fmt: int, k: int) -> int:
     """Bytes of one weight row of ``k`` values in ``fmt``."""
-    if fmt in _BLOCK_VALUES:
-        return k // _BLOCK_VALUES[fmt] * _BLOCK_BYTES[fmt]
-    return 2 * k
+    spec = _FORMAT_TABLE[fmt]
+    return k // spec.block * spec.block_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A ``[out_features, in_features]`` weight in ``fmt``: ``data [out, row_bytes]`` uint8.
+    """A ``[out_features, in_features]`` weight in ``fmt`` as the file lays it out:
+    ``data [out, row_bytes]`` uint8.
 
-    For a block format ``in_features`` is a multiple of its block (32; a
-    K-quant's 256): GGUF's own rule.
+    For a block format ``in_features`` is a multiple of its block (GGUF's own rule).
     """
 
     fmt: int
@@ -117,9 +152,20 @@ class QuantizedWeight:
         expected = (self.out_features, row_bytes(self.fmt, self.in_features))
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
             raise ValueError(f"weight data {tuple(self.data.shape)} is not uint8 {expected}")
-        block = _BLOCK_VALUES.get(self.fmt, 1)
+        block = _FORMAT_TABLE[self.fmt].block
         if self.in_features % block:
             raise ValueError(f"in_features {self.in_features} is not a multiple of {block}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A :class:`QuantizedWeight`'s bytes rearranged for the int8 kernel (same
+    size, up to padding the rows to a multiple of 8): ``data`` 1-D uint8."""
+
+    fmt: int
+    data: torch.Tensor
+    out_features: int
+    in_features: int
 
 
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -132,39 +178,37 @@ def _declare(function: Any, *argtypes: type[ctypes._SimpleCData[Any]]) -> Any:
 
 class QuantKernels:
     """``_quant_kernels.c``'s and ``_kquant_kernels.c``'s entry points. ``isa`` is
-    what runs (this CPU's best unless a caller forces portable, as the tests do)."""
+    what runs (this CPU's best unless a caller forces portable, as the tests do).
+    Every product blocks until done and runs on ``torch.get_num_threads()``
+    threads (torch's own OpenMP pool), or on the caller alone when it is small
+    (K-quants: always)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         library.tserve_quant_isa.restype = _INT
         self.best_isa: Isa = 1 if library.tserve_quant_isa() == 1 else 0
-        i64, ptr = _I64, _PTR
-        self._quantize = _declare(library.tserve_quantize_q8, ptr, i64, i64, ptr, ptr, ptr)
-        self._linear = _declare(
-            library.tserve_qlinear, _INT, _INT, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr
-        )
-        self._dequantize = _declare(library.tserve_dequantize, _INT, ptr, i64, ptr, i64, ptr)
+        i64, ptr, c_int = _I64, _PTR, _INT
+        self._linear = _declare(library.tserve_qlinear, c_int, c_int, ptr, i64, i64, ptr, i64, ptr)
+        self._linear_int8 = library.tserve_qlinear_int8
+        self._linear_int8.argtypes = (c_int, c_int, ptr, i64, i64, ptr, i64, ptr)
+        self._linear_int8.restype = c_int
+        self._dequantize = _declare(library.tserve_dequantize, c_int, ptr, i64, ptr, i64, ptr)
+        self._unpack = _declare(library.tserve_unpack, c_int, ptr, i64, ptr, i64, ptr)
         self._klinear = _declare(
-            library.tserve_kqlinear, _INT, _INT, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr
+            library.tserve_kqlinear, c_int, c_int, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr
         )
         self._kgroup_sums = _declare(library.tserve_kgroup_sums, ptr, i64, i64, ptr)
+        self._quantize = _declare(library.tserve_quantize_q8, c_int, ptr, i64, i64, ptr, ptr, ptr)
         self._klinear_int8 = _declare(
             library.tserve_kqlinear_int8,
-            _INT,
-            _INT,
-            ptr,
-            i64,
-            i64,
-            i64,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-        )
+            c_int, c_int, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr,
+        )  # fmt: skip
         self._kdequantize = _declare(
-            library.tserve_kdequantize, _INT, _INT, ptr, i64, ptr, i64, ptr
+            library.tserve_kdequantize, c_int, c_int, ptr, i64, ptr, i64, ptr
         )
+        self._pack = _declare(library.tserve_pack, c_int, ptr, i64, i64, ptr)
+        library.tserve_packed_bytes.argtypes = (c_int, i64, i64)
+        library.tserve_packed_bytes.restype = i64
+        self._packed_bytes = library.tserve_packed_bytes
 
     def linear(
         self,
@@ -174,42 +218,26 @@ class QuantKernels:
         int8: bool = False,
         isa: Isa | None = None,
     ) -> torch.Tensor:
-        """``x [..., in] @ W.T``: a new fp32 ``[..., out]``. Blocks for the product.
-
-        ``int8`` (block formats and K-quants): activations quantized to 8 bits
-        per block of 32 and integer products; else fp32 against the weights
-        dequantized in registers.
-        """
+        """``x [..., in] @ W.T``, fp32 against the weight dequantized in registers:
+        a new fp32 ``[..., out]``. ``int8`` (K-quants only; the other block formats
+        take int8 activations on a packed weight, :meth:`linear_int8`): the
+        activations quantized to 8 bits per block of 32 and integer products."""
+        if int8 and weight.fmt not in K_FORMATS:
+            raise ValueError("int8 activations on this format need a packed weight: linear_int8")
         k, n = weight.in_features, weight.out_features
-        rows = x.reshape(-1, k).contiguous()
+        flat = x.dim() == 2 and x.is_contiguous()  # a step's rows: no reshaping (it costs)
+        rows = x if flat else x.reshape(-1, k).contiguous()
         m = rows.shape[0]
         out = torch.empty(m, n)
         chosen = self.best_isa if isa is None else isa
         if m and weight.fmt in K_FORMATS:
             self._k_product(rows, weight, out, int8=int8, isa=chosen)
         elif m:
-            xd = xs = None
-            operand = rows
-            if int8 and weight.fmt in BLOCK_FORMATS:
-                operand = torch.empty(m, k, dtype=torch.int8)
-                xd, xs = torch.empty(m, k // _BLOCK), torch.empty(m, k // _BLOCK)
-                pointers = (operand.data_ptr(), xd.data_ptr(), xs.data_ptr())
-                self._quantize(rows.data_ptr(), m, k, *pointers)
             self._linear(
-                chosen,
-                weight.fmt,
-                weight.data.data_ptr(),
-                n,
-                0,
-                n,
-                k,
-                operand.data_ptr(),
-                0 if xd is None else xd.data_ptr(),
-                0 if xs is None else xs.data_ptr(),
-                m,
+                chosen, weight.fmt, weight.data.data_ptr(), n, k, rows.data_ptr(), m,
                 out.data_ptr(),
-            )
-        return out.view(*x.shape[:-1], n)
+            )  # fmt: skip
+        return out if flat else out.view(*x.shape[:-1], n)
 
     def _k_product(
         self,
@@ -224,18 +252,47 @@ class QuantKernels:
         m, k = rows.shape
         n = weight.out_features
         head = (isa, weight.fmt, weight.data.data_ptr(), n, 0, n, k)
-        per_block = torch.empty(m, k // _BLOCK)  # int8: the scales; fp32: the sums of x
+        per_block = torch.empty(m, k // _GROUP)  # int8: the scales; fp32: the sums of x
         if int8:
-            xq, sums = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // _BLOCK)
+            xq, sums = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // _GROUP)
             quantized = (xq.data_ptr(), per_block.data_ptr(), sums.data_ptr())
-            self._quantize(rows.data_ptr(), m, k, *quantized)
+            self._quantize(isa, rows.data_ptr(), m, k, *quantized)
             self._klinear_int8(*head, *quantized, m, out.data_ptr())
         else:
             self._kgroup_sums(rows.data_ptr(), m, k, per_block.data_ptr())
             self._klinear(*head, rows.data_ptr(), per_block.data_ptr(), m, out.data_ptr())
 
+    def pack(self, weight: QuantizedWeight) -> PackedWeight:
+        """``weight`` in :meth:`linear_int8`'s layout (a copy); only for a format
+        that ``packs``."""
+        n, k = weight.out_features, weight.in_features
+        data = torch.empty(self._packed_bytes(weight.fmt, n, k), dtype=torch.uint8)
+        self._pack(weight.fmt, weight.data.contiguous().data_ptr(), n, k, data.data_ptr())
+        return PackedWeight(weight.fmt, data, n, k)
+
+    def linear_int8(
+        self, x: torch.Tensor, weight: PackedWeight, *, isa: Isa | None = None
+    ) -> torch.Tensor:
+        """``x [..., in] @ W.T`` with ``x`` quantized to 8 bits per block of 32 and
+        integer products: a new fp32 ``[..., out]``."""
+        k, n = weight.in_features, weight.out_features
+        flat = x.dim() == 2 and x.is_contiguous()  # a step's rows: no reshaping (it costs)
+        rows = x if flat else x.reshape(-1, k).contiguous()
+        m = rows.shape[0]
+        out = torch.empty(m, n)
+        if m and self._linear_int8(
+            self.best_isa if isa is None else isa, weight.fmt, weight.data.data_ptr(), n, k,
+            rows.data_ptr(), m, out.data_ptr(),
+        ):  # fmt: skip
+            raise MemoryError(f"no memory for {m} x {k} quantized activations")
+        return out if flat else out.view(*x.shape[:-1], n)
+
     def dequantize(
-        self, weight: QuantizedWeight, rows: torch.Tensor | None = None, *, isa: Isa | None = None
+        self,
+        weight: QuantizedWeight | PackedWeight,
+        rows: torch.Tensor | None = None,
+        *,
+        isa: Isa | None = None,
     ) -> torch.Tensor:
         """The fp32 rows ``rows`` (int64 ``[r]``; all when None) of the weight: ``[r, in]``."""
         count = weight.out_features if rows is None else rows.numel()
@@ -248,7 +305,9 @@ class QuantKernels:
             count,
             out.data_ptr(),
         )
-        if weight.fmt in K_FORMATS:
+        if isinstance(weight, PackedWeight):
+            self._unpack(weight.fmt, *where)
+        elif weight.fmt in K_FORMATS:
             self._kdequantize(self.best_isa if isa is None else isa, weight.fmt, *where)
         else:
             self._dequantize(weight.fmt, *where)
@@ -280,23 +339,42 @@ TUNED_ROWS: Final = (16, 32, 64, 128, 256, 512)
 class QuantizedLinear(torch.nn.Module):
     """A linear layer (no bias) over a :class:`QuantizedWeight`.
 
-    ``forward`` takes fp32 ``[..., in_features]``; rows up to :attr:`kernel_rows`
+    ``activations`` "int8" (a format that packs; others run fp32): the weight
+    is packed once here and the file's bytes are no longer read. ``forward``
+    takes fp32 ``[..., in_features]``; rows up to :attr:`kernel_rows`
     (inclusive) run on the kernel, more on dequantize-then-``F.linear``
     (:meth:`tune` sets it; the kernel at every row count until then).
     """
 
-    def __init__(self, weight: QuantizedWeight, kernels: QuantKernels) -> None:
+    def __init__(
+        self, weight: QuantizedWeight, kernels: QuantKernels, activations: Activations = "fp32"
+    ) -> None:
         super().__init__()
-        self.weight_q = weight
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self._kernels = kernels
+        self.activations: Activations = (
+            "int8" if activations == "int8" and _FORMAT_TABLE[weight.fmt].int8 else "fp32"
+        )
+        self.weight_q: QuantizedWeight | PackedWeight
+        self._kernel: Callable[[torch.Tensor], torch.Tensor]
+        if self.activations == "int8" and _FORMAT_TABLE[weight.fmt].packs:
+            packed = self.weight_q = kernels.pack(weight)
+            self._kernel = lambda x: kernels.linear_int8(x, packed)
+        elif self.activations == "int8":  # a K-quant: int8 on the file's layout
+            self.weight_q = weight
+            self._kernel = lambda x: kernels.linear(x, weight, int8=True)
+        else:
+            self.weight_q = weight
+            self._kernel = lambda x: kernels.linear(x, weight)
         self.kernel_rows: int | None = None  # None: the kernel at every row count
 
+    def _dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._kernels.dequantize(self.weight_q))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if self.kernel_rows is not None and rows > self.kernel_rows:
-            return F.linear(x, self._kernels.dequantize(self.weight_q))
-        return self._kernels.linear(x, self.weight_q)
+        if self.kernel_rows is not None and x.numel() > self.kernel_rows * self.in_features:
+            return self._dequantized(x)
+        return self._kernel(x)
 
     def tune(
         self,
@@ -307,8 +385,8 @@ class QuantizedLinear(torch.nn.Module):
         count where dequantizing wins, it is used. Blocks while it measures.
         Returns (and sets) :attr:`kernel_rows`."""
         products: dict[Route, Callable[[torch.Tensor], torch.Tensor]] = {
-            "kernel": lambda x: self._kernels.linear(x, self.weight_q),
-            "dequantize": lambda x: F.linear(x, self._kernels.dequantize(self.weight_q)),
+            "kernel": self._kernel,
+            "dequantize": self._dequantized,
         }
         self.kernel_rows = None
         previous = rows[0] - 1  # below the first count the kernel runs in any case
@@ -329,10 +407,11 @@ class QuantizedLinear(torch.nn.Module):
 
 
 class QuantizedEmbedding(torch.nn.Module):
-    """A token embedding over a :class:`QuantizedWeight` (``[vocab, dim]``):
-    ``forward(ids)`` dequantizes just the rows asked for."""
+    """A token embedding over a :class:`QuantizedWeight` or a :class:`PackedWeight`
+    (``[vocab, dim]``; a tied output head's): ``forward(ids)`` dequantizes just
+    the rows asked for."""
 
-    def __init__(self, weight: QuantizedWeight, kernels: QuantKernels) -> None:
+    def __init__(self, weight: QuantizedWeight | PackedWeight, kernels: QuantKernels) -> None:
         super().__init__()
         self.weight_q = weight
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
@@ -352,14 +431,14 @@ def tune_quantized(model: torch.nn.Module) -> dict[str, int | None]:
     """:meth:`QuantizedLinear.tune` every quantized layer of ``model``, once per
     weight format and shape; blocks while it measures (SmolLM2: about a
     second). Returns each tuned layer's :attr:`~QuantizedLinear.kernel_rows`."""
-    by_shape: dict[tuple[int, int, int], int | None] = {}
+    by_shape: dict[tuple[int, str, int, int], int | None] = {}
     chosen: dict[str, int | None] = {}
     for name, module in model.named_modules():
         if not isinstance(module, QuantizedLinear):
             continue
         if 4 * module.in_features * module.out_features > _TUNED_BYTES:
             continue
-        key = (module.weight_q.fmt, module.out_features, module.in_features)
+        key = (module.weight_q.fmt, module.activations, module.out_features, module.in_features)
         if key not in by_shape:
             by_shape[key] = module.tune()
             rows = by_shape[key]

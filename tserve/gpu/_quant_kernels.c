@@ -1,30 +1,39 @@
-/* Linear layers over GGUF weights as they lie in the file (tserve/gpu/_quant.py).
+/* Linear layers over GGUF weights (tserve/gpu/_quant.py).
  *
- * y[M, N] = x[M, K] W^T with W stored row by row (one output feature per
- * row) in one of GGML's formats. Every row of W is read once per call
- * whatever M is: a W row (a few hundred bytes) stays in L1 while tiles of up
- * to TILE_ROWS rows of x run over it in turn.
+ * y[M, N] = x[M, K] W^T, W one row per output feature in one of GGML's
+ * formats (codes are GGML's type ids). Every weight byte is read once per
+ * call whatever M is: a few hundred bytes of W stay in L1 while tiles of up
+ * to TILE_ROWS rows of x run over them in turn, CHUNK_ROWS rows of x at a
+ * time.
  *
- * Activations are fp32 against weights dequantized in registers (block
- * formats Q8_0, Q4_0, Q4_1: blocks of 32 along K, each widened once per tile of
- * x rows; F16, BF16: widened as loaded): the products are fp32 ones, equal to
- * dequantize-then-matmul up to summation order. Block formats can instead
- * take activations quantized to 8 bits per block of 32 (tserve_quantize_q8:
- * scale d = max|x| / 127, q = round(x / d), s = d * sum(q)), as llama.cpp
- * does, and multiply 8-bit integers: per block sum(wq * xq) is exact, then
- * scaled by dw * dx (plus the block's offset times s for Q4_0 and Q4_1).
+ * Two activation paths:
+ *
+ * - fp32 (tserve_qlinear): W as the file lays it out, each block of 32
+ *   weights (Q8_0, Q4_0, Q4_1) widened to fp32 in registers once per tile,
+ *   F16/BF16 as loaded; the products are fp32 ones, equal to
+ *   dequantize-then-matmul up to summation order.
+ * - int8 (tserve_qlinear_int8), llama.cpp's scheme: x quantized per
+ *   block of 32 (tserve_quantize_q8: d = max|x| / 127, q = round(x / d),
+ *   s = d * sum(q)), then per block sum(wq * xq) exact in integers, scaled
+ *   by dw * dx, plus for Q4_0/Q4_1 the block's offset times s. W is first
+ *   repacked (tserve_pack) into panels of PANEL rows, block by block, so
+ *   that one pass of 256-bit integer products serves PANEL outputs and their
+ *   scales are one vector load (layout at panel_block_bytes).
  *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one; the
  * caller picks by `isa` (tserve_quant_isa() says what this CPU runs).
- * Single-threaded; columns [n0, n1) only, so callers may split N.
- * Format codes are GGML's type ids.
+ * Output rows are split among OpenMP threads: torch's own runtime (the same
+ * libgomp), so torch.set_num_threads sets the count and its threads are
+ * the ones used; products too small to share run on the caller alone.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <omp.h>
 
 #define F32 0
 #define F16 1
@@ -34,7 +43,9 @@
 #define BF16 30
 #define BLOCK 32
 #define TILE_ROWS 4
-#define CHUNK_ROWS 64 /* rows of x kept hot (int8: CHUNK_ROWS * K bytes) per pass over W */
+#define CHUNK_ROWS 64 /* rows of x kept hot per pass over W */
+#define PANEL 8       /* rows of W per panel of the packed layout */
+#define MIN_SHARED_WORK 4096 /* blocks x rows below which one thread does it all */
 
 #define ISA_PORTABLE 0
 #define ISA_AVX2 1
@@ -49,6 +60,8 @@ int tserve_quant_isa(void) {
     return ISA_PORTABLE;
 }
 
+static int is_block_format(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+
 /* Bytes of one block (block formats) or one element (float formats). */
 static int64_t unit_bytes(int fmt) {
     switch (fmt) {
@@ -61,8 +74,7 @@ static int64_t unit_bytes(int fmt) {
 }
 
 static int64_t row_bytes(int fmt, int64_t k) {
-    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 ? k / BLOCK * unit_bytes(fmt)
-                                                      : k * unit_bytes(fmt);
+    return is_block_format(fmt) ? k / BLOCK * unit_bytes(fmt) : k * unit_bytes(fmt);
 }
 
 static float half_to_float(uint16_t h) {
@@ -95,25 +107,93 @@ static uint16_t load_u16(const uint8_t *p) {
     return v;
 }
 
+static int threads_for(int64_t work) {
+    int threads = omp_get_max_threads();
+    return work < MIN_SHARED_WORK || threads < 1 ? 1 : threads;
+}
+
+/* ------------------------------------------------------------------ activations to int8 */
+
+static void quantize_block_portable(const float *xb, int8_t *qb, float *d, float *s) {
+    float amax = 0.0f;
+    for (int j = 0; j < BLOCK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+    float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < BLOCK; j++) {
+        int v = (int)nearbyintf(xb[j] * inverse);
+        qb[j] = (int8_t)v;
+        sum += v;
+    }
+    *d = amax / 127.0f;
+    *s = *d * (float)sum;
+}
+
+#if defined(__x86_64__)
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* The same numbers as quantize_block_portable (one multiply, round half to even). */
+AVX2 static void quantize_block_avx2(const float *xb, int8_t *qb, float *d, float *s) {
+    __m256 v[4], sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    float top = _mm_cvtss_f32(m), inverse = top > 0.0f ? 127.0f / top : 0.0f;
+    __m256 scale = _mm256_set1_ps(inverse);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], scale),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[i] = _mm256_cvtps_epi32(r);
+    }
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    /* packs interleave the 128-bit lanes; the permute puts the 32 bytes back in order */
+    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                        _mm256_packs_epi32(q[2], q[3]));
+    packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)qb, packed);
+    *d = top / 127.0f;
+    *s = *d * (float)_mm_cvtsi128_si32(t);
+}
+#endif
+
 /* x [m, k] (k a multiple of 32) -> q [m, k] int8, d and s [m, k / 32]. */
-void tserve_quantize_q8(const float *x, int64_t m, int64_t k, int8_t *q, float *d, float *s) {
-    int64_t nb = k / BLOCK;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * k + b * BLOCK;
-            int8_t *qb = q + r * k + b * BLOCK;
-            float amax = 0.0f;
-            for (int j = 0; j < BLOCK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
-            float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int sum = 0;
-            for (int j = 0; j < BLOCK; j++) {
-                int v = (int)nearbyintf(xb[j] * inverse);
-                qb[j] = (int8_t)v;
-                sum += v;
-            }
-            d[r * nb + b] = scale;
-            s[r * nb + b] = scale * (float)sum;
+void tserve_quantize_q8(int isa, const float *x, int64_t m, int64_t k, int8_t *q, float *d,
+                        float *s) {
+    int64_t blocks = m * (k / BLOCK);
+    for (int64_t i = 0; i < blocks; i++) {
+#if defined(__x86_64__)
+        if (isa == ISA_AVX2) {
+            quantize_block_avx2(x + i * BLOCK, q + i * BLOCK, d + i, s + i);
+            continue;
         }
+#endif
+        quantize_block_portable(x + i * BLOCK, q + i * BLOCK, d + i, s + i);
+    }
+}
+
+/* ------------------------------------------------------------------ dequantizing */
+
+static void dequantize_block(int fmt, const uint8_t *blk, float *ob) {
+    float dw = half_to_float(load_u16(blk));
+    if (fmt == Q8_0) {
+        for (int j = 0; j < BLOCK; j++) ob[j] = dw * (float)(int8_t)blk[2 + j];
+        return;
+    }
+    float mw = fmt == Q4_1 ? half_to_float(load_u16(blk + 2)) : -8.0f * dw;
+    const uint8_t *qs = blk + (fmt == Q4_1 ? 4 : 2);
+    for (int j = 0; j < BLOCK / 2; j++) {
+        ob[j] = dw * (float)(qs[j] & 0x0f) + mw;
+        ob[j + BLOCK / 2] = dw * (float)(qs[j] >> 4) + mw;
+    }
 }
 
 /* Rows `rows` (or 0..n_rows-1 when NULL) of W [*, k] as fp32 into out [n_rows, k]. */
@@ -134,24 +214,83 @@ void tserve_dequantize(int fmt, const uint8_t *w, int64_t k, const int64_t *rows
             memcpy(o, row, (size_t)k * sizeof(float));
             continue;
         }
+        for (int64_t b = 0; b < nb; b++) dequantize_block(fmt, row + b * unit_bytes(fmt), o + b * BLOCK);
+    }
+}
+
+/* ------------------------------------------------------------------ the packed layout
+ *
+ * Panel p holds W rows [PANEL p, PANEL p + PANEL) (rows past N are zeros),
+ * block after block along K; one block of a panel is:
+ *   Q8_0: 8 fp16 scales (row order), then each row's 32 int8 (row order);
+ *   Q4_0: 8 fp16 scales (slot order), then each row's 16 nibble bytes (row order);
+ *   Q4_1: 8 fp16 scales, 8 fp16 offsets (slot order), then the 16-byte rows.
+ * Slot order is the order in which the AVX2 kernel's reductions leave the
+ * rows' sums (rows 0, 2, 4, 6, 1, 3, 5, 7), so the scales multiply them
+ * as they come. The same bytes as the file's rows, rearranged. */
+
+static const int Q4_SLOT[PANEL] = {0, 4, 1, 5, 2, 6, 3, 7}; /* slot of row i */
+
+static int64_t panel_block_bytes(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 16 + PANEL * 16;
+    case Q4_1: return 32 + PANEL * 16;
+    case Q8_0: return 16 + PANEL * 32;
+    default: return 0;
+    }
+}
+
+static int scale_slot(int fmt, int i) { return fmt == Q8_0 ? i : Q4_SLOT[i]; }
+
+/* Bytes of W [n, k] in the packed layout (0: no packed layout for fmt). */
+int64_t tserve_packed_bytes(int fmt, int64_t n, int64_t k) {
+    return (n + PANEL - 1) / PANEL * (k / BLOCK) * panel_block_bytes(fmt);
+}
+
+/* W [n, k] (the file's rows) -> out [tserve_packed_bytes]. */
+void tserve_pack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
+    int64_t nb = k / BLOCK, unit = unit_bytes(fmt), stride = row_bytes(fmt, k);
+    int64_t pb = panel_block_bytes(fmt), panels = (n + PANEL - 1) / PANEL;
+    int64_t quants = fmt == Q4_1 ? 32 : 16, width = fmt == Q8_0 ? 32 : 16;
+    memset(out, 0, (size_t)(panels * nb * pb));
+    for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * unit_bytes(fmt);
-            float *ob = o + b * BLOCK, dw = half_to_float(load_u16(blk));
-            if (fmt == Q8_0) {
-                for (int j = 0; j < BLOCK; j++) ob[j] = dw * (float)(int8_t)blk[2 + j];
-                continue;
+            uint8_t *dst = out + (p * nb + b) * pb;
+            for (int i = 0; i < PANEL && p * PANEL + i < n; i++) {
+                const uint8_t *blk = w + (p * PANEL + i) * stride + b * unit;
+                int slot = scale_slot(fmt, i);
+                memcpy(dst + 2 * slot, blk, 2);
+                if (fmt == Q4_1) memcpy(dst + 16 + 2 * slot, blk + 2, 2);
+                memcpy(dst + quants + width * i, blk + unit - width, (size_t)width);
             }
-            float mw = fmt == Q4_1 ? half_to_float(load_u16(blk + 2)) : -8.0f * dw;
-            const uint8_t *qs = blk + (fmt == Q4_1 ? 4 : 2);
-            for (int j = 0; j < BLOCK / 2; j++) {
-                ob[j] = dw * (float)(qs[j] & 0x0f) + mw;
-                ob[j + BLOCK / 2] = dw * (float)(qs[j] >> 4) + mw;
-            }
+        }
+}
+
+/* One block of packed row `i` of its panel back in the file's block layout. */
+static void file_block(int fmt, const uint8_t *src, int i, uint8_t *blk) {
+    int64_t unit = unit_bytes(fmt), width = fmt == Q8_0 ? 32 : 16, quants = fmt == Q4_1 ? 32 : 16;
+    int slot = scale_slot(fmt, i);
+    memcpy(blk, src + 2 * slot, 2);
+    if (fmt == Q4_1) memcpy(blk + 2, src + 16 + 2 * slot, 2);
+    memcpy(blk + unit - width, src + quants + width * i, (size_t)width);
+}
+
+/* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k]. */
+void tserve_unpack(int fmt, const uint8_t *packed, int64_t k, const int64_t *rows,
+                   int64_t n_rows, float *out) {
+    int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt);
+    uint8_t blk[64];
+    for (int64_t r = 0; r < n_rows; r++) {
+        int64_t row = rows ? rows[r] : r;
+        const uint8_t *panel = packed + row / PANEL * nb * pb;
+        for (int64_t b = 0; b < nb; b++) {
+            file_block(fmt, panel + b * pb, (int)(row % PANEL), blk);
+            dequantize_block(fmt, blk, out + r * k + b * BLOCK);
         }
     }
 }
 
-/* ------------------------------------------------------------------ portable */
+/* ------------------------------------------------------------------ portable kernels */
 
 /* One W row (block format) against `rows` fp32 rows of x: each block dequantized once. */
 static void row_portable_f32(int fmt, const uint8_t *wrow, int64_t k, int rows, const float *x,
@@ -159,7 +298,7 @@ static void row_portable_f32(int fmt, const uint8_t *wrow, int64_t k, int rows, 
     int64_t nb = k / BLOCK;
     float w[BLOCK], total[TILE_ROWS] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        tserve_dequantize(fmt, wrow + b * unit_bytes(fmt), BLOCK, 0, 1, w);
+        dequantize_block(fmt, wrow + b * unit_bytes(fmt), w);
         for (int r = 0; r < rows; r++) {
             const float *xb = x + r * k + b * BLOCK;
             float sum = 0.0f;
@@ -170,101 +309,61 @@ static void row_portable_f32(int fmt, const uint8_t *wrow, int64_t k, int rows, 
     for (int r = 0; r < rows; r++) y[r * y_stride] = total[r];
 }
 
-/* One W row against `rows` rows of x: y[r * y_stride]. */
-static void row_portable(int fmt, const uint8_t *wrow, int64_t k, int rows, const void *x,
-                         const float *xd, const float *xs, float *y, int64_t y_stride) {
-    int64_t nb = k / BLOCK;
+/* One F16/BF16 W row against `rows` fp32 rows of x. */
+static void row_portable_floats(int fmt, const uint8_t *wrow, int64_t k, int rows,
+                                const float *x, float *y, int64_t y_stride) {
     for (int r = 0; r < rows; r++) {
         float total = 0.0f;
-        if (fmt == F16 || fmt == BF16) {
-            const float *xr = (const float *)x + r * k;
-            for (int64_t j = 0; j < k; j++) {
-                uint16_t h = load_u16(wrow + 2 * j);
-                total += (fmt == F16 ? half_to_float(h) : bf16_to_float(h)) * xr[j];
-            }
-            y[r * y_stride] = total;
-            continue;
-        }
-        const int8_t *xr = (const int8_t *)x + r * k;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = wrow + b * unit_bytes(fmt);
-            const int8_t *xb = xr + b * BLOCK;
-            float dw = half_to_float(load_u16(blk)), dx = xd[r * nb + b];
-            int32_t dot = 0;
-            if (fmt == Q8_0) {
-                for (int j = 0; j < BLOCK; j++) dot += (int8_t)blk[2 + j] * xb[j];
-                total += dw * dx * (float)dot;
-                continue;
-            }
-            const uint8_t *qs = blk + (fmt == Q4_1 ? 4 : 2);
-            for (int j = 0; j < BLOCK / 2; j++)
-                dot += (qs[j] & 0x0f) * xb[j] + (qs[j] >> 4) * xb[j + BLOCK / 2];
-            float mw = fmt == Q4_1 ? half_to_float(load_u16(blk + 2)) : -8.0f * dw;
-            total += dw * dx * (float)dot + mw * xs[r * nb + b];
+        for (int64_t j = 0; j < k; j++) {
+            uint16_t h = load_u16(wrow + 2 * j);
+            total += (fmt == F16 ? half_to_float(h) : bf16_to_float(h)) * x[r * k + j];
         }
         y[r * y_stride] = total;
     }
 }
 
-typedef void (*row_fn)(const uint8_t *, int64_t, int, const void *, const float *,
-                       const float *, float *, int64_t);
+/* One packed panel (`cols` real rows of W) against `rows` int8 rows of x. */
+static void panel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, const int8_t *x,
+                           const float *xd, const float *xs, float *y, int64_t y_stride,
+                           int cols) {
+    int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = fmt == Q4_1 ? 32 : 16;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            float total = 0.0f;
+            int slot = scale_slot(fmt, c);
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *src = panel + b * pb;
+                const int8_t *xb = x + r * k + b * BLOCK;
+                float dw = half_to_float(load_u16(src + 2 * slot)), dx = xd[r * nb + b];
+                int32_t dot = 0;
+                if (fmt == Q8_0) {
+                    const int8_t *qs = (const int8_t *)(src + 16 + 32 * c);
+                    for (int j = 0; j < BLOCK; j++) dot += qs[j] * xb[j];
+                    total += dw * dx * (float)dot;
+                    continue;
+                }
+                const uint8_t *qs = src + quants + 16 * c;
+                for (int j = 0; j < BLOCK / 2; j++)
+                    dot += (qs[j] & 0x0f) * xb[j] + (qs[j] >> 4) * xb[j + BLOCK / 2];
+                float mw = fmt == Q4_1 ? half_to_float(load_u16(src + 16 + 2 * slot)) : -8.0f * dw;
+                total += dw * dx * (float)dot + mw * xs[r * nb + b];
+            }
+            y[r * y_stride + c] = total;
+        }
+}
+
+typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, float *, int64_t);
+typedef void (*panel_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
+                         const float *, float *, int64_t, int);
 
 /* ------------------------------------------------------------------ AVX2 */
 #if defined(__x86_64__)
-
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE static inline __attribute__((always_inline))
 
 AVX2 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-/* 16 bytes of nibbles -> 32 u8: the low nibbles (elements 0..15), then the high (16..31). */
-AVX2 INLINE __m256i unpack_nibbles(const uint8_t *qs) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0f);
-    __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-    return _mm256_set_m128i(hi, lo);
-}
-
-/* sum over 32 int8 pairs of u * s as 8 int32 lanes (u: 0..255, s: -127..127). */
-AVX2 INLINE __m256 dot_u8s8(__m256i u, __m256i s) {
-    __m256i pairs = _mm256_maddubs_epi16(u, s);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-AVX2 INLINE void tile_blocks_avx2(int fmt, const uint8_t *wrow, int64_t k, int rows,
-                                  const int8_t *x, const float *xd, const float *xs, float *y,
-                                  int64_t y_stride) {
-    int64_t nb = k / BLOCK, unit = unit_bytes(fmt);
-    __m256 acc[TILE_ROWS];
-    float extra[TILE_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), extra[r] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wrow + b * unit;
-        float dw = _cvtsh_ss(load_u16(blk));
-        if (fmt == Q8_0) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            __m256i magnitude = _mm256_sign_epi8(w, w);
-            for (int r = 0; r < rows; r++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + b * BLOCK));
-                __m256 dot = dot_u8s8(magnitude, _mm256_sign_epi8(xv, w));
-                acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * xd[r * nb + b]), acc[r]);
-            }
-            continue;
-        }
-        float mw = fmt == Q4_1 ? _cvtsh_ss(load_u16(blk + 2)) : -8.0f * dw;
-        __m256i w = unpack_nibbles(blk + (fmt == Q4_1 ? 4 : 2));
-        for (int r = 0; r < rows; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + b * BLOCK));
-            __m256 dot = dot_u8s8(w, xv);
-            acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * xd[r * nb + b]), acc[r]);
-            extra[r] += mw * xs[r * nb + b];
-        }
-    }
-    for (int r = 0; r < rows; r++) y[r * y_stride] = hsum(acc[r]) + extra[r];
 }
 
 /* 8 bytes (u8 or s8) -> 8 floats. */
@@ -348,12 +447,15 @@ AVX2 INLINE void tile_floats_avx2(int fmt, const uint8_t *wrow, int64_t k, int r
     }
 }
 
-/* The format as a constant in each instance, so each inner loop is specialised. */
+#define AVX2_TILE(FMT, R)                                                                     \
+    ((FMT) == F16 || (FMT) == BF16 ? tile_floats_avx2(FMT, wrow, k, R, x, y, y_stride)        \
+                                   : tile_blocks_f32_avx2(FMT, wrow, k, R, x, y, y_stride))
+
+/* The format and the tile's row count as constants in each instance, so each inner loop is
+ * specialised. */
 #define AVX2_ROW(FMT)                                                                         \
-    AVX2 static void row_avx2_##FMT(const uint8_t *wrow, int64_t k, int rows, const void *x,  \
-                                    const float *xd, const float *xs, float *y,               \
-                                    int64_t y_stride) {                                       \
-        (void)xd, (void)xs;                                                                   \
+    AVX2 static void row_avx2_##FMT(const uint8_t *wrow, int64_t k, int rows, const float *x, \
+                                    float *y, int64_t y_stride) {                             \
         switch (rows) {                                                                       \
         case 4: AVX2_TILE(FMT, 4); break;                                                     \
         case 3: AVX2_TILE(FMT, 3); break;                                                     \
@@ -361,10 +463,6 @@ AVX2 INLINE void tile_floats_avx2(int fmt, const uint8_t *wrow, int64_t k, int r
         default: AVX2_TILE(FMT, 1); break;                                                    \
         }                                                                                     \
     }
-#define AVX2_TILE(FMT, R)                                                                     \
-    ((FMT) == F16 || (FMT) == BF16                                                            \
-         ? tile_floats_avx2(FMT, wrow, k, R, (const float *)x, y, y_stride)                   \
-         : tile_blocks_avx2(FMT, wrow, k, R, (const int8_t *)x, xd, xs, y, y_stride))
 
 AVX2_ROW(Q4_0)
 AVX2_ROW(Q4_1)
@@ -372,73 +470,216 @@ AVX2_ROW(Q8_0)
 AVX2_ROW(F16)
 AVX2_ROW(BF16)
 
-#define AVX2_ROW_F32(FMT)                                                                    \
-    AVX2 static void row_avx2_f32_##FMT(const uint8_t *wrow, int64_t k, int rows,            \
-                                        const void *x, const float *xd, const float *xs,     \
-                                        float *y, int64_t y_stride) {                        \
-        (void)xd, (void)xs;                                                                  \
-        const float *xf = (const float *)x;                                                  \
-        switch (rows) {                                                                      \
-        case 4: tile_blocks_f32_avx2(FMT, wrow, k, 4, xf, y, y_stride); break;               \
-        case 3: tile_blocks_f32_avx2(FMT, wrow, k, 3, xf, y, y_stride); break;               \
-        case 2: tile_blocks_f32_avx2(FMT, wrow, k, 2, xf, y, y_stride); break;               \
-        default: tile_blocks_f32_avx2(FMT, wrow, k, 1, xf, y, y_stride); break;              \
-        }                                                                                    \
+/* A panel's sums as the scales' slots want them: lanes in slot order. */
+AVX2 INLINE void store_panel(__m256 sums, const int *slot, float *y, int cols) {
+    float lanes[PANEL];
+    _mm256_storeu_ps(lanes, sums);
+    for (int c = 0; c < cols; c++) y[c] = lanes[slot[c]];
+}
+
+/* A Q4_0/Q4_1 panel against `rows` int8 rows of x. Per block and pair of W rows:
+ * one 32-byte load holds both rows' nibbles; masked, they are elements 0..15 of
+ * each (the x block's first half broadcast to both lanes), shifted, elements
+ * 16..31; maddubs, then madd with ones, leave 4 int32 per row; three hadds
+ * leave one sum per row, in slot order. */
+AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int rows,
+                               const int8_t *x, const float *xd, const float *xs, float *y,
+                               int64_t y_stride, int cols) {
+    const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = fmt == Q4_1 ? 32 : 16;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE_ROWS], acc_m[TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *src = panel + b * pb;
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+        __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
+                                : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+        __m256i lo[4], hi[4];
+        for (int p = 0; p < 4; p++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(src + quants + 32 * p));
+            lo[p] = _mm256_and_si256(v, low);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xb = x + r * k + b * BLOCK;
+            __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+            __m256i xz = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+            __m256i s[4];
+            for (int p = 0; p < 4; p++) {
+                __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xa),
+                                                 _mm256_maddubs_epi16(hi[p], xz));
+                s[p] = _mm256_madd_epi16(pairs, ones);
+            }
+            __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]),
+                                             _mm256_hadd_epi32(s[2], s[3]));
+            __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+            acc_m[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r * nb + b]), acc_m[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        store_panel(_mm256_add_ps(acc[r], acc_m[r]), Q4_SLOT, y + r * y_stride, cols);
+}
+
+/* A Q8_0 panel against `rows` int8 rows of x: per W row, |w| times x with w's sign
+ * (maddubs takes one unsigned operand), madd with ones; six hadds and a swap of
+ * lanes leave one sum per row, in row order. */
+AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const int8_t *x,
+                               const float *xd, float *y, int64_t y_stride, int cols) {
+    static const int natural[PANEL] = {0, 1, 2, 3, 4, 5, 6, 7};
+    const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *src = panel + b * pb;
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+        for (int r = 0; r < rows; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + b * BLOCK));
+            __m256i s[PANEL];
+            for (int c = 0; c < PANEL; c++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * c));
+                __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                                     _mm256_sign_epi8(xv, w));
+                s[c] = _mm256_madd_epi16(pairs, ones);
+            }
+            __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]),
+                                           _mm256_hadd_epi32(s[2], s[3]));
+            __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]),
+                                           _mm256_hadd_epi32(s[6], s[7]));
+            __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
+                                            _mm256_permute2x128_si256(h0, h1, 0x31));
+            __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) store_panel(acc[r], natural, y + r * y_stride, cols);
+}
+
+#define AVX2_PANEL_TILE(FMT, R)                                                               \
+    ((FMT) == Q8_0 ? panel_q8_avx2(panel, k, R, x, xd, y, y_stride, cols)                     \
+                   : panel_q4_avx2(FMT, panel, k, R, x, xd, xs, y, y_stride, cols))
+
+#define AVX2_PANEL(FMT)                                                                       \
+    AVX2 static void panel_avx2_##FMT(const uint8_t *panel, int64_t k, int rows,              \
+                                      const int8_t *x, const float *xd, const float *xs,      \
+                                      float *y, int64_t y_stride, int cols) {                 \
+        (void)xs;                                                                             \
+        switch (rows) {                                                                       \
+        case 4: AVX2_PANEL_TILE(FMT, 4); break;                                               \
+        case 3: AVX2_PANEL_TILE(FMT, 3); break;                                               \
+        case 2: AVX2_PANEL_TILE(FMT, 2); break;                                               \
+        default: AVX2_PANEL_TILE(FMT, 1); break;                                              \
+        }                                                                                     \
     }
 
-AVX2_ROW_F32(Q4_0)
-AVX2_ROW_F32(Q4_1)
-AVX2_ROW_F32(Q8_0)
+AVX2_PANEL(Q4_0)
+AVX2_PANEL(Q4_1)
+AVX2_PANEL(Q8_0)
 
-/* ------------------------------------------------------------------ entry */
-
-
-static row_fn avx2_row(int fmt, int int8) {
+static row_fn avx2_row(int fmt) {
     switch (fmt) {
-    case Q4_0: return int8 ? row_avx2_Q4_0 : row_avx2_f32_Q4_0;
-    case Q4_1: return int8 ? row_avx2_Q4_1 : row_avx2_f32_Q4_1;
-    case Q8_0: return int8 ? row_avx2_Q8_0 : row_avx2_f32_Q8_0;
+    case Q4_0: return row_avx2_Q4_0;
+    case Q4_1: return row_avx2_Q4_1;
+    case Q8_0: return row_avx2_Q8_0;
     case F16: return row_avx2_F16;
     case BF16: return row_avx2_BF16;
     default: return 0;
     }
 }
+
+static panel_fn avx2_panel(int fmt) {
+    switch (fmt) {
+    case Q4_0: return panel_avx2_Q4_0;
+    case Q4_1: return panel_avx2_Q4_1;
+    case Q8_0: return panel_avx2_Q8_0;
+    default: return 0;
+    }
+}
 #else
-static row_fn avx2_row(int fmt, int int8) {
-    (void)fmt, (void)int8;
+static row_fn avx2_row(int fmt) {
+    (void)fmt;
+    return 0;
+}
+
+static panel_fn avx2_panel(int fmt) {
+    (void)fmt;
     return 0;
 }
 #endif
 
-/* Whether tserve_qlinear runs `fmt`. */
+/* ------------------------------------------------------------------ entry points */
+
+/* Whether tserve_qlinear runs `fmt`; tserve_qlinear_packed runs those that have a
+ * packed layout (tserve_packed_bytes > 0). */
 int tserve_quant_format_supported(int fmt) {
-    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == F16 || fmt == BF16;
+    return is_block_format(fmt) || fmt == F16 || fmt == BF16;
 }
 
-/* y[M, N] (row stride n) columns [n0, n1) = x W^T for W [N, k] in `fmt`. With xd non-NULL
- * (block formats only) x is int8 [M, k] with xd, xs [M, k / 32] from tserve_quantize_q8;
- * else x is fp32 [M, k]. */
-void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
-                    int64_t k, const void *x, const float *xd, const float *xs, int64_t m,
-                    float *y) {
-    int int8 = xd != 0, floats = !int8;
-    int64_t stride = row_bytes(fmt, k), nb = k / BLOCK, x_row = floats ? 4 * k : k;
-    row_fn fast = isa == ISA_AVX2 ? avx2_row(fmt, int8) : 0;
+/* y[M, n] = x W^T for fp32 x [M, k] and W [n, k] in `fmt` (the file's layout). */
+void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
+                    int64_t m, float *y) {
+    int64_t stride = row_bytes(fmt, k);
+    row_fn fast = isa == ISA_AVX2 ? avx2_row(fmt) : 0;
+    int threads = threads_for(n * (k / BLOCK) * m);
+#pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-        for (int64_t j = n0; j < n1; j++) {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
             const uint8_t *wrow = w + j * stride;
             for (int64_t r = m0; r < m1; r += TILE_ROWS) {
                 int rows = m1 - r < TILE_ROWS ? (int)(m1 - r) : TILE_ROWS;
-                const void *xr = (const char *)x + r * x_row;
-                const float *dr = floats ? 0 : xd + r * nb, *sr = floats ? 0 : xs + r * nb;
+                const float *xr = x + r * k;
+                float *yr = y + r * n + j;
                 if (fast)
-                    fast(wrow, k, rows, xr, dr, sr, y + r * n + j, n);
-                else if (floats && fmt != F16 && fmt != BF16)
-                    row_portable_f32(fmt, wrow, k, rows, (const float *)xr, y + r * n + j, n);
+                    fast(wrow, k, rows, xr, yr, n);
+                else if (fmt == F16 || fmt == BF16)
+                    row_portable_floats(fmt, wrow, k, rows, xr, yr, n);
                 else
-                    row_portable(fmt, wrow, k, rows, xr, dr, sr, y + r * n + j, n);
+                    row_portable_f32(fmt, wrow, k, rows, xr, yr, n);
             }
         }
     }
+}
+
+/* y[M, n] = x W^T for W [n, k] packed by tserve_pack and fp32 x [M, k], quantized here
+ * per block of 32 (tserve_quantize_q8) into a scratch copy. Returns 0, or -1 when the
+ * scratch cannot be allocated (y untouched). */
+int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,
+                        const float *x, int64_t m, float *y) {
+    int64_t nb = k / BLOCK, panels = (n + PANEL - 1) / PANEL;
+    int64_t panel_bytes = nb * panel_block_bytes(fmt);
+    float *scales = malloc((size_t)(2 * m * nb) * sizeof(float) + (size_t)(m * k));
+    if (!scales) return -1;
+    float *xd = scales, *xs = scales + m * nb;
+    int8_t *xq = (int8_t *)(scales + 2 * m * nb);
+    panel_fn fast = isa == ISA_AVX2 ? avx2_panel(fmt) : 0;
+    int threads = threads_for(n * nb * m);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            tserve_quantize_q8(isa, x + r * k, 1, k, xq + r * k, xd + r * nb, xs + r * nb);
+        for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
+            int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                const uint8_t *panel = packed + p * panel_bytes;
+                int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
+                for (int64_t r = m0; r < m1; r += TILE_ROWS) {
+                    int rows = m1 - r < TILE_ROWS ? (int)(m1 - r) : TILE_ROWS;
+                    const int8_t *xr = xq + r * k;
+                    const float *dr = xd + r * nb, *sr = xs + r * nb;
+                    float *yr = y + r * n + p * PANEL;
+                    if (fast)
+                        fast(panel, k, rows, xr, dr, sr, yr, n, cols);
+                    else
+                        panel_portable(fmt, panel, k, rows, xr, dr, sr, yr, n, cols);
+                }
+            }
+        }
+    }
+    free(scales);
+    return 0;
 }

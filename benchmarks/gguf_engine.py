@@ -20,7 +20,8 @@ quantized kernels with ``--gguf-activations int8`` / ``fp32``),
 and, with ``--llama-bench``, llama.cpp's ``llama-bench`` (``-r 1 -o json``,
 its ``avg_ts``). Prints a table, each side's ratio to llama.cpp and the
 weight bytes a decode step reads divided by its time, beside this machine's
-one-core read bandwidth (a sum over 256 MiB, measured in the same run);
+one-core read bandwidth (``benchmarks/read_bandwidth.c``, the best of its
+measurements between rounds);
 writes JSON under ``results/``.
 """
 
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._bandwidth import read_bandwidth
 from benchmarks._results import result_stem, write_json
 from tserve.gpu._engine import EngineCore
 from tserve.gpu._models import default_gguf
@@ -81,19 +83,8 @@ def _measure(core: EngineCore, prompt: list[int], gen: int, tag: str) -> tuple[f
 
 
 def _read_bandwidth() -> float:
-    """Bytes per second one core reads: the best of three sums over 256 MiB of fp32."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        data = torch.ones(64 << 20)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            data.sum()
-            best = min(best, time.perf_counter() - start)
-        return data.numel() * data.element_size() / best
-    finally:
-        torch.set_num_threads(threads)
+    """Bytes per second one core reads (``benchmarks/read_bandwidth.c``, the best of 3 passes)."""
+    return float(read_bandwidth(mib=256, passes=3)["best_gb_s"]) * 1e9
 
 
 def _step_bytes(core: EngineCore) -> int:

@@ -106,6 +106,28 @@ def test_the_test_quantizer_writes_ggml_s_layout(fmt: str) -> None:
     assert error < {"Q4_K": 0.12, "Q5_K": 0.06, "Q6_K": 0.03}[fmt]
 
 
+@pytest.mark.parametrize("fmt", kquant_blocks.FORMATS)
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_a_product_shared_among_threads_is_the_same(
+    kernels: QuantKernels, fmt: str, activations: str
+) -> None:
+    """Output rows (and dequantized rows) split among torch's threads (3 here: more
+    than this machine's cores is allowed): every split gives each row's own sum."""
+    weight, dense = _weight(fmt, 203, 1024, seed=6)
+    layer = QuantizedLinear(weight, kernels, activations)  # type: ignore[arg-type]
+    x = torch.randn(5, 1024)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer(x), kernels.dequantize(weight)
+        torch.set_num_threads(3)
+        shared = layer(x), kernels.dequantize(weight)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone[0], shared[0]) and torch.equal(alone[1], shared[1])
+    torch.testing.assert_close(shared[1], dense, rtol=1e-6, atol=1e-6)
+
+
 def test_a_tuned_layer_gives_the_same_product_on_either_route(kernels: QuantKernels) -> None:
     """Many rows may go through an fp32 copy and the BLAS; the product is the same."""
     weight, dense = _weight("Q4_K", 48, 512, seed=5)

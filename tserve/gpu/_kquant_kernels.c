@@ -31,9 +31,11 @@
  *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one; the
  * caller picks by `isa` (tserve_quant_isa() in _quant_kernels.c says what
- * this CPU runs; the codes are the same). Single-threaded; columns [n0, n1)
- * only, so callers may split N. Format codes are GGML's type ids.
+ * this CPU runs; the codes are the same). A product's columns [n0, n1) are
+ * split among OpenMP's threads (torch's pool, as in _quant_kernels.c) unless
+ * it is small. Format codes are GGML's type ids.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__)
@@ -47,6 +49,7 @@
 #define GROUPS 8 /* groups of 32 per super-block */
 #define TILE_ROWS 4
 #define CHUNK_ROWS 64 /* rows of x kept hot per pass over W */
+#define MIN_SHARED_WORK 4096 /* groups of 32 x rows below which one thread does it all */
 
 #define ISA_AVX2 1
 
@@ -57,6 +60,11 @@ static int64_t super_bytes(int fmt) {
     case Q6_K: return 210;
     default: return 0;
     }
+}
+
+static int threads_for(int64_t work) {
+    int threads = omp_get_max_threads();
+    return work < MIN_SHARED_WORK || threads < 1 ? 1 : threads;
 }
 
 static float half_to_float(uint16_t h) {
@@ -484,6 +492,8 @@ int tserve_kquant_format_supported(int fmt) { return super_bytes(fmt) != 0; }
 void tserve_kdequantize(int isa, int fmt, const uint8_t *w, int64_t k, const int64_t *rows,
                         int64_t n_rows, float *out) {
     int64_t nb = k / QK, unit = super_bytes(fmt), stride = nb * unit;
+    int threads = threads_for(n_rows * (k / 32));
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t i = 0; i < n_rows; i++) {
         const uint8_t *row = w + (rows ? rows[i] : i) * stride;
         for (int64_t b = 0; b < nb; b++) {
@@ -506,8 +516,11 @@ void tserve_kqlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, 
                      int64_t k, const float *x, const float *xsum, int64_t m, float *y) {
     int64_t stride = k / QK * super_bytes(fmt), groups = k / 32;
     row_fn fast = isa == ISA_AVX2 ? avx2_row(fmt) : 0;
+    int threads = threads_for((n1 - n0) * groups * m);
+#pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
+#pragma omp for schedule(static)
         for (int64_t j = n0; j < n1; j++) {
             const uint8_t *wrow = w + j * stride;
             for (int64_t r = m0; r < m1; r += TILE_ROWS) {
@@ -528,8 +541,11 @@ void tserve_kqlinear_int8(int isa, int fmt, const uint8_t *w, int64_t n, int64_t
                           int64_t m, float *y) {
     int64_t stride = k / QK * super_bytes(fmt), groups = k / 32;
     row_int8_fn fast = isa == ISA_AVX2 ? avx2_row_int8(fmt) : 0;
+    int threads = threads_for((n1 - n0) * groups * m);
+#pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
+#pragma omp for schedule(static)
         for (int64_t j = n0; j < n1; j++) {
             const uint8_t *wrow = w + j * stride;
             for (int64_t r = m0; r < m1; r += TILE_ROWS) {

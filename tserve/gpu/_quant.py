@@ -42,7 +42,7 @@ time), else portable C, said once in the log.
 
 **Threads.** A product's output rows are split among torch's threads
 (``torch.set_num_threads``, the engine's ``--threads``), in torch's own
-OpenMP pool; small products, and K-quant ones, run on the caller alone.
+OpenMP pool; small products run on the caller alone.
 
 **Many rows.** For a prefill chunk the product is compute-bound; each layer
 measures once, per weight shape, whether its rows are faster through the

@@ -109,3 +109,23 @@ def test_metrics_port_from_the_flag_or_the_environment_and_apart_from_the_port(
     for bad in (["--port", "9090"], ["--metrics-port", "70000"]):
         with pytest.raises(SystemExit, match="--metrics-port"):
             _server_config(parse_args(bad))
+
+
+def test_kv_cache_dtype_and_byte_budget_from_the_flags_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tserve._options import engine_options
+    from tserve.protocol import EngineConfig
+
+    default = EngineConfig(**engine_options(parse_args([])))
+    assert (default.kv_cache_dtype, default.kv_cache_memory_bytes) == ("auto", None)
+    args = parse_args(["serve", "--kv-cache-dtype", "bf16", "--kv-cache-memory-bytes", "1000000"])
+    config = EngineConfig(**engine_options(args))
+    assert (config.kv_cache_dtype, config.kv_cache_memory_bytes) == ("bf16", 1_000_000)
+    monkeypatch.setenv("TSERVE_KV_CACHE_DTYPE", "fp32")
+    assert (
+        parse_args(["engine", "default", "--bind", "tcp://0.0.0.0:5555"]).kv_cache_dtype == "fp32"
+    )
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--kv-cache-dtype", "fp8"])
+    assert info.value.code == 2

@@ -102,6 +102,23 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
     _option(eng, "--kv-cache-tokens", int, d.kv_cache_tokens, "KV cache budget in tokens")
     _option(
         eng,
+        "--kv-cache-memory-bytes",
+        int,
+        None,
+        "KV cache budget in bytes instead of tokens (a smaller --kv-cache-dtype then holds "
+        "more tokens)",
+    )
+    _option(
+        eng,
+        "--kv-cache-dtype",
+        str,
+        d.kv_cache_dtype,
+        "what the KV cache stores: 'auto' (the model's dtype: fp32 on CPU, bf16 on CUDA), "
+        "'fp32', 'fp16' or 'bf16'",
+        choices=("auto", "fp32", "fp16", "bf16"),
+    )
+    _option(
+        eng,
         "--max-num-batched-tokens",
         int,
         d.max_num_batched_tokens,
@@ -187,6 +204,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "max_num_seqs": args.max_num_seqs,
         "kv_cache_tokens": args.kv_cache_tokens,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_slowdown": args.max_decode_slowdown,
         "max_model_len": args.max_model_len,

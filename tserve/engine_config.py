@@ -10,7 +10,7 @@ from typing import Literal, TypeAlias
 
 import msgspec
 
-__all__ = ["CpuGemm", "EngineConfig", "GgufActivations", "ModelImpl"]
+__all__ = ["CpuGemm", "EngineConfig", "GgufActivations", "KvCacheDtype", "ModelImpl"]
 
 
 CpuGemm: TypeAlias = Literal["auto", "blas", "onednn", "avx512"]
@@ -22,6 +22,9 @@ ModelImpl: TypeAlias = Literal["auto", "hf"]
 GgufActivations: TypeAlias = Literal["int8", "fp32"]
 """How a GGUF file's quantized products treat their activations (``tserve.gpu._quant``)."""
 
+KvCacheDtype: TypeAlias = Literal["auto", "fp32", "fp16", "bf16"]
+"""What the KV cache stores: "auto" (see ``tserve.gpu._model_runner.resolve_kv_dtype``) or one."""
+
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to start an engine process; handed to it as JSON on its command line.
@@ -29,9 +32,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ``model``: a local model directory or GGUF file, or "default"
     (SmolLM2-135M-Instruct's GGUF).
     ``kv_cache_tokens``: the KV budget in tokens, shared by all running
-    requests; ``max_model_len`` None = the model's own (capped by the KV
-    budget). ``threads``: torch's CPU threads. ``device``/``dtype`` "auto" =
-    CUDA with bf16 when present, else CPU with fp32. ``cpu_gemm``: the library
+    requests; ``kv_cache_memory_bytes``, when set, replaces it with a budget
+    in bytes (so a smaller ``kv_cache_dtype`` holds more tokens);
+    ``max_model_len`` None = the model's own (capped by the KV budget).
+    ``kv_cache_dtype``: what the KV cache stores ("fp32", "fp16", "bf16");
+    "auto" = the model's dtype (fp32 on CPU, bf16 on CUDA). ``threads``: torch's
+    CPU threads. ``device``/``dtype`` "auto" = CUDA with bf16 when present,
+    else CPU with fp32. ``cpu_gemm``: the library
     behind linear layers on CPU ("auto" measures BLAS, prepacked oneDNN
     and tserve's AVX-512 kernel per layer shape and row count; "blas",
     "onednn", "avx512" force one).
@@ -81,6 +88,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model: str = "default"
     max_num_seqs: int = 64
     kv_cache_tokens: int = 16384
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: KvCacheDtype = "auto"
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     block_size: int = 16

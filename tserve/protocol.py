@@ -34,7 +34,13 @@ from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
 import msgspec
 
-from tserve.engine_config import CpuGemm, EngineConfig, GgufActivations, ModelImpl
+from tserve.engine_config import (
+    CpuGemm,
+    EngineConfig,
+    GgufActivations,
+    KvCacheDtype,
+    ModelImpl,
+)
 
 __all__ = [
     "OPENAI_SAMPLING",
@@ -54,6 +60,7 @@ __all__ = [
     "Hello",
     "JsonSchema",
     "Kind",
+    "KvCacheDtype",
     "LarkGrammar",
     "Message",
     "ModelImpl",

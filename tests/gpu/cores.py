@@ -10,12 +10,14 @@ from tserve.protocol import EngineConfig
 
 
 def small_core(model_dir: Path, **config: Any) -> EngineCore:
-    """An :class:`EngineCore` on CPU/fp32 with a small batch and KV budget;
+    """An :class:`EngineCore` on CPU/fp32 (its KV cache fp32 too, so that it
+    matches transformers' fp32 ``generate``) with a small batch and KV budget;
     ``config`` overrides any :class:`EngineConfig` field. Blocks while it loads."""
     settings: dict[str, Any] = {
         "model": str(model_dir),
         "device": "cpu",
         "dtype": "float32",
+        "kv_cache_dtype": "fp32",
         "max_num_seqs": 16,
         "max_num_batched_tokens": 64,
         "kv_cache_tokens": 8192,

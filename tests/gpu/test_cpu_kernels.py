@@ -45,9 +45,13 @@ def test_silu_mul_is_the_mlp_activation(kernels: CpuKernels, inter: int) -> None
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up)
 
 
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 24)])
 def test_rope_store_rotates_q_and_k_and_fills_the_pool(
-    kernels: CpuKernels, heads: int, kv_heads: int, dim: int
+    kernels: CpuKernels, heads: int, kv_heads: int, dim: int, kv_dtype: torch.dtype
 ) -> None:
     torch.manual_seed(heads)
     tokens, slots_total = 7, 40
@@ -55,8 +59,8 @@ def test_rope_store_rotates_q_and_k_and_fills_the_pool(
     cos, sin = torch.randn(50, dim // 2), torch.randn(50, dim // 2)
     positions = torch.randint(0, 50, (tokens,))
     slots = torch.randperm(slots_total)[:tokens]
-    k_pool = torch.zeros(kv_heads, slots_total, dim)
-    v_pool = torch.zeros(kv_heads, slots_total, dim)
+    k_pool = torch.zeros(kv_heads, slots_total, dim, dtype=kv_dtype)
+    v_pool = torch.zeros(kv_heads, slots_total, dim, dtype=kv_dtype)
     heads3 = qkv.view(tokens, -1, dim)
     rotated = _rotate(heads3[:, : heads + kv_heads], cos[positions, None], sin[positions, None])
     values = heads3[:, heads + kv_heads :].clone()
@@ -64,24 +68,90 @@ def test_rope_store_rotates_q_and_k_and_fills_the_pool(
     kernels.rope_store(qkv, heads, kv_heads, positions, cos, sin, slots, k_pool, v_pool)
 
     torch.testing.assert_close(heads3[:, : heads + kv_heads], rotated)
-    torch.testing.assert_close(k_pool[:, slots].transpose(0, 1), rotated[:, heads:])
-    assert torch.equal(v_pool[:, slots].transpose(0, 1), values)
+    # The keys: rotated in fp32 (to its rounding), then rounded to the pool's dtype.
+    torch.testing.assert_close(k_pool[:, slots].transpose(0, 1), rotated[:, heads:].to(kv_dtype))
+    # The values are only rounded: bit for bit torch's cast.
+    assert torch.equal(v_pool[:, slots].transpose(0, 1), values.to(kv_dtype))
     others = torch.ones(slots_total, dtype=torch.bool)
     others[slots] = False
     assert not k_pool[:, others].any() and not v_pool[:, others].any()  # no other slot written
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_rope_store_rounds_to_the_pools_dtype_as_torch_does(
+    kernels: CpuKernels, kv_dtype: torch.dtype
+) -> None:
+    """Ties to even, values past the format's range, subnormals, signed zero and
+    infinities: the edges of a float cast, in the V heads (stored unrotated)."""
+    info = torch.finfo(kv_dtype)
+    one_ulp = info.eps  # spacing of the format just above 1.0
+    edges = torch.tensor(
+        [
+            1 + one_ulp / 2,  # a tie: rounds down to the even 1.0
+            1 + 3 * one_ulp / 2,  # a tie: rounds up to the even 1 + 2 ulp
+            1 + one_ulp / 2 + 2**-20,  # just past a tie: rounds up
+            info.max * 1.01,  # past the largest finite value
+            float(info.smallest_normal) / 3,  # a subnormal of the format
+            float(info.smallest_normal) * 2**-30,  # below every subnormal
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            -65519.0,
+            3.0e38,
+            1.0e-42,  # an fp32 subnormal
+            0.1,
+            -2.7182817,
+            12345.678,
+            -1.0e-5,
+        ]
+    )
+    dim = len(edges)
+    qkv = torch.cat([torch.zeros(2 * dim), edges]).view(1, 3 * dim)
+    k_pool = torch.zeros(1, 4, dim, dtype=kv_dtype)
+    v_pool = torch.zeros(1, 4, dim, dtype=kv_dtype)
+    table = torch.zeros(1, dim // 2)
+    kernels.rope_store(
+        qkv, 1, 1, torch.tensor([0]), table, table, torch.tensor([2]), k_pool, v_pool
+    )
+    stored, expected = v_pool[0, 2], edges.to(kv_dtype)
+    assert torch.equal(stored.view(torch.int16), expected.view(torch.int16)), (stored, expected)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_paged_decode_widens_the_pools_values_exactly(
+    kernels: CpuKernels, kv_dtype: torch.dtype
+) -> None:
+    """One key: its value row comes out as it is, widened: subnormals, the
+    largest values, infinities and the smallest normal included."""
+    info = torch.finfo(kv_dtype)
+    tiny = float(info.smallest_normal)
+    edges = [tiny, tiny / 2, tiny * 0.75, -tiny / 8, info.max, -info.max, float("inf")]
+    edges += [float("-inf"), 0.0, 1.0, -3.140625, 1024.5, 2.0**-20, 65504.0, 1e-7, 7.0]
+    dim = len(edges)
+    values = torch.tensor(edges).to(kv_dtype)
+    k_pool = torch.ones(1, 4, dim, dtype=kv_dtype)
+    v_pool = torch.zeros(1, 4, dim, dtype=kv_dtype)
+    v_pool[0, 1] = values
+    q = torch.ones(1, 3 * dim)
+    tables, lens = torch.tensor([[0]]), torch.tensor([2])  # keys at slots 0 and 1
+    k_pool[0, 0] = -(2**10)  # slot 0's score is so low that its weight is exactly 0
+    out = kernels.paged_decode(q, 1, k_pool, v_pool, tables, lens, 2, 4, 1.0)
+    assert torch.equal(out[0, 0], values.float()), (out[0, 0], values.float())
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 40)])
 def test_paged_decode_matches_attention_over_gathered_keys(
-    kernels: CpuKernels, heads: int, kv_heads: int, dim: int
+    kernels: CpuKernels, heads: int, kv_heads: int, dim: int, kv_dtype: torch.dtype
 ) -> None:
+    """Over a pool of any KV dtype: the keys and values it holds, widened to fp32."""
     torch.manual_seed(dim)
     block_size, blocks = 4, 64
     lens = torch.tensor([1, 4, 5, 17, 33, 2])  # one key, block edges, several blocks
     width = -(-int(lens.max()) // block_size)
     tables = torch.stack([torch.randperm(blocks)[:width] for _ in lens])
-    k_pool = torch.randn(kv_heads, blocks * block_size, dim) * 3
-    v_pool = torch.randn(kv_heads, blocks * block_size, dim)
+    k_pool = (torch.randn(kv_heads, blocks * block_size, dim) * 3).to(kv_dtype)
+    v_pool = torch.randn(kv_heads, blocks * block_size, dim).to(kv_dtype)
     q = torch.randn(len(lens), (heads + 2 * kv_heads) * dim)  # rows of a qkv product
     scale = 1 / math.sqrt(dim)
 
@@ -89,12 +159,13 @@ def test_paged_decode_matches_attention_over_gathered_keys(
         q, heads, k_pool, v_pool, tables, lens, int(lens.max()), block_size, scale
     )
 
+    assert out.dtype == torch.float32
     for b, length in enumerate(lens.tolist()):
         slots = torch.tensor(
             [int(tables[b, p // block_size]) * block_size + p % block_size for p in range(length)]
         )
-        keys = k_pool[:, slots].repeat_interleave(heads // kv_heads, 0)  # [heads, len, D]
-        values = v_pool[:, slots].repeat_interleave(heads // kv_heads, 0)
+        keys = k_pool[:, slots].float().repeat_interleave(heads // kv_heads, 0)  # [heads, len, D]
+        values = v_pool[:, slots].float().repeat_interleave(heads // kv_heads, 0)
         query = q[b, : heads * dim].view(heads, 1, dim)
         expected = torch.softmax(query @ keys.transpose(1, 2) * scale, dim=-1) @ values
         torch.testing.assert_close(out[b], expected[:, 0])

@@ -231,9 +231,13 @@ def test_the_engine_serves_a_gguf_file_as_its_fp32_conversion_would(
     assert _greedy(native, prompt, 12) == _greedy(converted, prompt, 12)
 
 
-def test_the_default_model_runs_quantized_and_knows_paris(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_the_default_model_runs_quantized_and_knows_paris(
+    tmp_path: Path, kv_dtype: torch.dtype
+) -> None:
     """The bundled Q4_1 file, its tokenizer from its metadata (converted once), on
-    fp32 activations (int8 ones can flip this near-tie: tserve/gpu/_quant.py)."""
+    fp32 activations (int8 ones can flip this near-tie: tserve/gpu/_quant.py),
+    over a KV cache of each dtype."""
     from transformers import AutoTokenizer
 
     loaded = load_gguf(
@@ -251,7 +255,8 @@ def test_the_default_model_runs_quantized_and_knows_paris(tmp_path: Path) -> Non
         add_generation_prompt=True,
         return_dict=True,
     )["input_ids"]
-    runner = ModelRunner(loaded.model, num_blocks=8, block_size=16)
+    runner = ModelRunner(loaded.model, num_blocks=8, block_size=16, kv_dtype=kv_dtype)
+    assert runner.pool.k.dtype == kv_dtype
     seq = Sequence("s", list(prompt), SamplingParams())
     seq.block_table = list(range(8))
     tokens = list(prompt)
@@ -281,7 +286,9 @@ async def test_an_engine_process_of_the_installed_package_serves_a_quantized_fil
     expected = _greedy(small_core(path, cache_dir=str(tmp_path)), prompt, 8)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with anyio.fail_after(300):
-        async with open_llm(path, log_level="WARNING", cache_dir=str(tmp_path)) as llm:
+        async with open_llm(
+            path, log_level="WARNING", cache_dir=str(tmp_path), kv_cache_dtype="fp32"
+        ) as llm:
             assert llm.ready.model == "tiny.gguf"
             assert llm.ready.model_path == str(path.parent.resolve())
             assert (await llm.complete(prompt, params)).token_ids == expected

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tserve.gpu._kv import BlockManager
+from tserve.gpu._kv import BlockManager, kv_budget_blocks
 from tserve.gpu._sequence import Sequence
 from tserve.protocol import SamplingParams
 
@@ -29,6 +29,24 @@ def slots(bm: BlockManager, seq: Sequence, num_positions: int) -> list[int]:
 def test_rejects_bad_sizes(num_blocks: int, block_size: int) -> None:
     with pytest.raises(ValueError):
         BlockManager(num_blocks, block_size)
+
+
+def test_the_kv_budget_in_tokens_is_blocks_and_in_bytes_scales_with_the_dtype() -> None:
+    def blocks(tokens: int, memory: int | None, per_token: int) -> int:
+        return kv_budget_blocks(
+            kv_cache_tokens=tokens,
+            kv_cache_memory_bytes=memory,
+            bytes_per_token=per_token,
+            block_size=16,
+        )
+
+    assert blocks(1000, None, 512) == blocks(1000, None, 256) == 62  # whole blocks
+    assert blocks(1000, 512 * 16 * 10 + 511, 512) == 10  # the tokens do not count
+    assert blocks(1000, 512 * 16 * 10, 256) == 20  # half the bytes a token: twice the blocks
+    with pytest.raises(ValueError, match=r"kv_cache_tokens \(15\) .* 16 tokens"):
+        blocks(15, None, 512)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes \(8191\) .* \(8192 bytes\)"):
+        blocks(10**6, 8191, 512)
 
 
 def test_allocate_covers_positions_and_counts() -> None:

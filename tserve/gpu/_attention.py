@@ -28,6 +28,14 @@ Per layer, :func:`paged_attention_forward`:
 Decodes and prefill chunks are grouped apart so that a long chunk does not pad
 every decode to its length. Pool layout ``[layers, KVH, slots, D]``, ``slot =
 block * block_size + offset``: B sequences' keys gather as ``[KVH, B * Kmax, D]``.
+
+The pool's dtype (``--kv-cache-dtype``) may differ from the model's: K/V are
+cast to it as they are written and back to the queries' dtype as they are
+gathered, so attention runs in the model's dtype over K/V exactly as the pool
+holds them. A ``fresh`` group, which takes this step's own K/V instead, rounds
+them the same way first: whether a prompt's keys come from the pool (a later
+chunk, a cached prefix, a recomputation after preemption) or not changes no
+value, as in fp32.
 """
 
 from __future__ import annotations
@@ -295,8 +303,8 @@ def paged_attention_forward(
     layer: int = module.layer_idx  # type: ignore[assignment]
     new = Tokens(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_pool, v_pool = tserve_step.pool.k[layer], tserve_step.pool.v[layer]
-    k_pool.index_copy_(1, tserve_step.slot_mapping, key[0])
-    v_pool.index_copy_(1, tserve_step.slot_mapping, value[0])
+    k_pool.index_copy_(1, tserve_step.slot_mapping, key[0].to(k_pool.dtype))
+    v_pool.index_copy_(1, tserve_step.slot_mapping, value[0].to(v_pool.dtype))
     return attend_groups(tserve_step.groups, new, k_pool, v_pool, scaling).unsqueeze(0), None
 
 
@@ -349,10 +357,11 @@ def _attend(
     batch, _, kv_max = group.shape
     q = _take(new.q, group)
     if group.fresh:  # the keys of these queries are their own tokens: [B, KVH, Qmax, D]
-        k, v = _take(new.k, group).transpose(1, 2), _take(new.v, group).transpose(1, 2)
-    else:  # [KVH, B, Kmax, D]
-        k = k_pool.index_select(1, group.kv_slots).view(-1, batch, kv_max, k_pool.shape[-1])
-        v = v_pool.index_select(1, group.kv_slots).view(-1, batch, kv_max, v_pool.shape[-1])
+        k = _as_stored(_take(new.k, group), k_pool.dtype).transpose(1, 2)
+        v = _as_stored(_take(new.v, group), v_pool.dtype).transpose(1, 2)
+    else:  # [KVH, B, Kmax, D], widened (or narrowed) from the pool's dtype to the queries'
+        k = _gather(k_pool, group.kv_slots, q.dtype).view(-1, batch, kv_max, k_pool.shape[-1])
+        v = _gather(v_pool, group.kv_slots, q.dtype).view(-1, batch, kv_max, v_pool.shape[-1])
         if group.products:
             return _attend_decode(q, k, v, group.key_bias, scaling)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
@@ -389,6 +398,16 @@ def _attend_decode(
         scores.add_(key_bias)
     out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [KVH, B, H/KVH, D]
     return out.transpose(0, 1).reshape(batch, -1, dim)
+
+
+def _as_stored(x: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
+    """``x`` rounded as a pool of dtype ``stored`` holds it, in ``x``'s own dtype."""
+    return x if x.dtype == stored else x.to(stored).to(x.dtype)
+
+
+def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``pool [KVH, slots, D]`` at ``slots``, in ``dtype``: ``[KVH, len(slots), D]``."""
+    return pool.index_select(1, slots).to(dtype)
 
 
 def _take(tokens: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

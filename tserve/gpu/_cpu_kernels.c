@@ -5,20 +5,91 @@
  * engine is by default; contiguous rows of floats unless a stride says
  * otherwise. Reductions keep LANES independent partial sums, so the compiler
  * vectorizes them without reassociating anything it is not told to.
+ *
+ * The KV pool holds fp32, fp16 or bf16 (`kv_type`, a KV_* code). The kernels
+ * that touch it compute in fp32: a key or value row is widened as it is read
+ * and rounded to nearest even as it is written, as torch's casts do.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
-/* Each exported loop is compiled for AVX-512, AVX2 and plain x86-64, the
- * loader picking one from the CPU's flags (an ifunc) when the library loads. */
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+/* Each exported loop is compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2,
+ * FMA, F16C) and plain x86-64, the loader picking one from the CPU's flags
+ * (an ifunc) when the library loads. F16C makes fp16 conversions one
+ * instruction per 8 or 16 values; plain x86-64 converts through libgcc. */
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONES
 #endif
 
 #define LANES 16
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* _cpu_kernels.py's _KV_TYPES */
+
+/* The float an fp16 bit pattern stands for, exactly (subnormals, infinities and
+ * NaNs included), in integer and float operations that vectorize on any SIMD
+ * (GCC 12 widens _Float16 one value at a time even with F16C): the exponent
+ * is rebased from 15 to 127; a subnormal or zero is rebuilt as the normal
+ * float 2^-14 * (1 + m) minus 2^-14, which rounds nothing. */
+static inline __attribute__((always_inline)) float from_f16(uint16_t h) {
+    uint32_t shifted = (uint32_t)(h & 0x7fffu) << 13, exponent = shifted & 0x0f800000u;
+    uint32_t normal = shifted + ((uint32_t)(127 - 15) << 23);
+    if (exponent == 0x0f800000u) normal += (uint32_t)(128 - 16) << 23; /* Inf, NaN */
+    uint32_t rebuilt = normal + (1u << 23);
+    float f, low;
+    memcpy(&f, &normal, sizeof f);
+    memcpy(&low, &rebuilt, sizeof low);
+    low -= 0x1p-14f;
+    f = exponent == 0 ? low : f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Row `row` (of `dim` values) of a pool of `kv_type`, as floats: a pointer into
+ * the pool itself for fp32, else `tmp` (dim floats) filled with the widened row. */
+static inline __attribute__((always_inline)) const float *kv_row(const void *pool, int64_t row,
+                                                                 int64_t dim, int kv_type,
+                                                                 float *tmp) {
+    if (kv_type == KV_F32) return (const float *)pool + row * dim;
+    if (kv_type == KV_F16) {
+        const uint16_t *src = (const uint16_t *)pool + row * dim;
+        for (int64_t i = 0; i < dim; i++) tmp[i] = from_f16(src[i]);
+    } else {
+        const uint16_t *src = (const uint16_t *)pool + row * dim;
+        for (int64_t i = 0; i < dim; i++) {
+            uint32_t bits = (uint32_t)src[i] << 16;
+            memcpy(tmp + i, &bits, sizeof bits);
+        }
+    }
+    return tmp;
+}
+
+/* bf16 nearest to x, ties to even, as torch rounds (NaN stays a quiet NaN). */
+static inline __attribute__((always_inline)) uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Writes `dim` floats as row `row` of a pool of `kv_type`, rounded to nearest even. */
+static inline __attribute__((always_inline)) void kv_store(void *pool, int64_t row, int64_t dim,
+                                                           int kv_type, const float *src) {
+    if (kv_type == KV_F32) {
+        memcpy((float *)pool + row * dim, src, (size_t)dim * sizeof(float));
+    } else if (kv_type == KV_F16) {
+        _Float16 *dst = (_Float16 *)pool + row * dim;
+        for (int64_t i = 0; i < dim; i++) dst[i] = (_Float16)src[i];
+    } else {
+        uint16_t *dst = (uint16_t *)pool + row * dim;
+        for (int64_t i = 0; i < dim; i++) dst[i] = to_bf16(src[i]);
+    }
+}
 
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t n) {
     float acc[LANES] = {0};
@@ -87,13 +158,13 @@ CLONES void tserve_add_rms_norm(float *residual, const float *hidden, const floa
 
 /* RoPE (the rotate-half form) in place on the Q and K heads (the first
  * heads + kv_heads) of each token's row of `qkv` ([tokens, row_stride]: Q
- * heads, K heads, V heads, each `head_dim` wide), with cos/sin tables [positions, head_dim / 2]; then copies
- * each token's K and V heads into the pool ([kv_heads, slots, head_dim] each)
- * at its slot. */
-CLONES void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, const int64_t *positions,
-                       const float *cos_table, const float *sin_table, const int64_t *slots,
-                       float *k_pool, float *v_pool, int64_t num_slots) {
+ * heads, K heads, V heads, each `head_dim` wide), with cos/sin tables
+ * [positions, head_dim / 2]; then writes each token's K and V heads into the
+ * pool ([kv_heads, slots, head_dim] each, of `kv_type`) at its slot. */
+static inline __attribute__((always_inline)) void rope_store(
+    float *qkv, int64_t tokens, int64_t row_stride, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, const int64_t *positions, const float *cos_table, const float *sin_table,
+    const int64_t *slots, void *k_pool, void *v_pool, int64_t num_slots, int kv_type) {
     int64_t half = head_dim / 2;
     for (int64_t t = 0; t < tokens; t++) {
         float *row = qkv + t * row_stride;
@@ -108,13 +179,27 @@ CLONES void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, in
             }
         }
         for (int64_t g = 0; g < kv_heads; g++) {
-            size_t bytes = (size_t)head_dim * sizeof(float);
-            float *k_dst = k_pool + (g * num_slots + slots[t]) * head_dim;
-            float *v_dst = v_pool + (g * num_slots + slots[t]) * head_dim;
-            memcpy(k_dst, row + (heads + g) * head_dim, bytes);
-            memcpy(v_dst, row + (heads + kv_heads + g) * head_dim, bytes);
+            int64_t dst = g * num_slots + slots[t];
+            kv_store(k_pool, dst, head_dim, kv_type, row + (heads + g) * head_dim);
+            kv_store(v_pool, dst, head_dim, kv_type, row + (heads + kv_heads + g) * head_dim);
         }
     }
+}
+
+CLONES void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
+                              int64_t kv_heads, int64_t head_dim, const int64_t *positions,
+                              const float *cos_table, const float *sin_table,
+                              const int64_t *slots, void *k_pool, void *v_pool,
+                              int64_t num_slots, int kv_type) {
+#define ROPE_STORE(T)                                                                     \
+    rope_store(qkv, tokens, row_stride, heads, kv_heads, head_dim, positions, cos_table, \
+               sin_table, slots, k_pool, v_pool, num_slots, T)
+    switch (kv_type) { /* one copy of the loop per type, each with its conversion inlined */
+    case KV_F16: ROPE_STORE(KV_F16); break;
+    case KV_BF16: ROPE_STORE(KV_BF16); break;
+    default: ROPE_STORE(KV_F32); break;
+    }
+#undef ROPE_STORE
 }
 
 /* Attention of one query per sequence over its keys in the paged pool, read
@@ -122,23 +207,25 @@ CLONES void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, in
  * `heads` heads; out: [batch, heads, head_dim]. Sequence b has lens[b] keys
  * at positions 0.., position p in slot tables[b * width + p / block_size] *
  * block_size + p % block_size. Query head h reads KV head h / (heads /
- * kv_heads). `scores` is scratch of (heads / kv_heads) * max(lens) floats. */
-CLONES void tserve_paged_decode(const float *q, int64_t q_stride, const float *k_pool,
-                         const float *v_pool, int64_t num_slots, const int64_t *tables,
-                         int64_t width, const int64_t *lens, int64_t block_size, int64_t batch,
-                         int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                         float *out, float *scores) {
+ * kv_heads). `scores` is scratch of (heads / kv_heads) * max(lens) floats.
+ * The pools are of `kv_type`; a row of another type than fp32 is widened
+ * once into a stack buffer and serves every query head of its group. */
+static inline __attribute__((always_inline)) void paged_decode(
+    const float *q, int64_t q_stride, const void *k_pool, const void *v_pool, int64_t num_slots,
+    const int64_t *tables, int64_t width, const int64_t *lens, int64_t block_size,
+    int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, float *out,
+    float *scores, int kv_type) {
     int64_t group = heads / kv_heads;
+    float widened[head_dim];
     for (int64_t b = 0; b < batch; b++) {
         int64_t len = lens[b];
         const int64_t *table = tables + b * width;
         for (int64_t g = 0; g < kv_heads; g++) {
-            const float *k_head = k_pool + g * num_slots * head_dim;
-            const float *v_head = v_pool + g * num_slots * head_dim;
+            int64_t head_row = g * num_slots;
             const float *qg = q + b * q_stride + g * group * head_dim;
             for (int64_t p = 0; p < len; p++) {
                 int64_t slot = table[p / block_size] * block_size + p % block_size;
-                const float *k = k_head + slot * head_dim;
+                const float *k = kv_row(k_pool, head_row + slot, head_dim, kv_type, widened);
                 for (int64_t j = 0; j < group; j++)
                     scores[j * len + p] = dot(qg + j * head_dim, k, head_dim) * scale;
             }
@@ -157,7 +244,7 @@ CLONES void tserve_paged_decode(const float *q, int64_t q_stride, const float *k
             memset(o, 0, (size_t)(group * head_dim) * sizeof(float));
             for (int64_t p = 0; p < len; p++) {
                 int64_t slot = table[p / block_size] * block_size + p % block_size;
-                const float *v = v_head + slot * head_dim;
+                const float *v = kv_row(v_pool, head_row + slot, head_dim, kv_type, widened);
                 for (int64_t j = 0; j < group; j++) {
                     float w = scores[j * len + p];
                     float *oj = o + j * head_dim;
@@ -166,6 +253,22 @@ CLONES void tserve_paged_decode(const float *q, int64_t q_stride, const float *k
             }
         }
     }
+}
+
+CLONES void tserve_paged_decode(const float *q, int64_t q_stride, const void *k_pool,
+                                const void *v_pool, int64_t num_slots, const int64_t *tables,
+                                int64_t width, const int64_t *lens, int64_t block_size,
+                                int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                float scale, float *out, float *scores, int kv_type) {
+#define PAGED_DECODE(T)                                                                      \
+    paged_decode(q, q_stride, k_pool, v_pool, num_slots, tables, width, lens, block_size,    \
+                 batch, heads, kv_heads, head_dim, scale, out, scores, T)
+    switch (kv_type) { /* one copy of the loop per type, each with its conversion inlined */
+    case KV_F16: PAGED_DECODE(KV_F16); break;
+    case KV_BF16: PAGED_DECODE(KV_BF16); break;
+    default: PAGED_DECODE(KV_F32); break;
+    }
+#undef PAGED_DECODE
 }
 
 /* Linear layers for few rows, where the weight's bytes are the cost: y[M, N]

@@ -14,6 +14,11 @@ stubbed out, that glue cost 6 ms of a 1-sequence step and 35 ms of a
 * ``paged_decode``: one query per sequence over its keys and values read
   where they lie in the paged pool (no gather), softmax included.
 
+The KV pool may hold fp32, fp16 or bf16 (``--kv-cache-dtype``): the two
+kernels that touch it compute in fp32, widening each key and value row as
+they read it and rounding to nearest even as they write it (torch's casts,
+bit for bit), with F16C where the CPU has it.
+
 The C sources (this file's ``_cpu_kernels.c`` and the quantized products'
 ``_quant_kernels.c`` and ``_kquant_kernels.c``) are compiled into one shared library, ``_kernels``,
 when the package is installed (``setup.py``; an editable install builds it
@@ -45,6 +50,9 @@ LINEAR_PANEL: Final = 32  # PANEL in _cpu_kernels.c
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
+_KV_TYPES: Final = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""The KV pool dtypes the kernels read and write: their ``KV_*`` codes in ``_cpu_kernels.c``."""
+
 
 def _declare(function: Any, *argtypes: type[ctypes._SimpleCData[Any]]) -> Any:
     function.argtypes, function.restype = argtypes, None
@@ -53,8 +61,9 @@ def _declare(function: Any, *argtypes: type[ctypes._SimpleCData[Any]]) -> Any:
 
 class CpuKernels:
     """The loaded kernels; every tensor argument is CPU fp32 (int64 for
-    indices) and contiguous unless its stride is an argument. Callers hold
-    these rules; the kernels do not check them."""
+    indices; a KV pool of one of ``_KV_TYPES``) and contiguous unless its
+    stride is an argument. Callers hold these rules; the kernels do not
+    check them."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         i64, ptr = _I64, _PTR
@@ -63,12 +72,12 @@ class CpuKernels:
         )
         self._rope_store = _declare(
             library.tserve_rope_store, ptr, i64, i64, i64, i64, i64,
-            ptr, ptr, ptr, ptr, ptr, ptr, i64,
+            ptr, ptr, ptr, ptr, ptr, ptr, i64, _INT,
         )  # fmt: skip
         self._silu_mul = _declare(library.tserve_silu_mul, ptr, i64, i64, ptr, ptr)
         self._paged_decode = _declare(
             library.tserve_paged_decode, ptr, i64, ptr, ptr, i64, ptr, i64, ptr,
-            i64, i64, i64, i64, i64, _F32, ptr, ptr,
+            i64, i64, i64, i64, i64, _F32, ptr, ptr, _INT,
         )  # fmt: skip
         self._linear = _declare(library.tserve_linear, ptr, i64, i64, ptr, ptr, i64, ptr)
         library.tserve_linear_available.restype = _INT
@@ -110,7 +119,8 @@ class CpuKernels:
     ) -> None:
         """RoPE on the Q and K heads of ``qkv [T, (heads + 2 kv_heads) * D]`` in
         place, then each token's K and V into ``k_pool``/``v_pool`` ``[kv_heads,
-        slots, D]`` at ``slots [T]``; ``cos``/``sin`` are ``[positions, D/2]``."""
+        slots, D]`` (fp32, fp16 or bf16, both alike) at ``slots [T]``, rounded to
+        their dtype; ``cos``/``sin`` are ``[positions, D/2]``."""
         tokens, width = qkv.shape
         head_dim = k_pool.shape[-1]
         self._rope_store(
@@ -127,6 +137,7 @@ class CpuKernels:
             k_pool.data_ptr(),
             v_pool.data_ptr(),
             k_pool.shape[1],
+            _KV_TYPES[k_pool.dtype],
         )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -178,8 +189,9 @@ class CpuKernels:
         scale: float,
     ) -> torch.Tensor:
         """Attention of ``q`` (``[B, >= heads * D]`` rows, any row stride, unit
-        column stride) over each sequence's ``lens[b]`` keys in the pool, its
-        blocks ``tables [B, width]``: ``[B, heads, D]``."""
+        column stride) over each sequence's ``lens[b]`` keys in the pool (fp32,
+        fp16 or bf16, both alike), its blocks ``tables [B, width]``: fp32
+        ``[B, heads, D]``."""
         batch = q.shape[0]
         kv_heads, num_slots, head_dim = k_pool.shape
         out = torch.empty(batch, heads, head_dim)
@@ -201,6 +213,7 @@ class CpuKernels:
             scale,
             out.data_ptr(),
             scores.data_ptr(),
+            _KV_TYPES[k_pool.dtype],
         )
         return out
 

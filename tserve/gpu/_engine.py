@@ -35,8 +35,15 @@ import torch
 from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
 from tserve.gpu._gguf import load_gguf, sampling_metadata
-from tserve.gpu._kv import BlockManager
-from tserve.gpu._model_runner import ModelRunner, resolve_device, runs_gguf
+from tserve.gpu._kv import BlockManager, kv_budget_blocks
+from tserve.gpu._model_runner import (
+    KV_CACHE_DTYPES,
+    ModelRunner,
+    kv_bytes_per_token,
+    resolve_device,
+    resolve_kv_dtype,
+    runs_gguf,
+)
 from tserve.gpu._models import (
     DEFAULT_MODEL_NAME,
     ModelLoadError,
@@ -68,6 +75,8 @@ Progress = Callable[[str], None]
 # A step with nothing to run but grammars compiling waits this long (s) for
 # one, instead of spinning; new frames wait at most this long for the loop.
 _IDLE_COMPILE_WAIT = 0.005
+
+_DTYPE_NAMES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
 
 
 class EngineCore(CoreBookkeeping[Sequence]):
@@ -129,12 +138,14 @@ class EngineCore(CoreBookkeeping[Sequence]):
         progress(self.sampling_defaults.describe())
         self.vocab_size = int(model_config.vocab_size)
         self.device = str(device)
-        num_blocks = config.kv_cache_tokens // config.block_size
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_tokens ({config.kv_cache_tokens}) must hold at least one "
-                f"block of {config.block_size} tokens"
-            )
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+        token_bytes = kv_bytes_per_token(model_config, kv_dtype)
+        num_blocks = kv_budget_blocks(
+            kv_cache_tokens=config.kv_cache_tokens,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            bytes_per_token=token_bytes,
+            block_size=config.block_size,
+        )
         model_len = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
         # The context is capped by the model and by the whole KV budget.
         self.max_model_len = min(
@@ -147,6 +158,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
             block_size=config.block_size,
             device=device,
             dtype=dtype,
+            kv_dtype=kv_dtype,
             cpu_gemm=config.cpu_gemm,
             model_impl=config.model_impl,
         )
@@ -176,7 +188,11 @@ class EngineCore(CoreBookkeeping[Sequence]):
         )
         # Logprobs of tokens sampled but not yet reported; one entry per token.
         self._logprobs: dict[str, list[TokenLogprob]] = {}
-        progress(f"engine ready: {self.model_name}, {num_blocks * config.block_size} KV tokens")
+        kv_tokens = num_blocks * config.block_size
+        progress(
+            f"engine ready: {self.model_name}, {kv_tokens} KV tokens "
+            f"({_DTYPE_NAMES[kv_dtype]}, {kv_tokens * token_bytes / 2**20:.0f} MiB)"
+        )
 
     # -- requests in ---------------------------------------------------------
 

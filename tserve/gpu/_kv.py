@@ -53,7 +53,35 @@ from collections.abc import Sequence as Seq
 
 from tserve.gpu._sequence import Sequence
 
-__all__ = ["BlockManager"]
+__all__ = ["BlockManager", "kv_budget_blocks"]
+
+
+def kv_budget_blocks(
+    *,
+    kv_cache_tokens: int,
+    kv_cache_memory_bytes: int | None,
+    bytes_per_token: int,
+    block_size: int,
+) -> int:
+    """Blocks of ``block_size`` tokens in the KV budget.
+
+    ``kv_cache_tokens // block_size``, or, when ``kv_cache_memory_bytes`` is
+    set, as many blocks as fit in that many bytes at ``bytes_per_token`` (K
+    and V of every layer in the cache's dtype), so a smaller dtype holds more.
+    Raises ValueError when the budget holds no block.
+    """
+    if kv_cache_memory_bytes is None:
+        blocks = kv_cache_tokens // block_size
+        budget = f"kv_cache_tokens ({kv_cache_tokens})"
+    else:
+        blocks = kv_cache_memory_bytes // (bytes_per_token * block_size)
+        budget = f"kv_cache_memory_bytes ({kv_cache_memory_bytes})"
+    if blocks < 1:
+        raise ValueError(
+            f"{budget} must hold at least one block of {block_size} tokens "
+            f"({bytes_per_token * block_size} bytes)"
+        )
+    return blocks
 
 
 class BlockManager:

@@ -96,7 +96,8 @@ class StepOps(Protocol):
         v_pool: torch.Tensor,
     ) -> None:
         """RoPE on the Q and K heads of ``qkv [T, (heads + 2 kv_heads) * D]`` in place,
-        then K and V into the pools ``[kv_heads, slots, D]`` at ``slots [T]``."""
+        then K and V into the pools ``[kv_heads, slots, D]`` at ``slots [T]``, cast
+        to the pools' dtype (which may differ from ``qkv``'s)."""
         ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -146,8 +147,9 @@ class TorchOps:
         c = cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
         s = sin.index_select(0, positions).unsqueeze(1)
         split[:, : heads + kv_heads] = _rotate(split[:, : heads + kv_heads], c, s)
-        k_pool.index_copy_(1, slots, split[:, heads : heads + kv_heads].transpose(0, 1))
-        v_pool.index_copy_(1, slots, split[:, heads + kv_heads :].transpose(0, 1))
+        keys, values = split[:, heads : heads + kv_heads], split[:, heads + kv_heads :]
+        k_pool.index_copy_(1, slots, keys.transpose(0, 1).to(k_pool.dtype))
+        v_pool.index_copy_(1, slots, values.transpose(0, 1).to(v_pool.dtype))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

@@ -12,7 +12,8 @@ already allocated.
 
 The runner is the one place that decides the device path (:func:`resolve_device`):
 from the device and dtype it picks, once, the glue kernels of tserve's own
-forward pass (the fused CPU kernels for fp32 on CPU, torch calls otherwise),
+forward pass (the fused CPU kernels for fp32 on CPU, torch calls otherwise;
+both read and write a KV pool of any of :data:`KV_CACHE_DTYPES`),
 how decode attention runs, and whether linear layers are tuned (CPU only);
 it hands them down, and no other module looks at the device.
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -43,9 +44,15 @@ from tserve.gpu._llama import TORCH_OPS, PagedLlama, StepOps, unsupported_reason
 from tserve.gpu._models import ModelLoadError
 from tserve.gpu._quant import tune_quantized
 from tserve.gpu._sequence import ScheduledChunk
-from tserve.protocol import CpuGemm, EngineConfig, ModelImpl
+from tserve.protocol import CpuGemm, EngineConfig, KvCacheDtype, ModelImpl
 
-__all__ = ["ModelRunner", "kv_bytes_per_token", "resolve_device"]
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "ModelRunner",
+    "kv_bytes_per_token",
+    "resolve_device",
+    "resolve_kv_dtype",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,25 @@ def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown dtype {config.dtype!r}")
     return device, dtype
+
+
+KV_CACHE_DTYPES: Final[dict[str, torch.dtype]] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+"""``--kv-cache-dtype``'s values, "auto" aside."""
+
+
+def resolve_kv_dtype(kv_cache_dtype: KvCacheDtype, dtype: torch.dtype) -> torch.dtype:
+    """What the KV cache stores for a model in ``dtype``.
+
+    "auto" = the model's own dtype, as in vLLM: fp32 on CPU, bf16 on CUDA.
+    On CPU the fused decode kernel is bound by its arithmetic, not by
+    reading K/V, so fp16 or bf16 halve the cache's memory without making
+    decode faster (docs/configuration.md has the figures).
+    """
+    return dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def runs_gguf(device: torch.device, dtype: torch.dtype) -> bool:
@@ -94,7 +120,8 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
 class ModelRunner:
     """Executes scheduled chunks with a paged KV cache of ``num_blocks * block_size`` slots.
 
-    ``device`` and ``dtype`` default to the model's; the pool uses the same.
+    ``device`` and ``dtype`` default to the model's; the pool stores ``kv_dtype``
+    (default: ``dtype``), any of :data:`KV_CACHE_DTYPES` with any model dtype.
     On CPU, every linear layer runs on the matrix-product library that
     measured fastest for it (``cpu_gemm="auto"``: :mod:`tserve.gpu._gemm`;
     blocks while it measures), or on the one ``cpu_gemm`` names.
@@ -111,6 +138,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
         cpu_gemm: CpuGemm = "auto",
         model_impl: ModelImpl = "auto",
     ) -> None:
@@ -140,11 +168,14 @@ class ModelRunner:
         if on_cpu:
             tune_linears(self.model, cpu_gemm)
             tune_quantized(self.model)
+        self.kv_dtype = self.dtype if kv_dtype is None else kv_dtype
+        if self.kv_dtype not in KV_CACHE_DTYPES.values():
+            raise ValueError(f"a KV cache stores one of {sorted(KV_CACHE_DTYPES)}, not {kv_dtype}")
         shape = (layers, kv_heads, num_blocks * block_size, head_dim)
         with torch.inference_mode():
             self.pool = KVPool(
-                k=torch.zeros(shape, device=self.device, dtype=self.dtype),
-                v=torch.zeros(shape, device=self.device, dtype=self.dtype),
+                k=torch.zeros(shape, device=self.device, dtype=self.kv_dtype),
+                v=torch.zeros(shape, device=self.device, dtype=self.kv_dtype),
                 block_size=block_size,
             )
 

@@ -181,6 +181,35 @@ def test_a_k_quant_gguf_runs_in_its_formats_with_the_logits_of_its_fp32_conversi
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
 
+def test_int8_activations_on_k_quants_are_the_model_with_its_activations_rounded(
+    wide_model_dir: Path, tmp_path: Path
+) -> None:
+    """As the Q4_1 test above, for the Q4_K_M mix: the K-quant int8 kernel (on the
+    file's layout, no packing) against fp32 products of inputs rounded the same."""
+    path = write_gguf(wide_model_dir, tmp_path / "gguf" / "wide.gguf", "Q4_K", formats=_Q4_K_M)
+    logits = []
+    for activations in ("int8", "fp32"):
+        loaded = load_gguf(
+            path, kernels=quant_kernels(), cache_dir=tmp_path, progress=lambda _: None,
+            activations=activations,
+        )  # fmt: skip
+        model = loaded.model
+        linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        assert len(linears) == 12  # Q, K, V of layer 0 apart, gate and up of layer 1
+        assert {linear.activations for linear in linears} == {activations}
+        runner = ModelRunner(model, num_blocks=16, block_size=4)
+        for linear in linears:
+            linear.kernel_rows = None
+        if activations == "fp32":
+            for layer in model.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    setattr(layer, name, _Rounded(getattr(layer, name)))
+            model.lm_head = _Rounded(model.lm_head)
+        logits.append(_logits(runner, [(i * 29) % 512 for i in range(22)], split=11))
+    ours, expected = logits
+    torch.testing.assert_close(ours, expected, atol=2e-4, rtol=1e-4)
+
+
 def test_the_engine_serves_a_k_quant_file_as_its_fp32_conversion_would(
     wide_model_dir: Path, tmp_path: Path
 ) -> None:

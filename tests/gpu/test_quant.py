@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu import kquant_blocks
 from tserve.gpu._quant import (
     FORMATS,
     K_FORMATS,
@@ -100,14 +101,19 @@ def test_the_packed_layout_keeps_every_row(kernels: QuantKernels, fmt: str) -> N
     torch.testing.assert_close(kernels.dequantize(packed, rows), dense[rows], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K"])
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [2, 3])
 def test_a_product_shared_among_threads_is_the_same(
-    kernels: QuantKernels, activations: str, threads: int
+    kernels: QuantKernels, fmt: str, activations: str, threads: int
 ) -> None:
-    """Output rows split among torch's threads (3 here: more than this machine's
+    """Output rows split among torch's threads (3: more than this machine's
     cores is allowed): every split gives each row's own sum."""
-    weight, _ = _weight("Q4_1", 203, 256, seed=6)
+    if fmt in kquant_blocks.FORMATS:
+        raw = kquant_blocks.random_rows(fmt, 203, 256, np.random.default_rng(6))
+        weight = QuantizedWeight(FORMATS[fmt], torch.from_numpy(raw), 203, 256)
+    else:
+        weight, _ = _weight(fmt, 203, 256, seed=6)
     layer = QuantizedLinear(weight, kernels, activations)  # type: ignore[arg-type]
     x = torch.randn(5, 256)
     before = torch.get_num_threads()

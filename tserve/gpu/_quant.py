@@ -181,7 +181,7 @@ class QuantKernels:
     what runs (this CPU's best unless a caller forces portable, as the tests do).
     Every product blocks until done and runs on ``torch.get_num_threads()``
     threads (torch's own OpenMP pool), or on the caller alone when it is small
-    (K-quants: always)."""
+    """
 
     def __init__(self, library: ctypes.CDLL) -> None:
         library.tserve_quant_isa.restype = _INT
@@ -194,13 +194,13 @@ class QuantKernels:
         self._dequantize = _declare(library.tserve_dequantize, c_int, ptr, i64, ptr, i64, ptr)
         self._unpack = _declare(library.tserve_unpack, c_int, ptr, i64, ptr, i64, ptr)
         self._klinear = _declare(
-            library.tserve_kqlinear, c_int, c_int, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr
+            library.tserve_kqlinear_shared, c_int, c_int, ptr, i64, i64, ptr, ptr, i64, ptr
         )
         self._kgroup_sums = _declare(library.tserve_kgroup_sums, ptr, i64, i64, ptr)
         self._quantize = _declare(library.tserve_quantize_q8, c_int, ptr, i64, i64, ptr, ptr, ptr)
         self._klinear_int8 = _declare(
-            library.tserve_kqlinear_int8,
-            c_int, c_int, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr,
+            library.tserve_kqlinear_int8_shared,
+            c_int, c_int, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
         )  # fmt: skip
         self._kdequantize = _declare(
             library.tserve_kdequantize, c_int, c_int, ptr, i64, ptr, i64, ptr
@@ -251,7 +251,7 @@ class QuantKernels:
         """``out [m, n] = rows [m, k] @ W.T`` for a K-quant ``weight`` (``_kquant_kernels.c``)."""
         m, k = rows.shape
         n = weight.out_features
-        head = (isa, weight.fmt, weight.data.data_ptr(), n, 0, n, k)
+        head = (isa, weight.fmt, weight.data.data_ptr(), n, k)
         per_block = torch.empty(m, k // _GROUP)  # int8: the scales; fp32: the sums of x
         if int8:
             xq, sums = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // _GROUP)

@@ -277,14 +277,14 @@ def test_special_tokens_and_limits_match_transformers(pairs: dict[str, Pair], mo
     assert pair.ours.model_max_length == (limit if limit < 1e29 else None)
 
 
-def test_generation_defaults_match_transformers(
-    pairs: dict[str, Pair], template_dirs: dict[str, Path]
-) -> None:
+def test_generation_defaults_match_transformers(template_dirs: dict[str, Path]) -> None:
+    """The engine's reading of generation_config.json (its sampling defaults)."""
     from transformers import GenerationConfig
 
+    from tserve.gpu._sampling_defaults import read_sampling_defaults
+
     reference = GenerationConfig.from_pretrained(template_dirs["tools"])
-    ours = pairs["tools"].ours.generation
-    assert list(ours.eos_token_ids) == reference.eos_token_id
+    ours = read_sampling_defaults("auto", model_dir=template_dirs["tools"])
     assert (ours.temperature, ours.top_p, ours.top_k) == (
         reference.temperature,
         reference.top_p,

@@ -128,20 +128,6 @@ def test_missing_or_malformed_files_raise(tmp_path: Path, tiny_model_dir: Path) 
         load_model_tokenizer(broken)
 
 
-def test_generation_defaults_read_what_is_there(tmp_path: Path, tiny_model_dir: Path) -> None:
-    directory = _model(
-        tmp_path / "m",
-        tiny_model_dir,
-        {},
-        generation_config__json={"eos_token_id": 2, "max_new_tokens": 64, "temperature": "hot"},
-    )
-    defaults = read_tokenizer_files(directory).generation
-    assert defaults.eos_token_ids == (2,)
-    assert defaults.max_new_tokens == 64
-    assert defaults.temperature is None  # not a number: not a default
-    assert read_tokenizer_files(tiny_model_dir).model_max_length is None
-
-
 def test_an_encoder_without_tokenizer_json_builds_bert_wordpiece(tmp_path: Path) -> None:
     """What transformers makes of a BERT directory with only vocab.txt, ids
     with [CLS] and [SEP] as the embedder encodes them."""

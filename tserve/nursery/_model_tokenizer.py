@@ -42,7 +42,6 @@ from tokenizers import (
 from tserve.nursery._chat_template import ChatOptions, ChatTemplate, select_template
 from tserve.nursery._tokenizer_files import (
     AddedTokenSpec,
-    GenerationDefaults,
     TokenizerFiles,
     TokenizerFilesError,
     named_special_tokens,
@@ -96,7 +95,6 @@ class ModelTokenizer:
     def __init__(self, tokenizer: Tokenizer, files: TokenizerFiles) -> None:
         self.tokenizer = tokenizer
         self.files = files
-        self.generation: GenerationDefaults = files.generation
         self.model_max_length = files.model_max_length
         # Invariant: the template objects are built once; rendering mutates nothing.
         self._templates = {

@@ -14,8 +14,10 @@ for a generation model):
   ``{"name", "template"}``);
 * ``chat_template.jinja`` (the default template) and
   ``additional_chat_templates/<name>.jinja``, which take precedence over
-  the config's ``chat_template``;
-* ``generation_config.json``: the model's generation defaults.
+  the config's ``chat_template``.
+
+(``generation_config.json``'s sampling values are the engine's business: it
+reads them and reports them in ``EngineReady.sampling_defaults``.)
 
 Reading is plain file IO and JSON: blocking (a worker thread), no
 tokenizer library involved. An engine on another host sends these files
@@ -37,12 +39,10 @@ from tserve.protocol import tokenizer_file_allowed
 
 __all__ = [
     "AddedTokenSpec",
-    "GenerationDefaults",
     "TokenizerFiles",
     "TokenizerFilesError",
     "load_unpacked",
     "named_special_tokens",
-    "read_generation_defaults",
     "read_tokenizer_config",
     "read_tokenizer_files",
 ]
@@ -88,25 +88,6 @@ class AddedTokenSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class GenerationDefaults:
-    """generation_config.json's defaults; None where the file says nothing.
-
-    ``eos_token_ids`` is empty when the file names none (the model config's
-    then holds). The sampling values are the model authors' suggestions,
-    read without torch; the API process does not apply them: the engine
-    reads and applies its own (``EngineReady.sampling_defaults``, which also
-    serves an engine on another host), as it reports the eos ids it stops on.
-    """
-
-    eos_token_ids: tuple[int, ...] = ()
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_new_tokens: int | None = None
-    repetition_penalty: float | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class TokenizerFiles:
     """Everything the API process needs from a model directory to tokenize and chat."""
 
@@ -124,7 +105,6 @@ class TokenizerFiles:
     model_max_length: int | None
     clean_up_tokenization_spaces: bool
     split_special_tokens: bool
-    generation: GenerationDefaults
 
 
 def read_tokenizer_files(directory: str | Path) -> TokenizerFiles:
@@ -144,7 +124,6 @@ def read_tokenizer_files(directory: str | Path) -> TokenizerFiles:
         model_max_length=_max_length(config.get("model_max_length")),
         clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
         split_special_tokens=bool(config.get("split_special_tokens", False)),
-        generation=read_generation_defaults(root),
     )
 
 
@@ -162,21 +141,6 @@ def read_tokenizer_config(directory: str | Path) -> dict[str, Any]:
 def named_special_tokens(config: dict[str, Any]) -> dict[str, str]:
     """Name -> text of the special tokens a tokenizer config names."""
     return {name: token.content for name, token in _special_tokens(config)[0].items()}
-
-
-def read_generation_defaults(directory: str | Path) -> GenerationDefaults:
-    """generation_config.json's defaults (all None without the file). Blocking."""
-    config = _read_json(Path(directory) / "generation_config.json")
-    eos = config.get("eos_token_id")
-    eos_ids = (eos,) if isinstance(eos, int) else tuple(i for i in eos or () if isinstance(i, int))
-    return GenerationDefaults(
-        eos_token_ids=eos_ids,
-        temperature=_number(config.get("temperature")),
-        top_p=_number(config.get("top_p")),
-        top_k=_integer(config.get("top_k")),
-        max_new_tokens=_integer(config.get("max_new_tokens")),
-        repetition_penalty=_number(config.get("repetition_penalty")),
-    )
 
 
 _T = TypeVar("_T")
@@ -311,11 +275,3 @@ def _max_length(value: object) -> int | None:
     if isinstance(value, int | float) and 0 < value < _NO_LIMIT:
         return int(value)
     return None
-
-
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _integer(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -16,6 +16,7 @@ from openai.lib.streaming.chat import FunctionToolCallArgumentsDeltaEvent as Arg
 
 from tests.nursery import chat_templates
 from tests.web.conftest import API_KEY, Server, keyed_server
+from tests.web.test_structured_requests import HISTORY
 
 pytestmark = pytest.mark.slow
 
@@ -34,21 +35,6 @@ WEATHER: Any = {
         },
     },
 }
-HISTORY: Any = [
-    {"role": "user", "content": "What is the weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.gpu.cores import small_core
 from tests.gpu.gguf_files import build_wide_model, write_gguf
@@ -81,18 +82,24 @@ def test_a_gguf_runs_in_its_format_with_the_logits_of_its_fp32_conversion(
 
 class _Rounded(torch.nn.Module):
     """A linear layer whose input is first rounded as the int8 kernels round it:
-    per block of 32, to multiples of its largest magnitude / 127."""
+    per block of 32, to multiples of its largest magnitude / 127, with their
+    float operations (times 127 / that magnitude, rounded half to even: a
+    division by the step instead rounds some elements the other way)."""
 
     def __init__(self, linear: torch.nn.Module) -> None:
         super().__init__()
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        blocks = x.reshape(x.shape[0], -1, 32)
-        step = blocks.abs().amax(-1, keepdim=True) / 127
-        rounded = torch.round(blocks / torch.where(step > 0, step, 1)) * step
-        out: torch.Tensor = self.linear(rounded.reshape(x.shape))
+        out: torch.Tensor = self.linear(_rounded(x))
         return out
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    blocks = x.reshape(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, 127 / top, 0)
+    return (torch.round(blocks * inverse) * (top / 127)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
@@ -181,33 +188,41 @@ def test_a_k_quant_gguf_runs_in_its_formats_with_the_logits_of_its_fp32_conversi
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
 
-def test_int8_activations_on_k_quants_are_the_model_with_its_activations_rounded(
+def test_int8_activations_on_k_quants_round_each_product_s_input(
     wide_model_dir: Path, tmp_path: Path
 ) -> None:
-    """As the Q4_1 test above, for the Q4_K_M mix: the K-quant int8 kernel (on the
-    file's layout, no packing) against fp32 products of inputs rounded the same."""
+    """The Q4_K_M mix on int8 activations: every product of a forward pass (the
+    K-quant int8 kernel on the file's layout) is the fp32 product of its own
+    input rounded to 8 bits per block, the integer sums being exact. (Per
+    product: over the whole model, float rounding of one layer's output flips
+    some roundings of the next one's input.)"""
     path = write_gguf(wide_model_dir, tmp_path / "gguf" / "wide.gguf", "Q4_K", formats=_Q4_K_M)
-    logits = []
-    for activations in ("int8", "fp32"):
-        loaded = load_gguf(
-            path, kernels=quant_kernels(), cache_dir=tmp_path, progress=lambda _: None,
-            activations=activations,
-        )  # fmt: skip
-        model = loaded.model
-        linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-        assert len(linears) == 12  # Q, K, V of layer 0 apart, gate and up of layer 1
-        assert {linear.activations for linear in linears} == {activations}
-        runner = ModelRunner(model, num_blocks=16, block_size=4)
-        for linear in linears:
-            linear.kernel_rows = None
-        if activations == "fp32":
-            for layer in model.layers:
-                for name in ("qkv", "o", "gate_up", "down"):
-                    setattr(layer, name, _Rounded(getattr(layer, name)))
-            model.lm_head = _Rounded(model.lm_head)
-        logits.append(_logits(runner, [(i * 29) % 512 for i in range(22)], split=11))
-    ours, expected = logits
-    torch.testing.assert_close(ours, expected, atol=2e-4, rtol=1e-4)
+    kernels = quant_kernels()
+    assert kernels is not None
+    loaded = load_gguf(
+        path, kernels=kernels, cache_dir=tmp_path, progress=lambda _: None, activations="int8"
+    )
+    linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 12  # Q, K, V of layer 0 apart, gate and up of layer 1
+    assert {linear.activations for linear in linears} == {"int8"}
+    runner = ModelRunner(loaded.model, num_blocks=16, block_size=4)
+    seen: list[tuple[QuantizedLinear, torch.Tensor, torch.Tensor]] = []
+    hooks = []
+    for linear in linears:
+        linear.kernel_rows = None  # the kernel at every row count (no dequantized route)
+        # copies: the step goes on to write in place (RoPE on the Q and K outputs)
+        hook = linear.register_forward_hook(
+            lambda m, a, y: seen.append((m, a[0].clone(), y.clone()))
+        )
+        hooks.append(hook)
+    _logits(runner, [(i * 29) % 512 for i in range(22)], split=11)
+    for hook in hooks:
+        hook.remove()
+    assert {id(m) for m, _, _ in seen} == {id(m) for m in linears}
+    with torch.inference_mode():
+        for module, x, y in seen:
+            expected = F.linear(_rounded(x), kernels.dequantize(module.weight_q))
+            assert float((y - expected).norm() / expected.norm()) < 1e-5
 
 
 def test_the_engine_serves_a_k_quant_file_as_its_fp32_conversion_would(

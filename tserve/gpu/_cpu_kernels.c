@@ -17,8 +17,9 @@
 #include <immintrin.h>
 /* Each exported loop is compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2,
  * FMA, F16C) and plain x86-64, the loader picking one from the CPU's flags
- * (an ifunc) when the library loads. F16C makes fp16 conversions one
- * instruction per 8 or 16 values; plain x86-64 converts through libgcc. */
+ * (an ifunc) when the library loads. Reading fp16 K/V widens 8 values an
+ * instruction with F16C, else in portable integer code (from_f16); writing
+ * one token's K/V rounds value by value (F16C's, or libgcc's, conversion). */
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONES
@@ -27,6 +28,7 @@
 #define LANES 16
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* _cpu_kernels.py's _KV_TYPES */
+enum { KV_F16_F16C = 3 }; /* KV_F16 on a CPU with F16C: the kernels' own choice */
 
 /* The float an fp16 bit pattern stands for, exactly (subnormals, infinities and
  * NaNs included), in integer and float operations that vectorize on any SIMD
@@ -50,12 +52,38 @@ static inline __attribute__((always_inline)) float from_f16(uint16_t h) {
     return f;
 }
 
+#if defined(__x86_64__)
+/* `n` fp16 values widened with F16C, 8 an instruction; only where the CPU has it
+ * (inlined into the x86-64-v3 and v4 clones, which have it by definition). */
+__attribute__((target("avx,f16c"))) static inline void widen_f16c(const uint16_t *src, float *dst,
+                                                                 int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) dst[i] = from_f16(src[i]);
+}
+#endif
+
+/* KV_F16_F16C where the CPU has F16C and `kv_type` is KV_F16, else `kv_type`. */
+static int kv_type_here(int kv_type) {
+#if defined(__x86_64__)
+    if (kv_type == KV_F16 && __builtin_cpu_supports("f16c")) return KV_F16_F16C;
+#endif
+    return kv_type;
+}
+
 /* Row `row` (of `dim` values) of a pool of `kv_type`, as floats: a pointer into
  * the pool itself for fp32, else `tmp` (dim floats) filled with the widened row. */
 static inline __attribute__((always_inline)) const float *kv_row(const void *pool, int64_t row,
                                                                  int64_t dim, int kv_type,
                                                                  float *tmp) {
     if (kv_type == KV_F32) return (const float *)pool + row * dim;
+#if defined(__x86_64__)
+    if (kv_type == KV_F16_F16C) {
+        widen_f16c((const uint16_t *)pool + row * dim, tmp, dim);
+        return tmp;
+    }
+#endif
     if (kv_type == KV_F16) {
         const uint16_t *src = (const uint16_t *)pool + row * dim;
         for (int64_t i = 0; i < dim; i++) tmp[i] = from_f16(src[i]);
@@ -263,7 +291,8 @@ CLONES void tserve_paged_decode(const float *q, int64_t q_stride, const void *k_
 #define PAGED_DECODE(T)                                                                      \
     paged_decode(q, q_stride, k_pool, v_pool, num_slots, tables, width, lens, block_size,    \
                  batch, heads, kv_heads, head_dim, scale, out, scores, T)
-    switch (kv_type) { /* one copy of the loop per type, each with its conversion inlined */
+    switch (kv_type_here(kv_type)) { /* one copy of the loop per type, conversion inlined */
+    case KV_F16_F16C: PAGED_DECODE(KV_F16_F16C); break;
     case KV_F16: PAGED_DECODE(KV_F16); break;
     case KV_BF16: PAGED_DECODE(KV_BF16); break;
     default: PAGED_DECODE(KV_F32); break;

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.tserve-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile $(wildcard tserve/gpu/*.c)
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard tserve/gpu/*.c tserve/gpu/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0

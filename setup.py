@@ -16,6 +16,7 @@ setup(
                 "tserve/gpu/_quant_kernels.c",
                 "tserve/gpu/_kquant_kernels.c",
             ],
+            depends=["tserve/gpu/_quant_common.h"],
             extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
             # torch's own OpenMP runtime (the same libgomp.so.1) once torch is imported
             extra_link_args=["-fopenmp"],

@@ -35,12 +35,7 @@
  * split among OpenMP's threads (torch's pool, as in _quant_kernels.c) unless
  * it is small. Format codes are GGML's type ids.
  */
-#include <omp.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "_quant_common.h"
 
 #define Q4_K 12
 #define Q5_K 13
@@ -49,9 +44,6 @@
 #define GROUPS 8 /* groups of 32 per super-block */
 #define TILE_ROWS 4
 #define CHUNK_ROWS 64 /* rows of x kept hot per pass over W */
-#define MIN_SHARED_WORK 4096 /* groups of 32 x rows below which one thread does it all */
-
-#define ISA_AVX2 1
 
 static int64_t super_bytes(int fmt) {
     switch (fmt) {
@@ -60,34 +52,6 @@ static int64_t super_bytes(int fmt) {
     case Q6_K: return 210;
     default: return 0;
     }
-}
-
-static int threads_for(int64_t work) {
-    int threads = omp_get_max_threads();
-    return work < MIN_SHARED_WORK || threads < 1 ? 1 : threads;
-}
-
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0) {
-        float f = (float)mant * (1.0f / 16777216.0f); /* subnormal (or zero): mant * 2^-24 */
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-static uint16_t load_u16(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
 }
 
 /* Q4_K / Q5_K: group g's scale and min, as fp32 (d * sc, dmin * m); ggml's get_scale_min_k4. */
@@ -221,15 +185,6 @@ typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, const float
 /* ------------------------------------------------------------------ AVX2 */
 #if defined(__x86_64__)
 
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE static inline __attribute__((always_inline))
-
-AVX2 INLINE float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 32 bytes -> 4 x 8 floats (unsigned, or signed with `is_signed`). */
 AVX2 INLINE void bytes_floats(__m256i v, int is_signed, __m256i out[4]) {

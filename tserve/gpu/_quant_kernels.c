@@ -26,14 +26,9 @@
  * libgomp), so torch.set_num_threads sets the count and its threads are
  * the ones used; products too small to share run on the caller alone.
  */
+#include "_quant_common.h"
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-#include <omp.h>
 
 #define F32 0
 #define F16 1
@@ -45,10 +40,6 @@
 #define TILE_ROWS 4
 #define CHUNK_ROWS 64 /* rows of x kept hot per pass over W */
 #define PANEL 8       /* rows of W per panel of the packed layout */
-#define MIN_SHARED_WORK 4096 /* blocks x rows below which one thread does it all */
-
-#define ISA_PORTABLE 0
-#define ISA_AVX2 1
 
 int tserve_quant_isa(void) {
 #if defined(__x86_64__)
@@ -77,39 +68,11 @@ static int64_t row_bytes(int fmt, int64_t k) {
     return is_block_format(fmt) ? k / BLOCK * unit_bytes(fmt) : k * unit_bytes(fmt);
 }
 
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0) {
-        float f = (float)mant * (1.0f / 16777216.0f); /* subnormal (or zero): mant * 2^-24 */
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    }
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
 static float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float out;
     memcpy(&out, &bits, sizeof out);
     return out;
-}
-
-static uint16_t load_u16(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static int threads_for(int64_t work) {
-    int threads = omp_get_max_threads();
-    return work < MIN_SHARED_WORK || threads < 1 ? 1 : threads;
 }
 
 /* ------------------------------------------------------------------ activations to int8 */
@@ -129,8 +92,6 @@ static void quantize_block_portable(const float *xb, int8_t *qb, float *d, float
 }
 
 #if defined(__x86_64__)
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE static inline __attribute__((always_inline))
 
 /* The same numbers as quantize_block_portable (one multiply, round half to even). */
 AVX2 static void quantize_block_avx2(const float *xb, int8_t *qb, float *d, float *s) {
@@ -358,13 +319,6 @@ typedef void (*panel_fn)(const uint8_t *, int64_t, int, const int8_t *, const fl
 
 /* ------------------------------------------------------------------ AVX2 */
 #if defined(__x86_64__)
-
-AVX2 INLINE float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 8 bytes (u8 or s8) -> 8 floats. */
 AVX2 INLINE __m256 bytes_to_floats(__m128i v, int is_signed) {

@@ -1,0 +1,64 @@
+/* What the quantized kernels of _quant_kernels.c and _kquant_kernels.c share:
+ * the instruction-set codes, the bound below which a product runs on one
+ * thread, fp16 bits to float, an unaligned u16 load, and (on x86-64) the
+ * AVX2 function attributes and a horizontal sum.
+ *
+ * Header-only: every function is static inline, so each file keeps its own
+ * copy and the library exports none of them.
+ */
+#ifndef TSERVE_QUANT_COMMON_H
+#define TSERVE_QUANT_COMMON_H
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define ISA_PORTABLE 0
+#define ISA_AVX2 1 /* AVX2 + FMA + F16C: what tserve_quant_isa() reports */
+#define MIN_SHARED_WORK 4096 /* blocks of 32 weights x rows below which one thread does it all */
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        float f = (float)mant * (1.0f / 16777216.0f); /* subnormal (or zero): mant * 2^-24 */
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* OpenMP threads for a product of `work` blocks x rows: torch's pool, or 1. */
+static inline int threads_for(int64_t work) {
+    int threads = omp_get_max_threads();
+    return work < MIN_SHARED_WORK || threads < 1 ? 1 : threads;
+}
+
+#if defined(__x86_64__)
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+
+AVX2 INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#endif /* TSERVE_QUANT_COMMON_H */

@@ -7,6 +7,8 @@ Modules:
 * ``__main__.py`` — the process's entry point (``python -m tserve.gpu``).
 * ``_process.py`` — the numbered step loop around a core: shutdown, engine
   death, dropping the requests of a peer that is gone.
+* ``_heap.py`` — the process's glibc heap: a step's memory kept, what
+  loading freed given back once.
 * ``_bind.py`` — the ROUTER socket: its bounds; on a network address, ZMTP
   heartbeats and CURVE with pyzmq's ZAP authenticator.
 * ``_lifeline.py`` — why an engine stops on its own: its parent gone (started

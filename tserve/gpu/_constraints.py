@@ -49,6 +49,7 @@ from typing import Final
 import llguidance
 import torch
 
+from tserve.gpu._heap import trim_heap
 from tserve.gpu._sequence import Sequence as Seq
 from tserve.grammar import grammar_text, llg_tokenizer
 
@@ -88,6 +89,9 @@ class GrammarCompiler:
         self._tokenizer = self._pool.submit(
             llg_tokenizer, tokenizer_json, vocab_size=vocab_size, eos_token_ids=eos_token_ids
         )
+        # What building it freed (its parse: tens of MB for a 50k vocabulary) goes
+        # back to the kernel, as the engine's own load garbage does (_heap.py).
+        self._pool.submit(trim_heap)
         # Compiled grammars by text, least recently used first. Bound:
         # cache_size entries; at the bound the least recently used is dropped
         # (a later request for it compiles it again).

@@ -11,12 +11,17 @@ over its tensors:
   copying their rows once (llama.cpp's converter stores Q and K rows in
   interleaved-pair RoPE order; the copy puts them back in the rotate-half
   order tserve's RoPE uses). Every other weight is read from the mapping
-  where it lies, so the file's pages are the weights' memory;
+  where it lies (unless :mod:`tserve.gpu._quant` packs it), so the file's
+  pages are the weights' memory; the pages of the tensors that are used
+  only as a copy leave the process's resident set once the model is built
+  (``madvise`` ``MADV_DONTNEED``: the file keeps them, nothing reads them);
 * any other format is a :class:`~tserve.gpu._models.ModelLoadError` naming
   the tensor and its format (``--dequantize`` serves the file through the
   fp32 conversion instead);
 * the architecture comes from the file's metadata (``llama``: Llama,
-  SmolLM, Mistral-style files); the tokenizer from files beside it
+  SmolLM, Mistral-style files), read into a :class:`GgufConfig`, and the
+  RoPE table is computed from it: serving a file imports no transformers
+  (about 120 MB of the engine's memory); the tokenizer from files beside it
   (``tokenizer.json`` in the same directory) or else from its metadata,
   converted once by transformers into a small cache directory, which the API
   process reads as it reads any model directory's.
@@ -26,16 +31,19 @@ Blocks (file IO; the first load of a file's tokenizer takes a few seconds).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import hashlib
-from collections.abc import Sequence
+import mmap
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 import torch
 
-from tserve.gpu._llama import LayerWeights, PagedLlama, rope_table
+from tserve.gpu._llama import LayerWeights, PagedLlama
 from tserve.gpu._models import ModelLoadError, ProgressCallback, publish_dir, staging_dir
 from tserve.gpu._quant import (
     FORMATS,
@@ -48,21 +56,43 @@ from tserve.gpu._quant import (
 )
 from tserve.gpu._sampling_defaults import GGUF_SAMPLING_PREFIX
 
-__all__ = ["GgufModel", "load_gguf", "sampling_metadata", "tokenizer_dir"]
+__all__ = ["GgufConfig", "GgufModel", "load_gguf", "rope", "sampling_metadata", "tokenizer_dir"]
 
 _ARCHITECTURE: Final = "llama"
 _F32: Final = 0
 _TOKENIZER_COMPLETE: Final = ".tserve-tokenizer"
 
 
+@dataclasses.dataclass(frozen=True)
+class GgufConfig:
+    """What a file's metadata says of its model, under the names of a
+    transformers ``LlamaConfig`` (the engine reads either alike)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_linear_factor: float  # positions are divided by it (linear scaling); 1.0: none
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
 @dataclasses.dataclass
 class GgufModel:
-    """A loaded GGUF: ``config`` is the transformers config its metadata
-    describes; ``tokenizer_dir`` holds its tokenizer files; ``sampling``
-    its ``general.sampling.*`` metadata (full key -> value)."""
+    """A loaded GGUF: ``config`` is what its metadata describes;
+    ``tokenizer_dir`` holds its tokenizer files; ``sampling`` its
+    ``general.sampling.*`` metadata (full key -> value)."""
 
     path: Path
-    config: Any
+    config: GgufConfig
     tokenizer_dir: Path
     model: PagedLlama
     formats: dict[str, int]  # GGUF format name -> tensors in it
@@ -124,21 +154,19 @@ def load_gguf(
         embed = QuantizedEmbedding(packed_head, kernels)  # one copy of the tied rows, packed
     else:
         embed = weights.embedding("token_embd.weight")
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rotary = LlamaRotaryEmbedding(config)
     model = PagedLlama(
         embed=embed,
         layers=layers,
         norm=weights.vector("output_norm.weight"),
         lm_head=lm_head,
-        rope=rope_table(rotary, config.max_position_embeddings, torch.device("cpu"), torch.float32),
+        rope=rope(config),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=config.head_dim,
         eps=config.rms_norm_eps,
         vocab_size=config.vocab_size,
     )
+    _release_unused(tensors.values(), model)
     tokenizer = tokenizer_dir(path, cache_dir, progress)
     sampling = meta.with_prefix(GGUF_SAMPLING_PREFIX)
     return GgufModel(path, config, tokenizer, model, formats, sampling)
@@ -153,6 +181,18 @@ def sampling_metadata(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {str(path)!r} as GGUF: {exc}") from exc
     return _Metadata(reader, path).with_prefix(GGUF_SAMPLING_PREFIX)
+
+
+def rope(config: GgufConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each fp32 ``[max_position_embeddings, head_dim / 2]``:
+    the same fp32 operations as transformers' default and linear RoPE, so the
+    same values as :func:`~tserve.gpu._llama.rope_table` makes from them."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents) / config.rope_linear_factor
+    positions = torch.arange(config.max_position_embeddings).float()
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos(), angles.sin()
 
 
 def _reader(path: Path) -> Any:
@@ -215,10 +255,8 @@ def _check_formats(path: Path, tensors: Any, kernels: QuantKernels | None) -> di
     return counts
 
 
-def _config(meta: _Metadata, tensors: dict[str, Any]) -> Any:
-    """The transformers LlamaConfig that the metadata describes."""
-    from transformers import LlamaConfig
-
+def _config(meta: _Metadata, tensors: dict[str, Any]) -> GgufConfig:
+    """The model that the metadata describes."""
     arch = _ARCHITECTURE
     if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type") not in (
         None,
@@ -231,18 +269,9 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> Any:
         )
     heads = int(meta.need(f"{arch}.attention.head_count"))
     hidden = int(meta.need(f"{arch}.embedding_length"))
-    rope: dict[str, Any] = {
-        "rope_type": "default",
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-    }
-    if meta.get(f"{arch}.rope.scaling.type") == "linear":
-        rope = {
-            **rope,
-            "rope_type": "linear",
-            "factor": float(meta.need(f"{arch}.rope.scaling.factor")),
-        }
+    linear = meta.get(f"{arch}.rope.scaling.type") == "linear"
     embed = tensors["token_embd.weight"]
-    return LlamaConfig(
+    return GgufConfig(
         vocab_size=int(embed.shape[1]),
         hidden_size=hidden,
         intermediate_size=int(meta.need(f"{arch}.feed_forward_length")),
@@ -252,7 +281,8 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> Any:
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_parameters=rope,
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_linear_factor=float(meta.need(f"{arch}.rope.scaling.factor")) if linear else 1.0,
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
@@ -328,6 +358,62 @@ class _Weights:
         if int(tensor.tensor_type) != _F32:
             return torch.from_numpy(np.asarray(tensor.data, dtype=np.float32).reshape(-1))
         return torch.from_numpy(tensor.data.reshape(-1))
+
+
+_MADV_DONTNEED: Final = getattr(mmap, "MADV_DONTNEED", None)
+
+
+@functools.cache
+def _madvise() -> Any:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes, madvise.restype = (
+        [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
+        ctypes.c_int,
+    )
+    return madvise
+
+
+def _release_unused(tensors: Iterable[Any], model: torch.nn.Module) -> None:
+    """Let go of the pages of every tensor of the file whose bytes the model
+    does not hold in place (it holds a copy: joined, reordered or packed), by
+    :func:`_release_pages`. Blocks for a moment (one pass over the modules)."""
+    held = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in _held_tensors(model)]
+    for tensor in tensors:
+        low = tensor.data.ctypes.data
+        high = low + tensor.data.nbytes
+        if not any(start < high and low < end for start, end in held):
+            _release_pages(tensor.data)
+
+
+def _held_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor a module of ``model`` holds: parameters, buffers, and the
+    tensors of its attributes (a quantized weight's bytes among them)."""
+    for module in model.modules():
+        yield from module.parameters(recurse=False)
+        yield from module.buffers(recurse=False)
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif dataclasses.is_dataclass(value):
+                for field in dataclasses.fields(value):
+                    item = getattr(value, field.name)
+                    if isinstance(item, torch.Tensor):
+                        yield item
+
+
+def _release_pages(data: np.ndarray) -> None:
+    """Drop the whole pages inside ``data``, a part of the file's private
+    mapping that nothing wrote, from this process's resident set (``madvise``
+    ``MADV_DONTNEED``): the page cache keeps them, and a later read faults them
+    in again from the file, unchanged. Where there is no ``MADV_DONTNEED``, or
+    the call fails, they stay resident; nothing else changes."""
+    if _MADV_DONTNEED is None:
+        return
+    page = mmap.PAGESIZE
+    start = -(-data.ctypes.data // page) * page
+    end = (data.ctypes.data + data.nbytes) // page * page
+    if end > start:
+        _madvise()(start, end - start, _MADV_DONTNEED)
 
 
 class _Concat(torch.nn.Module):

@@ -27,6 +27,8 @@ sets it (``--threads``, default 1) before building the runner.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -174,8 +176,8 @@ class ModelRunner:
         shape = (layers, kv_heads, num_blocks * block_size, head_dim)
         with torch.inference_mode():
             self.pool = KVPool(
-                k=torch.zeros(shape, device=self.device, dtype=self.kv_dtype),
-                v=torch.zeros(shape, device=self.device, dtype=self.kv_dtype),
+                k=_untouched_zeros(shape, self.device, self.kv_dtype),
+                v=_untouched_zeros(shape, self.device, self.kv_dtype),
                 block_size=block_size,
             )
 
@@ -219,6 +221,20 @@ class ModelRunner:
                 tserve_step=step,
             )
             return out.logits[0].float()  # type: ignore[no-any-return]
+
+
+def _untouched_zeros(
+    shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """Zeros that take no memory until written, on CPU: a fresh private anonymous
+    mapping, whose pages the kernel supplies zeroed at their first touch
+    (``torch.zeros`` writes every byte, making a whole KV pool resident before
+    any request). Elsewhere ``torch.zeros``."""
+    if device.type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    count = math.prod(shape)
+    pages = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 def _take_over(model: Any, device: torch.device, dtype: torch.dtype, model_impl: ModelImpl) -> Any:

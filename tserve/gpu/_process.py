@@ -31,7 +31,6 @@ get here; the core ends that request alone.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import time
 import traceback
@@ -43,6 +42,7 @@ import zmq
 from tserve._curve import ServerKeys
 from tserve.gpu._bind import bind_engine_socket
 from tserve.gpu._core import Core, tokenizer_bundle
+from tserve.gpu._heap import keep_freed_heap, trim_heap
 from tserve.gpu._lifeline import Lifeline, ParentLifeline, SignalLifeline, Stopped
 from tserve.gpu._outbox import Outbox
 from tserve.protocol import (
@@ -67,15 +67,6 @@ MAX_FRAMES_PER_DRAIN = 256
 BACKLOG_RETRY = 0.01
 # How long a dying engine keeps trying to hand EngineDead to a peer at its HWM.
 DEAD_SEND_TIMEOUT = 1.0
-# glibc's malloc maps large blocks (a step's activations, logits, gathered K/V)
-# fresh from the kernel and unmaps them on free, and gives freed heap back once
-# 128 KiB sit free at its top: every step then faults its memory back in page
-# by page, zeroed by the kernel. Measured on SmolLM2 (64 requests of 64 tokens
-# through open_llm): 13 of the engine's 39 s were system time; with blocks up
-# to MALLOC_MMAP_THRESHOLD kept in the heap and up to MALLOC_TRIM_THRESHOLD of
-# freed heap kept, 24 s, system time 0.
-MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
-MALLOC_TRIM_THRESHOLD = 1 << 30
 
 
 class _Stop(Exception):
@@ -106,7 +97,7 @@ def run_engine(
     # tserve engine's peers are known by their connections alone (_bind.py).
     beats = interval if lifeline.standalone else None
     tick = interval / 2 if lifeline.standalone else interval
-    _keep_freed_heap()
+    keep_freed_heap()  # _heap.py: a step's memory is kept, what loading freed is not
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         with bind_engine_socket(ctx, address, heartbeat_interval=beats, keys=keys) as sock:
@@ -121,6 +112,7 @@ def run_engine(
                 return 1
             if core is None:
                 return 0
+            trim_heap()
             try:
                 return _serve(core, sock, outbox, tick, lifeline)
             finally:
@@ -129,19 +121,6 @@ def run_engine(
         return 0
     finally:
         ctx.term()
-
-
-def _keep_freed_heap() -> None:
-    """Tell glibc's malloc to keep a step's memory (see MALLOC_MMAP_THRESHOLD); no-op elsewhere."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc: its own policy stands
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    ok = mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
-    if not (ok and mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD)):
-        log.warning("mallopt refused the heap settings; the engine may spend time in page faults")
 
 
 def _build_core(config: EngineConfig) -> Core:

@@ -31,9 +31,11 @@
  *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one; the
  * caller picks by `isa` (tserve_quant_isa() in _quant_kernels.c says what
- * this CPU runs; the codes are the same). A product's columns [n0, n1) are
- * split among OpenMP's threads (torch's pool, as in _quant_kernels.c) unless
- * it is small. Format codes are GGML's type ids.
+ * this CPU runs; the codes are the same). A product computes the columns
+ * [n0, n1) it is given on the calling thread (tserve_kqlinear_shared and
+ * _int8_shared in _quant_kernels.c split the columns among torch's OpenMP
+ * threads); a dequantization splits its rows itself unless it is small.
+ * Format codes are GGML's type ids.
  */
 #include "_quant_common.h"
 
@@ -471,11 +473,8 @@ void tserve_kqlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, 
                      int64_t k, const float *x, const float *xsum, int64_t m, float *y) {
     int64_t stride = k / QK * super_bytes(fmt), groups = k / 32;
     row_fn fast = isa == ISA_AVX2 ? avx2_row(fmt) : 0;
-    int threads = threads_for((n1 - n0) * groups * m);
-#pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-#pragma omp for schedule(static)
         for (int64_t j = n0; j < n1; j++) {
             const uint8_t *wrow = w + j * stride;
             for (int64_t r = m0; r < m1; r += TILE_ROWS) {
@@ -496,11 +495,8 @@ void tserve_kqlinear_int8(int isa, int fmt, const uint8_t *w, int64_t n, int64_t
                           int64_t m, float *y) {
     int64_t stride = k / QK * super_bytes(fmt), groups = k / 32;
     row_int8_fn fast = isa == ISA_AVX2 ? avx2_row_int8(fmt) : 0;
-    int threads = threads_for((n1 - n0) * groups * m);
-#pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-#pragma omp for schedule(static)
         for (int64_t j = n0; j < n1; j++) {
             const uint8_t *wrow = w + j * stride;
             for (int64_t r = m0; r < m1; r += TILE_ROWS) {

@@ -21,14 +21,14 @@ import torch
 
 from tests.gpu.cores import small_core
 from tests.gpu.gguf_files import write_gguf
-from tserve.gpu._engine import EngineCore
+from tests.gpu.test_prefix_cache import _run
 from tserve.gpu._gguf import load_gguf
 from tserve.gpu._llama import TORCH_OPS, PagedLlama
 from tserve.gpu._model_runner import ModelRunner, resolve_kv_dtype
 from tserve.gpu._models import load_model
 from tserve.gpu._quant import quant_kernels
 from tserve.gpu._sequence import ScheduledChunk, Sequence
-from tserve.protocol import AddRequest, FinishReason, SamplingParams
+from tserve.protocol import AddRequest, SamplingParams
 
 VOCAB = 512  # the tiny models'
 PEER = b"api-1"
@@ -193,25 +193,6 @@ def test_a_byte_budget_below_one_block_is_an_error_naming_it(tiny_model_dir: Pat
         ValueError, match=r"kv_cache_memory_bytes \(4095\).*16 tokens \(4096 bytes\)"
     ):
         small_core(tiny_model_dir, kv_cache_memory_bytes=4095, kv_cache_dtype="fp16")
-
-
-def _run(core: EngineCore, requests: list[AddRequest], concurrency: int) -> dict[str, list[int]]:
-    """Every request's tokens, at most ``concurrency`` in flight; invariants every step."""
-    queue = list(reversed(requests))
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    in_flight = 0
-    for _ in range(100_000):  # a hang guard
-        while queue and in_flight < concurrency:
-            core.add(queue.pop(), PEER)
-            in_flight += 1
-        if not in_flight:
-            return tokens
-        for _, out in core.step():
-            assert out.finish_reason in (None, FinishReason.LENGTH), out
-            tokens[out.request_id] += out.token_ids
-            in_flight -= out.finish_reason is not None
-        core.scheduler.check()
-    raise AssertionError("the engine did not finish")
 
 
 def _requests(rng: random.Random, n: int) -> list[AddRequest]:

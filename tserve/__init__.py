@@ -12,10 +12,11 @@ process), ``bench`` (``python -m tserve bench``). Modules beside them:
 options and environment defaults), ``protocol`` (the wire), ``engine_config``
 (how to start an engine), ``validity`` (the one rule for a valid request),
 ``grammar`` (structured-output constraints as llguidance grammars),
-``_host`` (fd limit, pid probe, log format), ``_curve`` (the CURVE key files
-of an engine on the network), ``_metrics_dir`` (the API processes' shared
-metrics directory), ``_errors`` (:class:`LLMError`, the root of every error
-type).
+``_host`` (fd limit, pid probe, log format), ``_model_json`` (a model
+directory's JSON files, as both processes read them), ``_curve`` (the CURVE
+key files of an engine on the network), ``_metrics_dir`` (the API processes'
+shared metrics directory), ``_errors`` (:class:`LLMError`, the root of every
+error type).
 """
 
 from __future__ import annotations
@@ -54,23 +55,6 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "LLM",
-    "Completion",
-    "Delta",
-    "EngineDeadError",
-    "InvalidRequest",
-    "KeyFileError",
-    "LLMError",
-    "LLMStats",
-    "Overloaded",
-    "RequestFailed",
-    "RequestTimeout",
-    "ShuttingDown",
-    "Usage",
-    "open_llm",
-}
-
 __all__ = [
     "LLM",
     "Choice",
@@ -99,6 +83,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    # Called only for a name not bound above: an exported one is then the embeddable
+    # API, imported from tserve.nursery on first use.
+    if name in __all__:
         return getattr(importlib.import_module("tserve.nursery"), name)
     raise AttributeError(f"module 'tserve' has no attribute {name!r}")

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from tserve.nursery import EmbeddingResult, InvalidRequest
-from tserve.web._requests import MAX_EMBEDDING_INPUTS, parse_embeddings
+from tserve.web._bodies import MAX_EMBEDDING_INPUTS
+from tserve.web._requests import parse_embeddings
 from tserve.web._responses import embedding_response
 
 

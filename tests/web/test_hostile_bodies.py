@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 
 from tserve.nursery import InvalidRequest
+from tserve.web._bodies import MAX_MESSAGES, MAX_STOP_LENGTH
 from tserve.web._errors import error_reply
 from tserve.web._requests import (
-    MAX_MESSAGES,
-    MAX_STOP_LENGTH,
     parse_chat,
     parse_completion,
     parse_detokenize,

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from tserve.nursery import InvalidRequest
+from tserve.web._bodies import MAX_CHOICES
 from tserve.web._requests import (
-    MAX_CHOICES,
     parse_chat,
     parse_completion,
     parse_detokenize,

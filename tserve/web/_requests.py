@@ -22,11 +22,12 @@ Rules:
 * ``temperature``, ``top_p`` and ``top_k`` left out stay unset: the engine
   gives them the model's recommended values (``EngineReady.sampling_defaults``),
   else OpenAI's.
-* Bounds: ``n`` times the number of prompts is at most :data:`MAX_CHOICES`,
-  at most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_LENGTH`
-  characters, at most :data:`MAX_MESSAGES` chat messages, ``logprobs``/``top_logprobs`` at
-  most :data:`MAX_LOGPROBS`, at most :data:`MAX_EMBEDDING_INPUTS` inputs per
-  ``/v1/embeddings`` request (OpenAI's limit), none of them empty.
+* Bounds (:mod:`tserve.web._bodies` holds them): ``n`` times the number of
+  prompts is at most ``MAX_CHOICES``, at most ``MAX_STOP`` stop strings of at
+  most ``MAX_STOP_LENGTH`` characters, at most ``MAX_MESSAGES`` chat messages,
+  ``logprobs``/``top_logprobs`` at most ``MAX_LOGPROBS``, at most
+  ``MAX_EMBEDDING_INPUTS`` inputs per ``/v1/embeddings`` request (OpenAI's
+  limit), none of them empty.
 """
 
 from __future__ import annotations
@@ -43,10 +44,7 @@ from tserve.protocol import SamplingParams
 from tserve.web._bodies import (
     MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,
-    MAX_LOGPROBS,
-    MAX_MESSAGES,
     MAX_STOP,
-    MAX_STOP_LENGTH,
     MAX_STOP_TOKEN_IDS,
     ChatBody,
     CompletionBody,
@@ -61,12 +59,6 @@ from tserve.web._structured import Constrained, constraint_of, logit_bias_of
 from tserve.web._tools import ToolRequest, tool_request
 
 __all__ = [
-    "MAX_CHOICES",
-    "MAX_EMBEDDING_INPUTS",
-    "MAX_LOGPROBS",
-    "MAX_MESSAGES",
-    "MAX_STOP",
-    "MAX_STOP_LENGTH",
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",

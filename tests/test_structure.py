@@ -20,19 +20,29 @@ ROOT = Path(__file__).resolve().parent.parent / "tserve"
 # Which packages each package may import (besides the standard library,
 # third-party code, and its own modules). STYLE.md: web → nursery → mux →
 # protocol ← gpu; the leaves (protocol, engine_config, validity, grammar, _host,
-# _errors) import no package but each other, and _curve only the root of the
-# error types.
+# _model_json, _errors) import no package but each other, and _curve only the
+# root of the error types.
 LAYERS: dict[str, set[str]] = {
     "web": {"nursery", "mux", "protocol", "validity", "grammar", "_host", "_curve", "_errors"},
-    "nursery": {"mux", "protocol", "validity", "grammar", "_host", "_curve", "_errors"},
+    "nursery": {
+        "mux",
+        "protocol",
+        "validity",
+        "grammar",
+        "_host",
+        "_model_json",
+        "_curve",
+        "_errors",
+    },
     "mux": {"protocol", "validity", "_host", "_curve", "_errors"},
-    "gpu": {"protocol", "validity", "grammar", "_host", "_curve"},
+    "gpu": {"protocol", "validity", "grammar", "_host", "_model_json", "_curve"},
     "bench": {"_host"},
     "protocol": {"engine_config"},
     "engine_config": set(),
     "validity": {"protocol"},
     "grammar": {"protocol", "validity"},
     "_host": set(),
+    "_model_json": set(),
     "_curve": {"_errors"},
     "_errors": set(),
 }

@@ -25,7 +25,6 @@ there. Blocking (a small file read).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from tserve._model_json import read_json_object
 from tserve.gpu._models import ModelLoadError
 from tserve.protocol import SamplingDefaults, SamplingParams
 from tserve.validity import params_problem
@@ -88,16 +88,8 @@ def read_sampling_defaults(
 
 
 def _from_file(directory: Path) -> dict[str, Any]:
-    path = directory / GENERATION_CONFIG
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{path} does not hold a JSON object")
-    _name_unsupported(path.name, [k for k in _UNSUPPORTED if config.get(k) is not None])
+    config = read_json_object(directory / GENERATION_CONFIG, ModelLoadError)
+    _name_unsupported(GENERATION_CONFIG, [k for k in _UNSUPPORTED if config.get(k) is not None])
     return {ours: config[theirs] for ours, (theirs, _) in _FIELDS.items() if theirs in config}
 
 

@@ -28,12 +28,12 @@ or an ``{"content": ...}`` object; both read as the token's flags.
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tserve._model_json import read_json_object
 from tserve.nursery._errors import LLMError
 from tserve.protocol import tokenizer_file_allowed
 
@@ -132,10 +132,11 @@ def read_tokenizer_config(directory: str | Path) -> dict[str, Any]:
     entries over it in an older directory (one without added_tokens_decoder).
     Blocking; raises TokenizerFilesError for a file that is not a JSON object."""
     root = Path(directory)
-    config = _read_json(root / "tokenizer_config.json")
+    config = read_json_object(root / "tokenizer_config.json", TokenizerFilesError)
     if "added_tokens_decoder" in config:
         return config
-    return _with_special_tokens_map(config, _read_json(root / "special_tokens_map.json"))
+    special_tokens_map = read_json_object(root / "special_tokens_map.json", TokenizerFilesError)
+    return _with_special_tokens_map(config, special_tokens_map)
 
 
 def named_special_tokens(config: dict[str, Any]) -> dict[str, str]:
@@ -162,18 +163,6 @@ def load_unpacked(files: Mapping[str, bytes], load: Callable[[str], _T]) -> _T:
 
 
 # -- pieces ------------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TokenizerFilesError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise TokenizerFilesError(f"{path} does not hold a JSON object")
-    return data
 
 
 def _token(value: object) -> AddedTokenSpec | None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import ModuleType
 
 import msgspec
 import pytest
 
+from tserve import engine_config, sampling
 from tserve import protocol as p
 
 MESSAGES: list[p.Message] = [
@@ -117,7 +119,14 @@ def test_a_frame_of_one_kind_does_not_decode_as_another() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["tserve.protocol", "tserve.engine_config", "tserve.validity", "tserve.grammar"]
+    "module",
+    [
+        "tserve.protocol",
+        "tserve.engine_config",
+        "tserve.sampling",
+        "tserve.validity",
+        "tserve.grammar",
+    ],
 )
 def test_protocol_is_a_leaf(module: str) -> None:
     """The wire and its validity rule pull in neither torch, zmq, trio, anyio nor quart."""
@@ -128,6 +137,14 @@ def test_protocol_is_a_leaf(module: str) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("module", [engine_config, sampling], ids=lambda m: m.__name__)
+def test_protocol_re_exports_its_leaves(module: ModuleType) -> None:
+    """engine_config's and sampling's names stay importable from protocol, as the same objects."""
+    names: list[str] = module.__all__
+    assert set(names) <= set(p.__all__)
+    assert all(getattr(p, name) is getattr(module, name) for name in names)
 
 
 def test_frames_from_before_the_embedding_fields_still_decode() -> None:

@@ -19,14 +19,25 @@ ROOT = Path(__file__).resolve().parent.parent / "tserve"
 
 # Which packages each package may import (besides the standard library,
 # third-party code, and its own modules). STYLE.md: web → nursery → mux →
-# protocol ← gpu; the leaves (protocol, engine_config, validity, grammar, _host,
-# _model_json, _errors) import no package but each other, and _curve only the
-# root of the error types.
+# protocol ← gpu; the leaves (protocol, engine_config, sampling, validity,
+# grammar, _host, _model_json, _errors) import no package but each other, and
+# _curve only the root of the error types.
 LAYERS: dict[str, set[str]] = {
-    "web": {"nursery", "mux", "protocol", "validity", "grammar", "_host", "_curve", "_errors"},
+    "web": {
+        "nursery",
+        "mux",
+        "protocol",
+        "sampling",
+        "validity",
+        "grammar",
+        "_host",
+        "_curve",
+        "_errors",
+    },
     "nursery": {
         "mux",
         "protocol",
+        "sampling",
         "validity",
         "grammar",
         "_host",
@@ -34,13 +45,14 @@ LAYERS: dict[str, set[str]] = {
         "_curve",
         "_errors",
     },
-    "mux": {"protocol", "validity", "_host", "_curve", "_errors"},
-    "gpu": {"protocol", "validity", "grammar", "_host", "_model_json", "_curve"},
+    "mux": {"protocol", "sampling", "validity", "_host", "_curve", "_errors"},
+    "gpu": {"protocol", "sampling", "validity", "grammar", "_host", "_model_json", "_curve"},
     "bench": {"_host"},
-    "protocol": {"engine_config"},
+    "protocol": {"engine_config", "sampling"},
     "engine_config": set(),
-    "validity": {"protocol"},
-    "grammar": {"protocol", "validity"},
+    "sampling": set(),
+    "validity": {"sampling"},
+    "grammar": {"sampling", "validity"},
     "_host": set(),
     "_model_json": set(),
     "_curve": {"_errors"},

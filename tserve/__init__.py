@@ -10,9 +10,10 @@ embeddable API), ``mux`` (the one socket to the engine), ``gpu`` (the engine
 process), ``bench`` (``python -m tserve bench``). Modules beside them:
 ``__main__`` (the commands: serve, engine, keys, bench), ``_options`` (their
 options and environment defaults), ``protocol`` (the wire), ``engine_config``
-(how to start an engine), ``validity`` (the one rule for a valid request),
-``grammar`` (structured-output constraints as llguidance grammars),
-``_host`` (fd limit, pid probe, log format), ``_model_json`` (a model
+(how to start an engine), ``sampling`` (how a request samples: its
+parameters, constraints and the model's defaults), ``validity`` (the one
+rule for a valid request), ``grammar`` (structured-output constraints as
+llguidance grammars), ``_host`` (fd limit, pid probe, log format), ``_model_json`` (a model
 directory's JSON files, as both processes read them), ``_curve`` (the CURVE
 key files of an engine on the network), ``_metrics_dir`` (the API processes'
 shared metrics directory), ``_errors`` (:class:`LLMError`, the root of every
@@ -24,16 +25,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tserve.protocol import (
-    Choice,
-    EngineConfig,
-    FinishReason,
-    JsonSchema,
-    LarkGrammar,
-    Regex,
-    SamplingDefaults,
-    SamplingParams,
-)
+from tserve.protocol import EngineConfig, FinishReason
+from tserve.sampling import Choice, JsonSchema, LarkGrammar, Regex, SamplingDefaults, SamplingParams
 
 if TYPE_CHECKING:
     from tserve.nursery import (

@@ -1,15 +1,15 @@
 """Structured-output constraints as llguidance grammars; a leaf both processes import.
 
-:func:`grammar_text` turns a :data:`~tserve.protocol.Constraint` into the text
+:func:`grammar_text` turns a :data:`~tserve.sampling.Constraint` into the text
 llguidance compiles (a JSON document naming a JSON Schema, a Lark grammar or a
 regex). :func:`constraint_problem` checks a constraint without the model (the
 API process, before a request reaches the engine); :func:`llg_tokenizer`
 builds llguidance's view of a model's vocabulary straight from its
 ``tokenizer.json`` text, so neither process needs torch or transformers for
-it. Imports only the standard library, llguidance and tserve's wire types.
+it. Imports only the standard library, llguidance and :mod:`tserve.sampling`.
 
 Defaults that keep a small model from looping inside a valid grammar, for
-every JSON Schema (:class:`~tserve.protocol.JsonSchema`, and
+every JSON Schema (:class:`~tserve.sampling.JsonSchema`, and
 :func:`lark_json` for a schema embedded in a Lark grammar with ``%json``):
 
 * **No whitespace between JSON tokens.** The separators are exactly ``,`` and
@@ -39,7 +39,7 @@ from typing import Any, Final
 
 import llguidance
 
-from tserve.protocol import Choice, Constraint, JsonSchema, LarkGrammar, Regex
+from tserve.sampling import Choice, Constraint, JsonSchema, LarkGrammar, Regex
 from tserve.validity import Problem
 
 __all__ = [

@@ -7,8 +7,8 @@ check returns a :class:`Problem` (the field and a message) or None; the
 caller turns it into its own error type.
 
 A leaf beside :mod:`tserve.protocol`: it imports only the standard library
-and the wire types, so both processes import it without pulling in torch,
-zmq or trio.
+and :mod:`tserve.sampling`, so both processes import it without pulling in
+torch, zmq or trio.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Final, NamedTuple
 
-from tserve.protocol import SamplingParams
+from tserve.sampling import SamplingParams
 
 __all__ = [
     "GREEDY_BELOW",

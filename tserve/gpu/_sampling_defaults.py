@@ -34,7 +34,7 @@ import numpy as np
 
 from tserve._model_json import read_json_object
 from tserve.gpu._models import ModelLoadError
-from tserve.protocol import SamplingDefaults, SamplingParams
+from tserve.sampling import SamplingDefaults, SamplingParams
 from tserve.validity import params_problem
 
 __all__ = ["DEFAULT_MODEL_CARD", "GGUF_SAMPLING_PREFIX", "read_sampling_defaults"]

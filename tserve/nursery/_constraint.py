@@ -21,7 +21,7 @@ import msgspec
 
 from tserve.grammar import constraint_problem, llg_tokenizer
 from tserve.nursery._errors import InvalidRequest
-from tserve.protocol import Constraint
+from tserve.sampling import Constraint
 from tserve.validity import Problem
 
 __all__ = ["CHECK_CACHE_SIZE", "ConstraintCheck"]

@@ -33,7 +33,8 @@ from tserve.nursery._errors import InvalidRequest, RequestFailed, RequestTimeout
 from tserve.nursery._output import finish_error, mux_error
 from tserve.nursery._session import EngineSession
 from tserve.nursery._tokenizer import EncoderTokenizer
-from tserve.protocol import AddRequest, EngineConfig, FinishReason, RequestOutput, SamplingParams
+from tserve.protocol import AddRequest, EngineConfig, FinishReason, RequestOutput
+from tserve.sampling import SamplingParams
 from tserve.validity import embedding_problem
 
 __all__ = [

@@ -26,7 +26,8 @@ from tserve.nursery._request import Prompt, RequestSeam, RequestStream, loop_cal
 from tserve.nursery._results import Completion
 from tserve.nursery._session import EngineSession
 from tserve.nursery._tokenizer import ChatTokenizer, Message, Tools
-from tserve.protocol import EngineStats, SamplingDefaults, SamplingParams, TokenLogprob
+from tserve.protocol import EngineStats, TokenLogprob
+from tserve.sampling import SamplingDefaults, SamplingParams
 from tserve.validity import generation_problem
 
 __all__ = ["LLM", "LLMStats"]

@@ -51,7 +51,8 @@ from tserve.nursery._admission import Admission
 from tserve.nursery._deadline import Deadline
 from tserve.nursery._output import OutputMapper, mux_error
 from tserve.nursery._results import Delta
-from tserve.protocol import AddRequest, Constraint, RequestOutput, SamplingParams
+from tserve.protocol import AddRequest, RequestOutput
+from tserve.sampling import Constraint, SamplingParams
 
 __all__ = ["Prompt", "RequestSeam", "RequestStream", "loop_caller"]
 

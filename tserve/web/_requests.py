@@ -40,7 +40,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from tserve.nursery import InvalidRequest
-from tserve.protocol import SamplingParams
+from tserve.sampling import SamplingParams
 from tserve.web._bodies import (
     MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,

@@ -31,7 +31,7 @@ from typing import Any
 from llguidance.gbnf_to_lark import any_to_lark
 
 from tserve.nursery import InvalidRequest
-from tserve.protocol import Choice, Constraint, JsonSchema, LarkGrammar, Regex
+from tserve.sampling import Choice, Constraint, JsonSchema, LarkGrammar, Regex
 from tserve.web._bodies import SamplingBody
 
 __all__ = ["Constrained", "constraint_of", "logit_bias_of", "rename_constraint_error"]

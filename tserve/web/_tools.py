@@ -34,7 +34,7 @@ from typing import Any, Literal
 import msgspec
 
 from tserve.nursery import InvalidRequest
-from tserve.protocol import LarkGrammar
+from tserve.sampling import LarkGrammar
 from tserve.web._bodies import ChatBody, ToolBody
 from tserve.web._tool_formats import (
     MAX_TOOL_CALLS,

@@ -1,20 +1,29 @@
 """The quantized products against dequantize-then-``F.linear``, on awkward shapes.
 
-Weights come from the ``gguf`` package's quantizers and its dequantizers are
-the reference: an implementation independent of tserve's. Each kernel runs
-in every variant this CPU has (portable C, and AVX2 where present) on shapes
-where such kernels go wrong: one block, odd row counts, rows that leave a
-partial tile, more rows than a tile or a chunk, odd output counts.
+Weights come from :mod:`tests.gpu.quant_products` (the ``gguf`` package's
+quantizers, K-quant super-blocks packed in ggml's layout) and ``gguf``'s
+dequantizers are the reference: an implementation independent of tserve's.
+Each kernel runs in every variant this CPU has (portable C, and AVX2 where
+present) on shapes where such kernels go wrong: one block, odd row counts,
+rows that leave a partial tile, more rows than a tile or a chunk, odd output
+counts. The rules every format shares (threads, the tuned route, dequantized
+rows) are tested here for the K-quants too; their products and their int8
+scheme: test_kquant.py.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.gpu import kquant_blocks
+from tests.gpu.quant_products import (
+    assert_every_variant_is_the_product,
+    built_kernels,
+    variants,
+    weight,
+)
 from tserve.gpu._quant import (
     FORMATS,
     K_FORMATS,
@@ -22,7 +31,6 @@ from tserve.gpu._quant import (
     QuantizedLinear,
     QuantizedWeight,
     QuantKernels,
-    quant_kernels,
 )
 
 _GGUF_QUANTIZED = [name for name, fmt in FORMATS.items() if fmt not in K_FORMATS]
@@ -32,26 +40,12 @@ _SHAPES = [(1, 33, 32), (5, 7, 96), (13, 100, 576), (67, 9, 64), (130, 3, 160)] 
 
 @pytest.fixture(scope="module")
 def kernels() -> QuantKernels:
-    found = quant_kernels()
-    assert found is not None, "the package is installed, so its kernels are built"
-    return found
+    return built_kernels()
 
 
-def _weight(fmt: str, n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A random ``[n, k]`` weight in ``fmt``, and gguf's own dequantization of it."""
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[fmt]
-    rng = np.random.default_rng(seed)
-    values = rng.standard_normal((n, k), dtype=np.float32)
-    data = gguf.quants.quantize(values, qtype)
-    reference = gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(n, k)
-    raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(n, -1))
-    return QuantizedWeight(FORMATS[fmt], raw, n, k), torch.from_numpy(reference)
-
-
-def _isas(kernels: QuantKernels) -> list[int]:
-    return sorted({0, kernels.best_isa})
+def _k(fmt: str, blocks: int) -> int:
+    """``blocks`` blocks of ``fmt``, in weights (32 each; 256 for a K-quant)."""
+    return blocks * (kquant_blocks.SUPER if fmt in kquant_blocks.FORMATS else 32)
 
 
 @pytest.mark.parametrize("fmt", _GGUF_QUANTIZED)
@@ -59,13 +53,7 @@ def _isas(kernels: QuantKernels) -> list[int]:
 def test_every_variant_is_the_product_with_the_dequantized_weight(
     kernels: QuantKernels, fmt: str, rows: int, n: int, k: int
 ) -> None:
-    weight, dense = _weight(fmt, n, k, seed=rows * n + k)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    expected = F.linear(x, dense)
-    for isa in _isas(kernels):
-        out = kernels.linear(x, weight, isa=isa)  # type: ignore[arg-type]
-        # fp32 products: only the order of the sums differs.
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4 * k**0.5)
+    assert_every_variant_is_the_product(kernels, fmt, rows, n, k)
 
 
 _PACKED_SHAPES = [*_SHAPES, (4, 8, 32), (9, 17, 2048)]  # a whole panel; many panels of long rows
@@ -79,14 +67,14 @@ def test_int8_activations_are_the_product_with_the_rounded_activations(
     """llama.cpp's scheme: each block of 32 activations rounded to 8 bits, scaled
     by its largest magnitude over 127; integer sums are exact, so each variant is
     the product with those rounded activations up to the scaling's rounding."""
-    weight, dense = _weight(fmt, n, k, seed=rows + n * k)
+    quantized, dense = weight(fmt, n, k, seed=rows + n * k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
     blocks = x.view(rows, -1, 32)
     step = blocks.abs().amax(-1, keepdim=True) / 127
     rounded = (torch.round(blocks / torch.where(step > 0, step, 1)) * step).view(rows, k)
-    packed = kernels.pack(weight)
-    for isa in _isas(kernels):
-        out = kernels.linear_int8(x, packed, isa=isa)  # type: ignore[arg-type]
+    packed = kernels.pack(quantized)
+    for isa in variants(kernels):
+        out = kernels.linear_int8(x, packed, isa=isa)
         torch.testing.assert_close(out, F.linear(rounded, dense), rtol=1e-4, atol=1e-4 * k**0.5)
         error = float((out - F.linear(x, dense)).norm() / F.linear(x, dense).norm())
         assert error < 0.015  # what the rounding costs: about half a percent
@@ -94,69 +82,71 @@ def test_int8_activations_are_the_product_with_the_rounded_activations(
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
 def test_the_packed_layout_keeps_every_row(kernels: QuantKernels, fmt: str) -> None:
-    weight, dense = _weight(fmt, 21, 96, seed=4)  # a partial last panel
-    packed = kernels.pack(weight)
+    quantized, dense = weight(fmt, 21, 96, seed=4)  # a partial last panel
+    packed = kernels.pack(quantized)
     torch.testing.assert_close(kernels.dequantize(packed), dense, rtol=0, atol=0)
     rows = torch.tensor([20, 0, 9, 9])
     torch.testing.assert_close(kernels.dequantize(packed, rows), dense[rows], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("fmt", ["Q4_1", *kquant_blocks.FORMATS])
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_product_shared_among_threads_is_the_same(
     kernels: QuantKernels, fmt: str, activations: str, threads: int
 ) -> None:
-    """Output rows split among torch's threads (3: more than this machine's
-    cores is allowed): every split gives each row's own sum."""
-    if fmt in kquant_blocks.FORMATS:
-        raw = kquant_blocks.random_rows(fmt, 203, 256, np.random.default_rng(6))
-        weight = QuantizedWeight(FORMATS[fmt], torch.from_numpy(raw), 203, 256)
-    else:
-        weight, _ = _weight(fmt, 203, 256, seed=6)
-    layer = QuantizedLinear(weight, kernels, activations)  # type: ignore[arg-type]
-    x = torch.randn(5, 256)
+    """Output rows (and dequantized rows) split among torch's threads (3: more
+    than this machine's cores is allowed): every split gives each row's own sum."""
+    k = _k(fmt, 4)
+    quantized, dense = weight(fmt, 203, k, seed=6)
+    layer = QuantizedLinear(quantized, kernels, activations)  # type: ignore[arg-type]
+    x = torch.randn(5, k)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = layer(x)
+        alone = layer(x), kernels.dequantize(quantized)
         torch.set_num_threads(threads)
-        shared = layer(x)
+        shared = layer(x), kernels.dequantize(quantized)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(alone, shared)
+    assert torch.equal(alone[0], shared[0]) and torch.equal(alone[1], shared[1])
+    torch.testing.assert_close(shared[1], dense, rtol=1e-6, atol=1e-6)
 
 
 def test_a_batch_of_leading_dimensions_keeps_its_shape(kernels: QuantKernels) -> None:
-    weight, dense = _weight("Q4_1", 10, 64, seed=1)
+    quantized, dense = weight("Q4_1", 10, 64, seed=1)
     x = torch.randn(2, 3, 64)
-    out = kernels.linear(x, weight)
+    out = kernels.linear(x, quantized)
     assert out.shape == (2, 3, 10)
     torch.testing.assert_close(out, F.linear(x, dense), rtol=1e-5, atol=1e-4)
-    assert kernels.linear(torch.empty(0, 64), weight).shape == (0, 10)
+    assert kernels.linear(torch.empty(0, 64), quantized).shape == (0, 10)
 
 
-@pytest.mark.parametrize("fmt", _GGUF_QUANTIZED)
+@pytest.mark.parametrize("fmt", [*_GGUF_QUANTIZED, *kquant_blocks.FORMATS])
 def test_dequantized_rows_are_gguf_s_own(kernels: QuantKernels, fmt: str) -> None:
-    weight, dense = _weight(fmt, 40, 96, seed=3)
-    torch.testing.assert_close(kernels.dequantize(weight), dense, rtol=1e-6, atol=1e-6)
+    quantized, dense = weight(fmt, 40, _k(fmt, 3), seed=3)
+    for isa in variants(kernels):
+        out = kernels.dequantize(quantized, isa=isa)
+        torch.testing.assert_close(out, dense, rtol=1e-6, atol=1e-6)
     ids = torch.tensor([[39, 0], [7, 7]])
-    embedding = QuantizedEmbedding(weight, kernels)
+    embedding = QuantizedEmbedding(quantized, kernels)
     torch.testing.assert_close(embedding(ids), dense[ids], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K"])
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
 def test_a_tuned_layer_gives_the_same_product_on_either_route(
-    kernels: QuantKernels, activations: str
+    kernels: QuantKernels, fmt: str, activations: str
 ) -> None:
     """Many rows may go through an fp32 copy and the BLAS; the product is the
     same (int8: up to the activations' rounding)."""
-    weight, dense = _weight("Q4_1", 96, 64, seed=5)
-    layer = QuantizedLinear(weight, kernels, activations)  # type: ignore[arg-type]
+    k = _k(fmt, 2)
+    quantized, dense = weight(fmt, 96, k, seed=5)
+    layer = QuantizedLinear(quantized, kernels, activations)  # type: ignore[arg-type]
     bound = 1e-5 if activations == "fp32" else 0.015
     chosen = layer.tune(rows=(2, 8))
     assert chosen in (None, 1, 2)
-    x = torch.randn(9, 64)
+    x = torch.randn(9, k)
     expected = F.linear(x, dense)
     for kernel_rows in (None, 0):
         layer.kernel_rows = kernel_rows
@@ -168,3 +158,5 @@ def test_a_weight_of_the_wrong_size_is_refused() -> None:
         QuantizedWeight(FORMATS["Q4_1"], torch.zeros(4, 19, dtype=torch.uint8), 4, 32)
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantizedWeight(FORMATS["Q8_0"], torch.zeros(4, 34, dtype=torch.uint8), 4, 40)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantizedWeight(FORMATS["Q4_K"], torch.zeros(4, 144, dtype=torch.uint8), 4, 384)

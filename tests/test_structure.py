@@ -22,30 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent / "tserve"
 # protocol ← gpu; the leaves (protocol, engine_config, sampling, validity,
 # grammar, _host, _model_json, _errors) import no package but each other, and
 # _curve only the root of the error types.
+_UNDER_THE_MUX = {"protocol", "sampling", "validity", "_host", "_curve", "_errors"}
+"""What the mux may import; the packages above it (nursery, web) may import it too."""
 LAYERS: dict[str, set[str]] = {
-    "web": {
-        "nursery",
-        "mux",
-        "protocol",
-        "sampling",
-        "validity",
-        "grammar",
-        "_host",
-        "_curve",
-        "_errors",
-    },
-    "nursery": {
-        "mux",
-        "protocol",
-        "sampling",
-        "validity",
-        "grammar",
-        "_host",
-        "_model_json",
-        "_curve",
-        "_errors",
-    },
-    "mux": {"protocol", "sampling", "validity", "_host", "_curve", "_errors"},
+    "web": {"nursery", "mux", "grammar", *_UNDER_THE_MUX},
+    "nursery": {"mux", "grammar", "_model_json", *_UNDER_THE_MUX},
+    "mux": _UNDER_THE_MUX,
     "gpu": {"protocol", "sampling", "validity", "grammar", "_host", "_model_json", "_curve"},
     "bench": {"_host"},
     "protocol": {"engine_config", "sampling"},

@@ -1,4 +1,5 @@
-"""An in-process generation engine on the tiny model, small enough for unit tests."""
+"""An in-process generation engine on the tiny model, small enough for unit tests,
+and a request run through it alone."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tserve.gpu._engine import EngineCore
-from tserve.protocol import EngineConfig
+from tserve.protocol import AddRequest, EngineConfig
 
 
 def small_core(model_dir: Path, **config: Any) -> EngineCore:
@@ -25,3 +26,14 @@ def small_core(model_dir: Path, **config: Any) -> EngineCore:
     }
     settings.update(config)
     return EngineCore(EngineConfig(**settings), progress=lambda _: None)
+
+
+def generated(core: EngineCore, request: AddRequest) -> list[int]:
+    """The token ids ``core`` generates for ``request``, stepped until it has no
+    work left (so nothing else should be running). Blocks."""
+    core.add(request, b"p")
+    tokens: list[int] = []
+    while core.has_work:
+        for _, out in core.step():
+            tokens += out.token_ids
+    return tokens

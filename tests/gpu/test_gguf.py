@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.gpu.cores import small_core
+from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import build_wide_model, write_gguf
+from tserve.gpu._engine import EngineCore
 from tserve.gpu._gguf import _Concat as Concat
 from tserve.gpu._gguf import load_gguf
 from tserve.gpu._llama import PagedLlama
@@ -53,6 +54,19 @@ def _logits(runner: ModelRunner, prompt: list[int], split: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def _logits_and_fp32_conversion_s(
+    model: torch.nn.Module, path: Path, prompt: list[int], split: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s logits (:func:`_logits`) and transformers' on ``path`` dequantized
+    to fp32, after the same positions; asserted close: the weights are the same
+    values, only the order of fp32 sums differs."""
+    ours = _logits(ModelRunner(model, num_blocks=16, block_size=4), prompt, split)
+    with torch.inference_mode():
+        expected = _reference(path)(torch.tensor([prompt])).logits[0, split - 1 :]
+    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+    return ours, expected
+
+
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "F16", "BF16", "F32"])
 def test_a_gguf_runs_in_its_format_with_the_logits_of_its_fp32_conversion(
     smollm2_tiny_dir: Path, tmp_path: Path, fmt: str
@@ -70,13 +84,8 @@ def test_a_gguf_runs_in_its_format_with_the_logits_of_its_fp32_conversion(
         head = loaded.model.lm_head
         assert isinstance(head, QuantizedLinear)
         assert head.weight_q.data.data_ptr() == loaded.model.embed.weight_q.data.data_ptr()
-    runner = ModelRunner(loaded.model, num_blocks=16, block_size=4)
     prompt = [(i * 37) % 512 for i in range(24)]
-    ours = _logits(runner, prompt, split=13)
-    with torch.inference_mode():
-        expected = _reference(path)(torch.tensor([prompt])).logits[0, 12:]
-    # The weights are the same values; only the order of fp32 sums differs.
-    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+    ours, expected = _logits_and_fp32_conversion_s(loaded.model, path, prompt, split=13)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
 
@@ -146,12 +155,7 @@ def test_layers_of_mixed_formats_and_an_untied_head(tiny_model_dir: Path, tmp_pa
     assert loaded.formats == {"F32": 5, "Q4_1": 1 + 2 * 6, "Q8_0": 3}
     layer = loaded.model.layers[0]
     assert isinstance(layer.qkv, Concat) and isinstance(layer.gate_up, QuantizedLinear)
-    runner = ModelRunner(loaded.model, num_blocks=16, block_size=4)
-    prompt = [(i * 11) % 512 for i in range(20)]
-    ours = _logits(runner, prompt, split=7)
-    with torch.inference_mode():
-        expected = _reference(path)(torch.tensor([prompt])).logits[0, 6:]
-    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+    _logits_and_fp32_conversion_s(loaded.model, path, [(i * 11) % 512 for i in range(20)], split=7)
 
 
 @pytest.fixture(scope="module")
@@ -179,12 +183,8 @@ def test_a_k_quant_gguf_runs_in_its_formats_with_the_logits_of_its_fp32_conversi
     assert loaded.formats == {"F32": 5, "Q4_K": 11, "Q5_K": 2, "Q6_K": 3}
     assert isinstance(loaded.model.layers[0].qkv, Concat)  # V is Q6_K beside Q4_K Q and K
     assert isinstance(loaded.model.embed, QuantizedEmbedding)
-    runner = ModelRunner(loaded.model, num_blocks=16, block_size=4)
     prompt = [(i * 29) % 512 for i in range(22)]
-    ours = _logits(runner, prompt, split=11)
-    with torch.inference_mode():
-        expected = _reference(path)(torch.tensor([prompt])).logits[0, 10:]
-    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+    ours, expected = _logits_and_fp32_conversion_s(loaded.model, path, prompt, split=11)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
 
@@ -251,14 +251,9 @@ def test_another_architecture_is_an_error_naming_it(tiny_model_dir: Path, tmp_pa
         _load(path, tmp_path)
 
 
-def _greedy(core: Any, prompt: list[int], n: int) -> list[int]:
+def _greedy(core: EngineCore, prompt: list[int], n: int) -> list[int]:
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    core.add(AddRequest("r", prompt, params), b"p")
-    tokens: list[int] = []
-    while core.has_work:
-        for _, out in core.step():
-            tokens += out.token_ids
-    return tokens
+    return generated(core, AddRequest("r", prompt, params))
 
 
 def test_the_engine_serves_a_gguf_file_as_its_fp32_conversion_would(

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu.cores import small_core
+from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import write_gguf
-from tserve.gpu._engine import _is_default_gguf
+from tserve.gpu._engine import EngineCore, _is_default_gguf
 from tserve.gpu._models import ModelLoadError, default_gguf
 from tserve.gpu._sampling_defaults import read_sampling_defaults
 from tserve.protocol import AddRequest, Sampling, SamplingDefaults, SamplingParams
@@ -99,16 +99,8 @@ def test_a_request_samples_with_its_own_values_then_the_models_then_openais() ->
     assert "OpenAI's" in SamplingDefaults().describe()
 
 
-def _tokens(core: object, params: SamplingParams, rid: str) -> list[int]:
-    from tserve.gpu._engine import EngineCore
-
-    assert isinstance(core, EngineCore)
-    core.add(AddRequest(rid, [5, 9, 14, 3, 7], params), b"p")
-    tokens: list[int] = []
-    while core.has_work:
-        for _, out in core.step():
-            tokens += out.token_ids
-    return tokens
+def _tokens(core: EngineCore, params: SamplingParams, rid: str) -> list[int]:
+    return generated(core, AddRequest(rid, [5, 9, 14, 3, 7], params))
 
 
 def test_the_engine_applies_a_gguf_files_sampling_metadata(

@@ -53,13 +53,12 @@ def test_duration_cuts_the_run_and_reports_unfinished() -> None:
     async def go() -> dict[str, int]:
         async with anyio.create_task_group() as tg:
             url = await tg.start(serve)
-            t = anyio.current_time()
             cfg = RunConfig(**{**config.__dict__, "base_url": url})
             run = await run_benchmark(cfg, "e", [BenchRequest("x", 1, 100)] * 10)
-            assert anyio.current_time() - t < 2.0
             tg.cancel_scope.cancel()
         return summarize(run.results, run.duration).errors
 
+    # A request takes 100 x 0.05 s: uncut, all 10 would complete and none be unfinished.
     assert anyio.run(go, backend="trio") == {"unfinished": 4}  # only 4 ever started
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "AttentionGroup",
     "KVPool",
     "StepMetadata",
+    "TokenTables",
     "Tokens",
     "attend_groups",
     "build_step",
@@ -139,12 +140,26 @@ class AttentionGroup:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class TokenTables:
+    """Each token's sequence's blocks, for attention run token by token (token
+    ``t`` at position ``p`` over keys ``0..p`` of its sequence; on CPU)."""
+
+    tables: torch.Tensor  # [chunks, width] long: each chunk's sequence's blocks, padding -> 0
+    rows: torch.Tensor  # [T] long: the row of ``tables`` of each token
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepMetadata:
-    """Everything attention needs for one step; built once, used by every layer."""
+    """Everything attention needs for one step; built once, used by every layer.
+
+    Either ``groups`` (padded batches for :func:`attend_groups`) or, for a step
+    that attends token by token, ``token_tables`` (``groups`` then empty).
+    """
 
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] long: pool slot where each new token's K/V goes
     groups: tuple[AttentionGroup, ...]
+    token_tables: TokenTables | None = None
 
 
 def build_step(
@@ -153,11 +168,14 @@ def build_step(
     device: torch.device,
     *,
     decode_products: bool = False,
+    per_token: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
     """Pack ``chunks`` into ``(input_ids [1, T], position_ids [1, T], metadata)``.
 
     ``decode_products``: decodes attend as batched products
     (:attr:`AttentionGroup.products`), the runner's choice for its device.
+    ``per_token``: the metadata has :class:`TokenTables` instead of groups
+    (CPU only: the fused decoder's).
 
     Tokens are packed in chunk order. Every chunk's sequence must have a block
     table covering ``start + len(token_ids)`` positions. Per-token lists are
@@ -178,6 +196,10 @@ def build_step(
         positions += span
         slots += [table[p // block_size] * block_size + p % block_size for p in span]
         offsets.append(offsets[-1] + len(span))
+    packed = torch.tensor([tokens, positions, slots]).to(device)  # one transfer
+    if per_token:
+        tables = _token_tables(chunks, offsets, block_size)
+        return packed[0:1], packed[1:2], StepMetadata(pool, packed[2], (), tables)
 
     decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
@@ -186,8 +208,18 @@ def build_step(
         for members in (decodes, prefills)
         if members
     )
-    packed = torch.tensor([tokens, positions, slots]).to(device)  # one transfer
     return packed[0:1], packed[1:2], StepMetadata(pool, packed[2], groups)
+
+
+def _token_tables(
+    chunks: Sequence[ScheduledChunk], offsets: list[int], block_size: int
+) -> TokenTables:
+    """Chunk ``i``'s sequence's blocks as row ``i``; each token's row."""
+    counts = [-(-(c.start + len(c.token_ids)) // block_size) for c in chunks]
+    width = max(counts)
+    rows = [c.seq.block_table[:n] + [0] * (width - n) for c, n in zip(chunks, counts, strict=True)]
+    owner = [i for i in range(len(chunks)) for _ in range(offsets[i + 1] - offsets[i])]
+    return TokenTables(torch.tensor(rows, dtype=torch.long), torch.tensor(owner, dtype=torch.long))
 
 
 def _group(

@@ -10,6 +10,8 @@
  * that touch it compute in fp32: a key or value row is widened as it is read
  * and rounded to nearest even as it is written, as torch's casts do.
  */
+#include "_kernels.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -27,7 +29,7 @@
 
 #define LANES 16
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* _cpu_kernels.py's _KV_TYPES */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* _cpu_kernels.py's KV_TYPES */
 enum { KV_F16_F16C = 3 }; /* KV_F16 on a CPU with F16C: the kernels' own choice */
 
 /* The float an fp16 bit pattern stands for, exactly (subnormals, infinities and

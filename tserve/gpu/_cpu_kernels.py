@@ -41,7 +41,7 @@ from typing import Any, Final
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LINEAR_PANEL", "CpuKernels", "cpu_kernels", "kernel_library"]
+__all__ = ["KV_TYPES", "LINEAR_PANEL", "CpuKernels", "cpu_kernels", "kernel_library"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ LINEAR_PANEL: Final = 32  # PANEL in _cpu_kernels.c
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
-_KV_TYPES: Final = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KV_TYPES: Final = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 """The KV pool dtypes the kernels read and write: their ``KV_*`` codes in ``_cpu_kernels.c``."""
 
 
@@ -61,7 +61,7 @@ def _declare(function: Any, *argtypes: type[ctypes._SimpleCData[Any]]) -> Any:
 
 class CpuKernels:
     """The loaded kernels; every tensor argument is CPU fp32 (int64 for
-    indices; a KV pool of one of ``_KV_TYPES``) and contiguous unless its
+    indices; a KV pool of one of ``KV_TYPES``) and contiguous unless its
     stride is an argument. Callers hold these rules; the kernels do not
     check them."""
 
@@ -137,7 +137,7 @@ class CpuKernels:
             k_pool.data_ptr(),
             v_pool.data_ptr(),
             k_pool.shape[1],
-            _KV_TYPES[k_pool.dtype],
+            KV_TYPES[k_pool.dtype],
         )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -213,7 +213,7 @@ class CpuKernels:
             scale,
             out.data_ptr(),
             scores.data_ptr(),
-            _KV_TYPES[k_pool.dtype],
+            KV_TYPES[k_pool.dtype],
         )
         return out
 

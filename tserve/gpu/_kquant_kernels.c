@@ -37,6 +37,7 @@
  * threads); a dequantization splits its rows itself unless it is small.
  * Format codes are GGML's type ids.
  */
+#include "_kernels.h"
 #include "_quant_common.h"
 
 #define Q4_K 12

@@ -29,11 +29,15 @@ and dtype: the fused CPU kernels (:class:`~tserve.gpu._cpu_kernels.CpuKernels`,
 fp32 on CPU) or :data:`TORCH_OPS` (any device and dtype). The weights come
 from a Hugging Face model (:meth:`PagedLlama.from_hf`) or from a GGUF file
 (:mod:`tserve.gpu._gguf`); a linear layer is any module from ``[T, in]`` to
-``[T, out]`` (``nn.Linear``, a tuned one, a quantized one).
+``[T, out]`` (``nn.Linear``, a tuned one, a quantized one). A quantized
+model's short steps may instead run every layer in one call
+(:attr:`PagedLlama.decoder`, :mod:`tserve.gpu._decoder`): the same kernels
+without Python between them, handed down by the runner like ``ops``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 import torch
@@ -215,7 +219,8 @@ class PagedLlama(torch.nn.Module):
     embedding, output head, norms and o/down projections, so tied weights
     stay tied, and makes fused copies of its Q/K/V and gate/up weights) and
     the :class:`StepOps` it runs with (``ops``; the runner may replace it
-    before the first step). For inference only.
+    before the first step), and :attr:`decoder`, which the runner may set.
+    For inference only.
     """
 
     rope_cos: torch.Tensor  # [positions, D/2]: cos of every position's angles
@@ -248,6 +253,9 @@ class PagedLlama(torch.nn.Module):
         self.register_buffer("rope_cos", rope[0], persistent=False)
         self.register_buffer("rope_sin", rope[1], persistent=False)
         self.ops = ops
+        self.decoder: Callable[[torch.Tensor, torch.Tensor, StepMetadata], None] | None = None
+        """Every layer of a step in one call, in place on the embeddings (the runner's
+        :class:`~tserve.gpu._decoder.FusedDecoder`, or None: one op at a time)."""
 
     @classmethod
     def from_hf(cls, model: Any, ops: StepOps = TORCH_OPS) -> PagedLlama:
@@ -286,14 +294,28 @@ class PagedLlama(torch.nn.Module):
 
         ``input_ids`` and ``positions`` are ``[T]``; writes every token's K/V
         into the pool at ``step.slot_mapping``. Blocks until the device is done
-        only where a result must be read back (not here). ``decode`` reads this
-        layer's ``qkv``, ``k_pool`` and ``v_pool``: it runs inside the layer's
-        iteration.
+        only where a result must be read back (not here). A step built with
+        :class:`~tserve.gpu._attention.TokenTables` runs its layers on
+        :attr:`decoder` (the runner builds such steps only when it set one).
         """
-        ops = self.ops
-        tokens = input_ids.shape[0]
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         residual: torch.Tensor = self.embed(input_ids)  # [T, hidden]; the sums accumulate here
+        if step.token_tables is not None:
+            assert self.decoder is not None, "a step by token tables needs a fused decoder"
+            self.decoder(residual, positions, step)
+            return self._head(residual, None, keep)
+        hidden = self._layers(residual, positions, step)
+        return self._head(residual, hidden, keep)
+
+    def _layers(
+        self, residual: torch.Tensor, positions: torch.Tensor, step: StepMetadata
+    ) -> torch.Tensor:
+        """Every layer, one op at a time: the last layer's output (not yet added to
+        ``residual``, which holds the sums before it). ``decode`` reads this
+        layer's ``qkv``, ``k_pool`` and ``v_pool``: it runs inside the layer's
+        iteration."""
+        ops = self.ops
+        tokens = residual.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         hidden: torch.Tensor | None = None
         pool = step.pool
 
@@ -322,15 +344,18 @@ class PagedLlama(torch.nn.Module):
             x = ops.add_rms_norm(residual, hidden, layer.mlp_norm, self.eps)
             hidden = layer.down(ops.silu_mul(layer.gate_up(x)))
         assert hidden is not None, "a decoder has at least one layer"
-        return self._head(residual, hidden, keep)
+        return hidden
 
     def _head(
-        self, residual: torch.Tensor, hidden: torch.Tensor, keep: torch.Tensor
+        self, residual: torch.Tensor, hidden: torch.Tensor | None, keep: torch.Tensor
     ) -> torch.Tensor:
-        """The last residual add, the final norm and the output head, on the rows ``keep``."""
+        """The last residual add (unless ``hidden`` is None: done), the final norm
+        and the output head, on the rows ``keep``."""
         if keep.numel() == 0:
-            return hidden.new_empty(0, self.vocab_size)
-        last = residual.index_select(0, keep).add_(hidden.index_select(0, keep))
+            return residual.new_empty(0, self.vocab_size)
+        last = residual.index_select(0, keep)
+        if hidden is not None:
+            last.add_(hidden.index_select(0, keep))
         logits: torch.Tensor = self.lm_head(_rms_norm(last, self.norm, self.eps))
         return logits
 

@@ -14,8 +14,10 @@ The runner is the one place that decides the device path (:func:`resolve_device`
 from the device and dtype it picks, once, the glue kernels of tserve's own
 forward pass (the fused CPU kernels for fp32 on CPU, torch calls otherwise;
 both read and write a KV pool of any of :data:`KV_CACHE_DTYPES`),
-how decode attention runs, and whether linear layers are tuned (CPU only);
-it hands them down, and no other module looks at the device.
+how decode attention runs, whether linear layers are tuned (CPU only), and
+whether a quantized model's short steps run every layer in one call
+(:mod:`tserve.gpu._decoder`, CPU fp32); it hands them down, and no other
+module looks at the device.
 
 A model is a Hugging Face model, or a :class:`~tserve.gpu._llama.PagedLlama`
 built already (a GGUF file's: :mod:`tserve.gpu._gguf`, CPU fp32).
@@ -41,6 +43,7 @@ from tserve.gpu._attention import (
     register_paged_attention,
 )
 from tserve.gpu._cpu_kernels import cpu_kernels
+from tserve.gpu._decoder import fused_decoder
 from tserve.gpu._gemm import tune_linears
 from tserve.gpu._llama import TORCH_OPS, PagedLlama, StepOps, unsupported_reason
 from tserve.gpu._models import ModelLoadError
@@ -180,6 +183,10 @@ class ModelRunner:
                 v=_untouched_zeros(shape, self.device, self.kv_dtype),
                 block_size=block_size,
             )
+        # Steps of at most this many tokens run every layer in one call (0: none do;
+        # None: decided at the first step, over the model's modules as they are then).
+        fuses = kernels is not None and isinstance(self.model, PagedLlama)
+        self._fused_tokens: int | None = None if fuses else 0
 
     @property
     def num_blocks(self) -> int:
@@ -205,9 +212,15 @@ class ModelRunner:
             end += len(chunk.token_ids)
             if chunk.sample:
                 keep.append(end - 1)
+        if self._fused_tokens is None:
+            self._fused_tokens = self._fuse()
         with torch.inference_mode():
             input_ids, position_ids, step = build_step(
-                chunks, self.pool, self.device, decode_products=self._decode_products
+                chunks,
+                self.pool,
+                self.device,
+                decode_products=self._decode_products,
+                per_token=end <= self._fused_tokens,
             )
             rows = torch.tensor(keep, dtype=torch.long, device=self.device)
             if isinstance(self.model, PagedLlama):
@@ -221,6 +234,13 @@ class ModelRunner:
                 tserve_step=step,
             )
             return out.logits[0].float()  # type: ignore[no-any-return]
+
+    def _fuse(self) -> int:
+        """Hands the model a fused decoder where its layers allow one: the most
+        tokens a step may have to run on it (0: none)."""
+        assert isinstance(self.model, PagedLlama)
+        self.model.decoder = decoder = fused_decoder(self.model, self.pool)
+        return 0 if decoder is None else decoder.max_tokens
 
 
 def _untouched_zeros(

@@ -26,6 +26,7 @@
  * libgomp), so torch.set_num_threads sets the count and its threads are
  * the ones used; products too small to share run on the caller alone.
  */
+#include "_kernels.h"
 #include "_quant_common.h"
 #include <math.h>
 #include <stdlib.h>

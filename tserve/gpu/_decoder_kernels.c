@@ -1,0 +1,176 @@
+/* A whole step of a Llama-family decoder over quantized weights in one call
+ * (tserve/gpu/_decoder.py).
+ *
+ * The same arithmetic as PagedLlama's forward pass on the CPU kernels
+ * (tserve/gpu/_llama.py), layer after layer, with no Python between the
+ * pieces: per layer the residual add and RMSNorm, the Q/K/V product, RoPE and
+ * the K/V write, attention, the output product, the add and norm again, the
+ * gate/up product, silu(gate) * up and the down product; after the last layer
+ * its output added to the residual. Each piece is the library's own entry
+ * point (_kernels.h), so a decode step gives the logits the forward pass
+ * does, bit for bit.
+ *
+ * Attention runs token by token over the pool: every token of the step has
+ * its K/V written before any attends, so token t at position p attends to
+ * keys 0..p of its sequence where they lie (paged_decode over p + 1 keys).
+ * That is a decode's attention and a prefill chunk's causal one alike, so a
+ * step may mix them; a chunk's cost grows with its length squared, which is
+ * why the caller keeps long chunks on the forward pass (its SDPA).
+ *
+ * Threads: the products split their rows among OpenMP threads as they do
+ * alone; everything else runs on the caller.
+ */
+#include "_kernels.h"
+
+#include <stdlib.h>
+
+/* How a product runs: QuantizedLinear's kernel choices (tserve/gpu/_quant.py). */
+enum {
+    ROUTE_PACKED_INT8 = 0, /* a packed block format, int8 activations */
+    ROUTE_FP32 = 1,        /* a block or float format as the file lays it, fp32 activations */
+    ROUTE_K_INT8 = 2,      /* a K-quant as the file lays it, int8 activations */
+    ROUTE_K_FP32 = 3,      /* a K-quant as the file lays it, fp32 activations */
+};
+
+/* y [m, n] = x [m, k] W^T; _decoder.py's _Product. */
+typedef struct {
+    const uint8_t *data;
+    int64_t n, k;
+    int32_t route, fmt;
+} tserve_product;
+
+/* One decoder layer; the pools are its [kv_heads, num_slots, head_dim] slices. _Layer. */
+typedef struct {
+    tserve_product qkv, o, gate_up, down;
+    const float *attn_norm, *mlp_norm;
+    void *k_pool, *v_pool;
+} tserve_layer;
+
+/* The model; `layers` holds num_layers of them. _Decoder. */
+typedef struct {
+    const tserve_layer *layers;
+    int64_t num_layers, hidden, heads, kv_heads, head_dim;
+    const float *rope_cos, *rope_sin; /* [positions, head_dim / 2] */
+    int64_t num_slots, block_size;
+    float eps, scale;
+    int32_t kv_type, isa;
+} tserve_decoder;
+
+#define GROUP 32 /* the K-quant kernels' activation blocks */
+
+/* y = x W^T for `m` rows. Returns 0, or -1 when scratch cannot be had. */
+static int product(const tserve_product *w, int isa, const float *x, int64_t m, float *y) {
+    int64_t groups = w->k / GROUP;
+    switch (w->route) {
+    case ROUTE_PACKED_INT8:
+        return tserve_qlinear_int8(isa, w->fmt, w->data, w->n, w->k, x, m, y);
+    case ROUTE_FP32:
+        tserve_qlinear(isa, w->fmt, w->data, w->n, w->k, x, m, y);
+        return 0;
+    case ROUTE_K_INT8: {
+        float *scales = malloc((size_t)(2 * m * groups) * sizeof(float) + (size_t)(m * w->k));
+        if (!scales) return -1;
+        int8_t *xq = (int8_t *)(scales + 2 * m * groups);
+        tserve_quantize_q8(isa, x, m, w->k, xq, scales, scales + m * groups);
+        tserve_kqlinear_int8_shared(isa, w->fmt, w->data, w->n, w->k, xq, scales,
+                                    scales + m * groups, m, y);
+        free(scales);
+        return 0;
+    }
+    default: {
+        float *sums = malloc((size_t)(m * groups) * sizeof(float));
+        if (!sums) return -1;
+        tserve_kgroup_sums(x, m, w->k, sums);
+        tserve_kqlinear_shared(isa, w->fmt, w->data, w->n, w->k, x, sums, m, y);
+        free(sums);
+        return 0;
+    }
+    }
+}
+
+/* Scratch of one step, carved from one allocation. */
+typedef struct {
+    float *x, *qkv, *attn, *out, *gate_up, *act, *silu, *scores;
+    int64_t *lens;
+    void *block;
+} scratch;
+
+#define ALIGN 64 /* bytes: each part of the scratch starts on a cache line, as torch's tensors do */
+
+static int64_t aligned_floats(int64_t n) { return (n + ALIGN / 4 - 1) / (ALIGN / 4) * (ALIGN / 4); }
+
+static int scratch_alloc(const tserve_decoder *model, int64_t tokens, int64_t max_len,
+                         scratch *s) {
+    const tserve_layer *first = model->layers;
+    int64_t inter = first->down.k, attn_width = model->heads * model->head_dim;
+    int64_t group = model->heads / model->kv_heads;
+    int64_t floats[] = {
+        tokens * model->hidden, tokens * first->qkv.n, tokens * attn_width,
+        tokens * model->hidden, tokens * first->gate_up.n, tokens * inter, inter,
+        group * max_len,
+    };
+    int64_t total = aligned_floats(2 * tokens); /* the int64 lens first */
+    for (size_t i = 0; i < sizeof floats / sizeof floats[0]; i++)
+        total += aligned_floats(floats[i]);
+    s->block = aligned_alloc(ALIGN, (size_t)total * sizeof(float));
+    if (!s->block) return -1;
+    s->lens = s->block;
+    float **parts[] = {&s->x, &s->qkv, &s->attn, &s->out, &s->gate_up, &s->act, &s->silu,
+                       &s->scores};
+    float *next = (float *)s->block + aligned_floats(2 * tokens);
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+        *parts[i] = next;
+        next += aligned_floats(floats[i]);
+    }
+    return 0;
+}
+
+/* Attention of every token over its sequence's keys 0..position, into s->attn. */
+static void attend(const tserve_decoder *model, const tserve_layer *layer, int64_t tokens,
+                   const int64_t *tables, int64_t width, const int64_t *token_rows,
+                   const scratch *s) {
+    int64_t qkv_width = layer->qkv.n, attn_width = model->heads * model->head_dim;
+    for (int64_t t = 0; t < tokens; t++)
+        tserve_paged_decode(s->qkv + t * qkv_width, qkv_width, layer->k_pool, layer->v_pool,
+                            model->num_slots, tables + token_rows[t] * width, width,
+                            s->lens + t, model->block_size, 1, model->heads, model->kv_heads,
+                            model->head_dim, model->scale, s->attn + t * attn_width, s->scores,
+                            model->kv_type);
+}
+
+/* Every layer over `tokens` packed tokens. residual [tokens, hidden]: their
+ * embeddings on entry, the last layer's output plus its residual on return.
+ * Token t sits at positions[t], its K/V goes to pool slot slots[t], and its
+ * sequence's blocks are row token_rows[t] of tables [*, width] (covering
+ * positions[t] + 1 keys). Returns 0, or -1 when scratch cannot be had
+ * (residual is then partly updated: the step is lost). */
+int tserve_decoder_step(const tserve_decoder *model, float *residual, int64_t tokens,
+                        const int64_t *positions, const int64_t *slots, const int64_t *tables,
+                        int64_t width, const int64_t *token_rows) {
+    int64_t max_len = 0;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] >= max_len) max_len = positions[t] + 1;
+    scratch s;
+    if (scratch_alloc(model, tokens, max_len, &s)) return -1;
+    for (int64_t t = 0; t < tokens; t++) s.lens[t] = positions[t] + 1;
+    int isa = model->isa, failed = 0;
+    int64_t hidden = model->hidden;
+    for (int64_t i = 0; i < model->num_layers && !failed; i++) {
+        const tserve_layer *layer = model->layers + i;
+        tserve_add_rms_norm(residual, s.out, layer->attn_norm, s.x, tokens, hidden, model->eps,
+                            i > 0);
+        failed |= product(&layer->qkv, isa, s.x, tokens, s.qkv);
+        tserve_rope_store(s.qkv, tokens, layer->qkv.n, model->heads, model->kv_heads,
+                          model->head_dim, positions, model->rope_cos, model->rope_sin, slots,
+                          layer->k_pool, layer->v_pool, model->num_slots, model->kv_type);
+        attend(model, layer, tokens, tables, width, token_rows, &s);
+        failed |= product(&layer->o, isa, s.attn, tokens, s.out);
+        tserve_add_rms_norm(residual, s.out, layer->mlp_norm, s.x, tokens, hidden, model->eps, 1);
+        failed |= product(&layer->gate_up, isa, s.x, tokens, s.gate_up);
+        tserve_silu_mul(s.gate_up, tokens, layer->down.k, s.act, s.silu);
+        failed |= product(&layer->down, isa, s.act, tokens, s.out);
+    }
+    for (int64_t j = 0; j < tokens * hidden && !failed; j++) residual[j] += s.out[j];
+    free(s.block);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,42 @@
+/* The entry points of tserve's kernel library that another of its C files calls:
+ * _cpu_kernels.c's fused steps and _quant_kernels.c's products, called by
+ * _decoder_kernels.c. Included by the files that define them, so the compiler
+ * checks each definition against its declaration here.
+ */
+#ifndef TSERVE_KERNELS_H
+#define TSERVE_KERNELS_H
+
+#include <stdint.h>
+
+/* _cpu_kernels.c */
+void tserve_add_rms_norm(float *residual, const float *hidden, const float *weight, float *out,
+                         int64_t rows, int64_t dim, float eps, int add);
+void tserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out,
+                     float *scratch);
+void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, const int64_t *positions,
+                       const float *cos_table, const float *sin_table, const int64_t *slots,
+                       void *k_pool, void *v_pool, int64_t num_slots, int kv_type);
+void tserve_paged_decode(const float *q, int64_t q_stride, const void *k_pool,
+                         const void *v_pool, int64_t num_slots, const int64_t *tables,
+                         int64_t width, const int64_t *lens, int64_t block_size, int64_t batch,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+                         float *out, float *scores, int kv_type);
+
+/* _quant_kernels.c */
+void tserve_quantize_q8(int isa, const float *x, int64_t m, int64_t k, int8_t *q, float *d,
+                        float *s);
+void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
+                    int64_t m, float *y);
+int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,
+                        const float *x, int64_t m, float *y);
+void tserve_kqlinear_shared(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
+                            const float *x, const float *xsum, int64_t m, float *y);
+void tserve_kqlinear_int8_shared(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
+                                 const int8_t *x, const float *xd, const float *xs, int64_t m,
+                                 float *y);
+
+/* _kquant_kernels.c */
+void tserve_kgroup_sums(const float *x, int64_t m, int64_t k, float *xsum);
+
+#endif /* TSERVE_KERNELS_H */

@@ -45,8 +45,6 @@
 #define Q6_K 14
 #define QK 256 /* weights per super-block */
 #define GROUPS 8 /* groups of 32 per super-block */
-#define TILE_ROWS 4
-#define CHUNK_ROWS 64 /* rows of x kept hot per pass over W */
 
 static int64_t super_bytes(int fmt) {
     switch (fmt) {
@@ -355,17 +353,16 @@ AVX2 INLINE void tile_int8_avx2(int fmt, const uint8_t *wrow, int64_t k, int row
     for (int r = 0; r < rows; r++) y[r * y_stride] = hsum(acc[r]) - offset[r];
 }
 
+#define AVX2_TILE(R) tile_avx2(FORMAT, wrow, k, R, x, xsum, y, y_stride)
+#define AVX2_TILE_INT8(R) tile_int8_avx2(FORMAT, wrow, k, R, x, xd, xs, y, y_stride)
+
 /* The format and the tile's row count as constants in each instance, so each
  * inner loop is specialised. */
 #define AVX2_ROW(FMT)                                                                        \
     AVX2 static void row_avx2_##FMT(const uint8_t *wrow, int64_t k, int rows, const float *x, \
                                     const float *xsum, float *y, int64_t y_stride) {         \
-        switch (rows) {                                                                      \
-        case 4: tile_avx2(FMT, wrow, k, 4, x, xsum, y, y_stride); break;                     \
-        case 3: tile_avx2(FMT, wrow, k, 3, x, xsum, y, y_stride); break;                     \
-        case 2: tile_avx2(FMT, wrow, k, 2, x, xsum, y, y_stride); break;                     \
-        default: tile_avx2(FMT, wrow, k, 1, x, xsum, y, y_stride); break;                    \
-        }                                                                                    \
+        enum { FORMAT = FMT };                                                               \
+        BY_TILE_ROWS(rows, AVX2_TILE)                                                        \
     }
 
 AVX2_ROW(Q4_K)
@@ -376,35 +373,13 @@ AVX2_ROW(Q6_K)
     AVX2 static void row_int8_avx2_##FMT(const uint8_t *wrow, int64_t k, int rows,           \
                                          const int8_t *x, const float *xd, const float *xs,  \
                                          float *y, int64_t y_stride) {                       \
-        switch (rows) {                                                                      \
-        case 4: tile_int8_avx2(FMT, wrow, k, 4, x, xd, xs, y, y_stride); break;              \
-        case 3: tile_int8_avx2(FMT, wrow, k, 3, x, xd, xs, y, y_stride); break;              \
-        case 2: tile_int8_avx2(FMT, wrow, k, 2, x, xd, xs, y, y_stride); break;              \
-        default: tile_int8_avx2(FMT, wrow, k, 1, x, xd, xs, y, y_stride); break;             \
-        }                                                                                    \
+        enum { FORMAT = FMT };                                                               \
+        BY_TILE_ROWS(rows, AVX2_TILE_INT8)                                                   \
     }
 
 AVX2_ROW_INT8(Q4_K)
 AVX2_ROW_INT8(Q5_K)
 AVX2_ROW_INT8(Q6_K)
-
-static row_int8_fn avx2_row_int8(int fmt) {
-    switch (fmt) {
-    case Q4_K: return row_int8_avx2_Q4_K;
-    case Q5_K: return row_int8_avx2_Q5_K;
-    case Q6_K: return row_int8_avx2_Q6_K;
-    default: return 0;
-    }
-}
-
-static row_fn avx2_row(int fmt) {
-    switch (fmt) {
-    case Q4_K: return row_avx2_Q4_K;
-    case Q5_K: return row_avx2_Q5_K;
-    case Q6_K: return row_avx2_Q6_K;
-    default: return 0;
-    }
-}
 
 /* One super-block into 256 floats with the AVX2 group decoder. */
 AVX2 static void super_floats_avx2(int fmt, const uint8_t *blk, float *out) {
@@ -420,16 +395,32 @@ AVX2 static void super_floats_avx2(int fmt, const uint8_t *blk, float *out) {
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 32 * g + 8 * i, w[i]);
     }
 }
-#else
-static row_fn avx2_row(int fmt) {
-    (void)fmt;
-    return 0;
-}
-static row_int8_fn avx2_row_int8(int fmt) {
-    (void)fmt;
-    return 0;
-}
 #endif
+
+/* The AVX2 kernels of `fmt` (NULL: none; always, off x86-64). */
+static row_fn avx2_row(int fmt) {
+#if defined(__x86_64__)
+    switch (fmt) {
+    case Q4_K: return row_avx2_Q4_K;
+    case Q5_K: return row_avx2_Q5_K;
+    case Q6_K: return row_avx2_Q6_K;
+    }
+#endif
+    (void)fmt;
+    return 0;
+}
+
+static row_int8_fn avx2_row_int8(int fmt) {
+#if defined(__x86_64__)
+    switch (fmt) {
+    case Q4_K: return row_int8_avx2_Q4_K;
+    case Q5_K: return row_int8_avx2_Q5_K;
+    case Q6_K: return row_int8_avx2_Q6_K;
+    }
+#endif
+    (void)fmt;
+    return 0;
+}
 
 /* ------------------------------------------------------------------ entry */
 
@@ -467,26 +458,53 @@ void tserve_kdequantize(int isa, int fmt, const uint8_t *w, int64_t k, const int
     (void)isa;
 }
 
-/* y[M, N] (row stride n) columns [n0, n1) = x W^T for x fp32 [M, k], W [N, k] in `fmt`.
- * `xsum` [M, k / 32]: each group of 32 of x summed (tserve_kgroup_sums), read by the
- * AVX2 kernels only (NULL is fine for the portable ones). */
-void tserve_kqlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
-                     int64_t k, const float *x, const float *xsum, int64_t m, float *y) {
+/* A product's activations: fp32 rows with their sums per group of 32, or (xq not NULL)
+ * int8 rows with their scales (tserve_quantize_q8). Row strides: k for the rows, k / 32
+ * for the rest. */
+typedef struct {
+    const float *x, *xsum;
+    const int8_t *xq;
+    const float *xd, *xs;
+} activations;
+
+/* y[M, N] (row stride n) columns [n0, n1) = x W^T: each W row read once per CHUNK_ROWS
+ * rows of x, in tiles of TILE_ROWS. */
+static void product(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
+                    int64_t k, const activations *a, int64_t m, float *y) {
     int64_t stride = k / QK * super_bytes(fmt), groups = k / 32;
-    row_fn fast = isa == ISA_AVX2 ? avx2_row(fmt) : 0;
+    row_fn fast = isa == ISA_AVX2 && !a->xq ? avx2_row(fmt) : 0;
+    row_int8_fn fast_int8 = isa == ISA_AVX2 && a->xq ? avx2_row_int8(fmt) : 0;
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
         for (int64_t j = n0; j < n1; j++) {
             const uint8_t *wrow = w + j * stride;
             for (int64_t r = m0; r < m1; r += TILE_ROWS) {
                 int rows = m1 - r < TILE_ROWS ? (int)(m1 - r) : TILE_ROWS;
-                if (fast)
-                    fast(wrow, k, rows, x + r * k, xsum + r * groups, y + r * n + j, n);
-                else
-                    row_portable(fmt, wrow, k, rows, x + r * k, y + r * n + j, n);
+                float *yr = y + r * n + j;
+                if (a->xq) {
+                    const int8_t *xr = a->xq + r * k;
+                    const float *dr = a->xd + r * groups, *sr = a->xs + r * groups;
+                    if (fast_int8)
+                        fast_int8(wrow, k, rows, xr, dr, sr, yr, n);
+                    else
+                        row_portable_int8(fmt, wrow, k, rows, xr, dr, sr, yr, n);
+                } else if (fast) {
+                    fast(wrow, k, rows, a->x + r * k, a->xsum + r * groups, yr, n);
+                } else {
+                    row_portable(fmt, wrow, k, rows, a->x + r * k, yr, n);
+                }
             }
         }
     }
+}
+
+/* y[M, N] (row stride n) columns [n0, n1) = x W^T for x fp32 [M, k], W [N, k] in `fmt`.
+ * `xsum` [M, k / 32]: each group of 32 of x summed (tserve_kgroup_sums), read by the
+ * AVX2 kernels only (NULL is fine for the portable ones). */
+void tserve_kqlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
+                     int64_t k, const float *x, const float *xsum, int64_t m, float *y) {
+    activations a = {.x = x, .xsum = xsum};
+    product(isa, fmt, w, n, n0, n1, k, &a, m, y);
 }
 
 /* y[M, N] (row stride n) columns [n0, n1) = x W^T for W [N, k] in `fmt` and x int8
@@ -494,21 +512,6 @@ void tserve_kqlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, 
 void tserve_kqlinear_int8(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
                           int64_t k, const int8_t *x, const float *xd, const float *xs,
                           int64_t m, float *y) {
-    int64_t stride = k / QK * super_bytes(fmt), groups = k / 32;
-    row_int8_fn fast = isa == ISA_AVX2 ? avx2_row_int8(fmt) : 0;
-    for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
-        int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-        for (int64_t j = n0; j < n1; j++) {
-            const uint8_t *wrow = w + j * stride;
-            for (int64_t r = m0; r < m1; r += TILE_ROWS) {
-                int rows = m1 - r < TILE_ROWS ? (int)(m1 - r) : TILE_ROWS;
-                const int8_t *xr = x + r * k;
-                const float *dr = xd + r * groups, *sr = xs + r * groups;
-                if (fast)
-                    fast(wrow, k, rows, xr, dr, sr, y + r * n + j, n);
-                else
-                    row_portable_int8(fmt, wrow, k, rows, xr, dr, sr, y + r * n + j, n);
-            }
-        }
-    }
+    activations a = {.xq = x, .xd = xd, .xs = xs};
+    product(isa, fmt, w, n, n0, n1, k, &a, m, y);
 }

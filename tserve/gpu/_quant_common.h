@@ -1,7 +1,8 @@
 /* What the quantized kernels of _quant_kernels.c and _kquant_kernels.c share:
  * the instruction-set codes, the bound below which a product runs on one
- * thread, fp16 bits to float, an unaligned u16 load, and (on x86-64) the
- * AVX2 function attributes and a horizontal sum.
+ * thread, the tile and chunk of x rows, the switch that makes a tile's row
+ * count a constant, fp16 bits to float, an unaligned u16 load, and (on
+ * x86-64) the AVX2 function attributes and a horizontal sum.
  *
  * Header-only: every function is static inline, so each file keeps its own
  * copy and the library exports none of them.
@@ -19,6 +20,18 @@
 #define ISA_PORTABLE 0
 #define ISA_AVX2 1 /* AVX2 + FMA + F16C: what tserve_quant_isa() reports */
 #define MIN_SHARED_WORK 4096 /* blocks of 32 weights x rows below which one thread does it all */
+#define TILE_ROWS 4          /* rows of x against one pass over a few hundred bytes of W */
+#define CHUNK_ROWS 64        /* rows of x kept hot per pass over W */
+
+/* CALL(R) for a tile of `rows` rows (1..TILE_ROWS), R a constant in each branch, so
+ * that each instance's inner loops are specialised for it. */
+#define BY_TILE_ROWS(rows, CALL)                                                              \
+    switch (rows) {                                                                           \
+    case 4: CALL(4); break;                                                                   \
+    case 3: CALL(3); break;                                                                   \
+    case 2: CALL(2); break;                                                                   \
+    default: CALL(1); break;                                                                  \
+    }
 
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;

@@ -38,8 +38,6 @@
 #define Q8_0 8
 #define BF16 30
 #define BLOCK 32
-#define TILE_ROWS 4
-#define CHUNK_ROWS 64 /* rows of x kept hot per pass over W */
 #define PANEL 8       /* rows of W per panel of the packed layout */
 
 int tserve_quant_isa(void) {
@@ -402,21 +400,17 @@ AVX2 INLINE void tile_floats_avx2(int fmt, const uint8_t *wrow, int64_t k, int r
     }
 }
 
-#define AVX2_TILE(FMT, R)                                                                     \
-    ((FMT) == F16 || (FMT) == BF16 ? tile_floats_avx2(FMT, wrow, k, R, x, y, y_stride)        \
-                                   : tile_blocks_f32_avx2(FMT, wrow, k, R, x, y, y_stride))
+#define AVX2_TILE(R)                                                                          \
+    (FORMAT == F16 || FORMAT == BF16 ? tile_floats_avx2(FORMAT, wrow, k, R, x, y, y_stride)   \
+                                     : tile_blocks_f32_avx2(FORMAT, wrow, k, R, x, y, y_stride))
 
 /* The format and the tile's row count as constants in each instance, so each inner loop is
  * specialised. */
 #define AVX2_ROW(FMT)                                                                         \
     AVX2 static void row_avx2_##FMT(const uint8_t *wrow, int64_t k, int rows, const float *x, \
                                     float *y, int64_t y_stride) {                             \
-        switch (rows) {                                                                       \
-        case 4: AVX2_TILE(FMT, 4); break;                                                     \
-        case 3: AVX2_TILE(FMT, 3); break;                                                     \
-        case 2: AVX2_TILE(FMT, 2); break;                                                     \
-        default: AVX2_TILE(FMT, 1); break;                                                    \
-        }                                                                                     \
+        enum { FORMAT = FMT };                                                                \
+        BY_TILE_ROWS(rows, AVX2_TILE)                                                         \
     }
 
 AVX2_ROW(Q4_0)
@@ -511,57 +505,51 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const 
     for (int r = 0; r < rows; r++) store_panel(acc[r], natural, y + r * y_stride, cols);
 }
 
-#define AVX2_PANEL_TILE(FMT, R)                                                               \
-    ((FMT) == Q8_0 ? panel_q8_avx2(panel, k, R, x, xd, y, y_stride, cols)                     \
-                   : panel_q4_avx2(FMT, panel, k, R, x, xd, xs, y, y_stride, cols))
+#define AVX2_PANEL_TILE(R)                                                                    \
+    (FORMAT == Q8_0 ? panel_q8_avx2(panel, k, R, x, xd, y, y_stride, cols)                    \
+                    : panel_q4_avx2(FORMAT, panel, k, R, x, xd, xs, y, y_stride, cols))
 
 #define AVX2_PANEL(FMT)                                                                       \
     AVX2 static void panel_avx2_##FMT(const uint8_t *panel, int64_t k, int rows,              \
                                       const int8_t *x, const float *xd, const float *xs,      \
                                       float *y, int64_t y_stride, int cols) {                 \
+        enum { FORMAT = FMT };                                                                \
         (void)xs;                                                                             \
-        switch (rows) {                                                                       \
-        case 4: AVX2_PANEL_TILE(FMT, 4); break;                                               \
-        case 3: AVX2_PANEL_TILE(FMT, 3); break;                                               \
-        case 2: AVX2_PANEL_TILE(FMT, 2); break;                                               \
-        default: AVX2_PANEL_TILE(FMT, 1); break;                                              \
-        }                                                                                     \
+        BY_TILE_ROWS(rows, AVX2_PANEL_TILE)                                                   \
     }
 
 AVX2_PANEL(Q4_0)
 AVX2_PANEL(Q4_1)
 AVX2_PANEL(Q8_0)
 
+#endif
+
+/* The AVX2 kernel of `fmt` (NULL: none; always, off x86-64). */
 static row_fn avx2_row(int fmt) {
+#if defined(__x86_64__)
     switch (fmt) {
     case Q4_0: return row_avx2_Q4_0;
     case Q4_1: return row_avx2_Q4_1;
     case Q8_0: return row_avx2_Q8_0;
     case F16: return row_avx2_F16;
     case BF16: return row_avx2_BF16;
-    default: return 0;
     }
+#endif
+    (void)fmt;
+    return 0;
 }
 
 static panel_fn avx2_panel(int fmt) {
+#if defined(__x86_64__)
     switch (fmt) {
     case Q4_0: return panel_avx2_Q4_0;
     case Q4_1: return panel_avx2_Q4_1;
     case Q8_0: return panel_avx2_Q8_0;
-    default: return 0;
     }
-}
-#else
-static row_fn avx2_row(int fmt) {
-    (void)fmt;
-    return 0;
-}
-
-static panel_fn avx2_panel(int fmt) {
-    (void)fmt;
-    return 0;
-}
 #endif
+    (void)fmt;
+    return 0;
+}
 
 /* ------------------------------------------------------------------ entry points */
 

@@ -419,6 +419,18 @@ AVX2_ROW(Q8_0)
 AVX2_ROW(F16)
 AVX2_ROW(BF16)
 
+/* The panels lie one after another, so a product reads W as one stream. On a
+ * shared core the hardware prefetcher alone keeps too few lines in flight:
+ * asking for the block PREFETCH_BYTES ahead into L1 reads SmolLM2's decode
+ * weights 1.3 times as fast (2048 measured best of 512..8192). Past the end of
+ * W a prefetch is only a hint: it cannot fault. */
+#define PREFETCH_BYTES 2048
+
+AVX2 INLINE void prefetch_ahead(const uint8_t *block, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64)
+        _mm_prefetch((const char *)block + PREFETCH_BYTES + line, _MM_HINT_T0);
+}
+
 /* A panel's sums as the scales' slots want them: lanes in slot order. */
 AVX2 INLINE void store_panel(__m256 sums, const int *slot, float *y, int cols) {
     float lanes[PANEL];
@@ -440,6 +452,7 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int row
     for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
+        prefetch_ahead(src, pb);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
         __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
                                 : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
@@ -482,6 +495,7 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const 
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
+        prefetch_ahead(src, pb);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
         for (int r = 0; r < rows; r++) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + b * BLOCK));

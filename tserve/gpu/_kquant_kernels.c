@@ -271,6 +271,7 @@ AVX2 INLINE void tile_avx2(int fmt, const uint8_t *wrow, int64_t k, int rows, co
         acc[r][0] = acc[r][1] = offset[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wrow + b * unit;
+        prefetch_ahead(blk, unit);
         float scale[2 * GROUPS], min[GROUPS]; /* Q6_K: 16 scales, one per 16 weights */
         if (fmt != Q6_K) {
             scale_min_avx2(blk, scale, min);
@@ -325,6 +326,7 @@ AVX2 INLINE void tile_int8_avx2(int fmt, const uint8_t *wrow, int64_t k, int row
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wrow + b * unit;
+        prefetch_ahead(blk, unit);
         float scale[GROUPS], min[GROUPS], d = 0.0f;
         if (fmt != Q6_K)
             scale_min_avx2(blk, scale, min);

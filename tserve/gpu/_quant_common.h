@@ -2,7 +2,8 @@
  * the instruction-set codes, the bound below which a product runs on one
  * thread, the tile and chunk of x rows, the switch that makes a tile's row
  * count a constant, fp16 bits to float, an unaligned u16 load, and (on
- * x86-64) the AVX2 function attributes and a horizontal sum.
+ * x86-64) the AVX2 function attributes, a prefetch of the weights ahead and
+ * a horizontal sum.
  *
  * Header-only: every function is static inline, so each file keeps its own
  * copy and the library exports none of them.
@@ -65,6 +66,20 @@ static inline int threads_for(int64_t work) {
 #if defined(__x86_64__)
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
+
+/* A product reads W as one stream (the panels, or the rows, lie one after
+ * another). On a shared core the hardware prefetcher alone keeps too few lines
+ * in flight: asking for the block PREFETCH_BYTES ahead into L1 reads
+ * SmolLM2's Q4_1 decode weights 1.3 times as fast (2048 measured best of
+ * 512..8192), 76 MB of Q4_K rows 1.9 times (int8 activations; 1.8 fp32) and
+ * of Q6_K 1.4 times. Past the end of W a prefetch is only a hint: it cannot
+ * fault. */
+#define PREFETCH_BYTES 2048
+
+AVX2 INLINE void prefetch_ahead(const uint8_t *block, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64)
+        _mm_prefetch((const char *)block + PREFETCH_BYTES + line, _MM_HINT_T0);
+}
 
 AVX2 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -419,18 +419,6 @@ AVX2_ROW(Q8_0)
 AVX2_ROW(F16)
 AVX2_ROW(BF16)
 
-/* The panels lie one after another, so a product reads W as one stream. On a
- * shared core the hardware prefetcher alone keeps too few lines in flight:
- * asking for the block PREFETCH_BYTES ahead into L1 reads SmolLM2's decode
- * weights 1.3 times as fast (2048 measured best of 512..8192). Past the end of
- * W a prefetch is only a hint: it cannot fault. */
-#define PREFETCH_BYTES 2048
-
-AVX2 INLINE void prefetch_ahead(const uint8_t *block, int64_t bytes) {
-    for (int64_t line = 0; line < bytes; line += 64)
-        _mm_prefetch((const char *)block + PREFETCH_BYTES + line, _MM_HINT_T0);
-}
-
 /* A panel's sums as the scales' slots want them: lanes in slot order. */
 AVX2 INLINE void store_panel(__m256 sums, const int *slot, float *y, int cols) {
     float lanes[PANEL];

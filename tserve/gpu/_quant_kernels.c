@@ -359,6 +359,7 @@ AVX2 INLINE void tile_blocks_f32_avx2(int fmt, const uint8_t *wrow, int64_t k, i
         for (int a = 0; a < ACC; a++) acc[r][a] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256 w[4];
+        prefetch_ahead(wrow + b * unit, unit);
         block_floats_avx2(fmt, wrow + b * unit, w);
         for (int r = 0; r < rows; r++) {
             const float *xb = x + r * k + b * BLOCK;
@@ -386,6 +387,7 @@ AVX2 INLINE void tile_floats_avx2(int fmt, const uint8_t *wrow, int64_t k, int r
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= k; j += 8) {
+        if (j % 32 == 0) prefetch_ahead(wrow + 2 * j, 64); /* a line per 32 weights */
         __m256 w = widen_avx2(fmt, wrow + 2 * j);
         for (int r = 0; r < rows; r++)
             acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * k + j), acc[r]);

@@ -35,7 +35,7 @@ async def test_a_million_deltas_each_way_arrive_in_order(
     try:
         async with await anyio.open_process(argv, cwd=REPO_ROOT, env=env, stdout=None) as peer:
             try:
-                await exchange(socket, STRESS_DELTAS, seed=round_)
+                await exchange(socket, STRESS_DELTAS, seed=round_, closes_first=False)
                 with anyio.fail_after(60):
                     code = await peer.wait()
             finally:

@@ -35,6 +35,8 @@ Modules:
 * ``_llama.py`` — :class:`PagedLlama`, tserve's own forward pass for
   Llama-family models (Llama, Mistral, Qwen2): fused products over the loaded
   weights, the head on sampled rows only; its glue as :class:`StepOps`.
+* ``_decoder.py`` — every layer of a quantized model's short step in one C
+  call (``_decoder_kernels.c``), for the model runner to hand ``_llama.py``.
 * ``_gguf.py`` — a GGUF file as a :class:`PagedLlama` over its tensors in their
   own formats; its tokenizer.
 * ``_quant.py`` — linear layers and embeddings over quantized (Q8_0, Q4_0,

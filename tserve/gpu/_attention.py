@@ -215,11 +215,26 @@ def _token_tables(
     chunks: Sequence[ScheduledChunk], offsets: list[int], block_size: int
 ) -> TokenTables:
     """Chunk ``i``'s sequence's blocks as row ``i``; each token's row."""
-    counts = [-(-(c.start + len(c.token_ids)) // block_size) for c in chunks]
-    width = max(counts)
-    rows = [c.seq.block_table[:n] + [0] * (width - n) for c, n in zip(chunks, counts, strict=True)]
+    kv_lens = [c.start + len(c.token_ids) for c in chunks]
+    tables = _block_tables(range(len(chunks)), chunks, kv_lens, block_size)
     owner = [i for i in range(len(chunks)) for _ in range(offsets[i + 1] - offsets[i])]
-    return TokenTables(torch.tensor(rows, dtype=torch.long), torch.tensor(owner, dtype=torch.long))
+    return TokenTables(tables, torch.tensor(owner, dtype=torch.long))
+
+
+def _block_tables(
+    members: Sequence[int],
+    chunks: Sequence[ScheduledChunk],
+    kv_lens: list[int],
+    block_size: int,
+) -> torch.Tensor:
+    """``[B, ceil(max(kv_lens) / block_size)]`` long: each member's sequence's blocks
+    that hold its ``kv_lens`` keys, padding -> block 0."""
+    width = -(-max(kv_lens) // block_size)
+    rows = []
+    for i, kv_len in zip(members, kv_lens, strict=True):
+        n = -(-kv_len // block_size)
+        rows.append(chunks[i].seq.block_table[:n] + [0] * (width - n))
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _group(
@@ -296,12 +311,7 @@ def _kv_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``([B, blocks] block tables, [B * Kmax] pool slot of each key position)``;
     padding -> block 0, slot 0."""
-    width = -(-kv_max // block_size)
-    rows = []
-    for i, kv_len in zip(members, kv_lens, strict=True):
-        n = -(-kv_len // block_size)
-        rows.append(chunks[i].seq.block_table[:n] + [0] * (width - n))
-    tables = torch.tensor(rows, dtype=torch.long)  # [B, blocks]
+    tables = _block_tables(members, chunks, kv_lens, block_size)  # [B, blocks]
     slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :kv_max]
     if any(kv_len != kv_max for kv_len in kv_lens):
         k_valid = torch.arange(kv_max)[None, :] < torch.tensor(kv_lens)[:, None]

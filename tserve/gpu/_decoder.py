@@ -4,8 +4,10 @@ On CPU a decode step of the default model (SmolLM2 135M, Q4_1) is 30 layers
 of about nine kernel calls each; their Python side (module calls, tensor
 allocations, ctypes argument conversion, attention grouping) cost about a
 fifth of the step on one core beside the products themselves. ``_decoder_kernels.c``
-runs the same kernels in the same order over one scratch allocation, so a
-decode step gives bit for bit the logits of the forward pass on
+runs the same kernels in the same order, the step's intermediates in one
+scratch allocation and each product through the very C entry point
+:class:`~tserve.gpu._quant.QuantKernels` calls, so a decode step gives bit
+for bit the logits of the forward pass on
 :class:`~tserve.gpu._cpu_kernels.CpuKernels`; the embedding before it and
 the output head after it stay on the forward pass.
 

@@ -56,35 +56,13 @@ typedef struct {
     int32_t kv_type, isa;
 } tserve_decoder;
 
-#define GROUP 32 /* the K-quant kernels' activation blocks */
-
 /* y = x W^T for `m` rows. Returns 0, or -1 when scratch cannot be had. */
 static int product(const tserve_product *w, int isa, const float *x, int64_t m, float *y) {
-    int64_t groups = w->k / GROUP;
     switch (w->route) {
-    case ROUTE_PACKED_INT8:
-        return tserve_qlinear_int8(isa, w->fmt, w->data, w->n, w->k, x, m, y);
-    case ROUTE_FP32:
-        tserve_qlinear(isa, w->fmt, w->data, w->n, w->k, x, m, y);
-        return 0;
-    case ROUTE_K_INT8: {
-        float *scales = malloc((size_t)(2 * m * groups) * sizeof(float) + (size_t)(m * w->k));
-        if (!scales) return -1;
-        int8_t *xq = (int8_t *)(scales + 2 * m * groups);
-        tserve_quantize_q8(isa, x, m, w->k, xq, scales, scales + m * groups);
-        tserve_kqlinear_int8_shared(isa, w->fmt, w->data, w->n, w->k, xq, scales,
-                                    scales + m * groups, m, y);
-        free(scales);
-        return 0;
-    }
-    default: {
-        float *sums = malloc((size_t)(m * groups) * sizeof(float));
-        if (!sums) return -1;
-        tserve_kgroup_sums(x, m, w->k, sums);
-        tserve_kqlinear_shared(isa, w->fmt, w->data, w->n, w->k, x, sums, m, y);
-        free(sums);
-        return 0;
-    }
+    case ROUTE_PACKED_INT8: return tserve_qlinear_int8(isa, w->fmt, w->data, w->n, w->k, x, m, y);
+    case ROUTE_FP32: tserve_qlinear(isa, w->fmt, w->data, w->n, w->k, x, m, y); return 0;
+    case ROUTE_K_INT8: return tserve_klinear_int8(isa, w->fmt, w->data, w->n, w->k, x, m, y);
+    default: return tserve_klinear(isa, w->fmt, w->data, w->n, w->k, x, m, y);
     }
 }
 

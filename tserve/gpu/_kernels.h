@@ -1,6 +1,7 @@
 /* The entry points of tserve's kernel library that another of its C files calls:
- * _cpu_kernels.c's fused steps and _quant_kernels.c's products, called by
- * _decoder_kernels.c. Included by the files that define them, so the compiler
+ * _cpu_kernels.c's fused steps and the products of _quant_kernels.c and
+ * _kquant_kernels.c, called by _decoder_kernels.c (and tserve_quantize_q8, by
+ * _kquant_kernels.c). Included by the files that define them, so the compiler
  * checks each definition against its declaration here.
  */
 #ifndef TSERVE_KERNELS_H
@@ -30,13 +31,11 @@ void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, co
                     int64_t m, float *y);
 int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,
                         const float *x, int64_t m, float *y);
-void tserve_kqlinear_shared(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
-                            const float *x, const float *xsum, int64_t m, float *y);
-void tserve_kqlinear_int8_shared(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
-                                 const int8_t *x, const float *xd, const float *xs, int64_t m,
-                                 float *y);
 
 /* _kquant_kernels.c */
-void tserve_kgroup_sums(const float *x, int64_t m, int64_t k, float *xsum);
+int tserve_klinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
+                   int64_t m, float *y);
+int tserve_klinear_int8(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
+                        const float *x, int64_t m, float *y);
 
 #endif /* TSERVE_KERNELS_H */

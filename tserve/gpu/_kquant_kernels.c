@@ -19,32 +19,34 @@
  * Activations are fp32 against weights dequantized in registers: each group
  * of 32 quants is widened to fp32 once per tile of x rows, and a group's
  * products come to scale * sum(q * x) - min * sum(x) (the sums of x per group
- * computed once per call), so the products are fp32 ones, equal to
+ * computed once per call into scratch of its own), so the products are fp32 ones, equal to
  * dequantize-then-matmul up to rounding and summation order.
  *
- * With int8 activations instead (tserve_kqlinear_int8), x comes quantized to
- * 8 bits per block of 32 as tserve_quantize_q8 (_quant_kernels.c) writes it:
- * q int8, its scale d and s = d * sum(q) per block. A group's products are then
+ * With int8 activations instead (tserve_klinear_int8), x is quantized first,
+ * into scratch of its own, to 8 bits per block of 32 by tserve_quantize_q8
+ * (_quant_kernels.c): q int8, its scale d and s = d * sum(q) per block. A group's products are then
  * integer dot products of its quants with q (exact), scaled by the group's
  * scale times d, less the group's min times s (Q4_K, Q5_K); Q6_K's signed
  * quants and two scales per group enter the integer sum directly.
  *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one; the
  * caller picks by `isa` (tserve_quant_isa() in _quant_kernels.c says what
- * this CPU runs; the codes are the same). A product computes the columns
- * [n0, n1) it is given on the calling thread (tserve_kqlinear_shared and
- * _int8_shared in _quant_kernels.c split the columns among torch's OpenMP
- * threads); a dequantization splits its rows itself unless it is small.
+ * this CPU runs; the codes are the same). A product splits W's rows (its
+ * output columns) among torch's OpenMP threads, a dequantization its output
+ * rows, unless it is small; the pre-pass over x runs on the caller.
  * Format codes are GGML's type ids.
  */
 #include "_kernels.h"
 #include "_quant_common.h"
+
+#include <stdlib.h>
 
 #define Q4_K 12
 #define Q5_K 13
 #define Q6_K 14
 #define QK 256 /* weights per super-block */
 #define GROUPS 8 /* groups of 32 per super-block */
+#define SCRATCH_ALIGN 64 /* bytes */
 
 static int64_t super_bytes(int fmt) {
     switch (fmt) {
@@ -426,16 +428,7 @@ static row_int8_fn avx2_row_int8(int fmt) {
 
 /* ------------------------------------------------------------------ entry */
 
-/* xsum[M, k / 32] = the sums of each group of 32 of x [M, k]. */
-void tserve_kgroup_sums(const float *x, int64_t m, int64_t k, float *xsum) {
-    for (int64_t i = 0; i < m * (k / 32); i++) {
-        float total = 0.0f;
-        for (int j = 0; j < 32; j++) total += x[32 * i + j];
-        xsum[i] = total;
-    }
-}
-
-/* Whether tserve_kqlinear and tserve_kdequantize run `fmt`. */
+/* Whether tserve_klinear, tserve_klinear_int8 and tserve_kdequantize run `fmt`. */
 int tserve_kquant_format_supported(int fmt) { return super_bytes(fmt) != 0; }
 
 /* Rows `rows` (or 0..n_rows-1 when NULL) of W [*, k] (k a multiple of 256) as fp32
@@ -500,20 +493,54 @@ static void product(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, i
     }
 }
 
-/* y[M, N] (row stride n) columns [n0, n1) = x W^T for x fp32 [M, k], W [N, k] in `fmt`.
- * `xsum` [M, k / 32]: each group of 32 of x summed (tserve_kgroup_sums), read by the
- * AVX2 kernels only (NULL is fine for the portable ones). */
-void tserve_kqlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
-                     int64_t k, const float *x, const float *xsum, int64_t m, float *y) {
-    activations a = {.x = x, .xsum = xsum};
-    product(isa, fmt, w, n, n0, n1, k, &a, m, y);
+/* y[M, N] = x W^T with the columns split among the threads as tserve_qlinear's are. */
+static void shared_product(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
+                           const activations *a, int64_t m, float *y) {
+    int threads = threads_for(n * (k / 32) * m);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        product(isa, fmt, w, n, n * t / count, n * (t + 1) / count, k, a, m, y);
+    }
 }
 
-/* y[M, N] (row stride n) columns [n0, n1) = x W^T for W [N, k] in `fmt` and x int8
- * [M, k] with xd, xs [M, k / 32] from tserve_quantize_q8. */
-void tserve_kqlinear_int8(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
-                          int64_t k, const int8_t *x, const float *xd, const float *xs,
-                          int64_t m, float *y) {
-    activations a = {.xq = x, .xd = xd, .xs = xs};
-    product(isa, fmt, w, n, n0, n1, k, &a, m, y);
+/* Scratch of `bytes` bytes on a cache line, as torch's tensors are (NULL: none to be had). */
+static void *scratch(int64_t bytes) {
+    return aligned_alloc(SCRATCH_ALIGN, (size_t)((bytes + SCRATCH_ALIGN - 1) / SCRATCH_ALIGN *
+                                                 SCRATCH_ALIGN));
+}
+
+/* y[M, N] = x W^T for fp32 x [M, k] (M >= 1) and W [N, k] in `fmt` (the file's layout):
+ * x's sums per group of 32 into a scratch block, then the product. Returns 0, or -1
+ * when the scratch cannot be allocated (y untouched). */
+int tserve_klinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
+                   int64_t m, float *y) {
+    int64_t groups = m * (k / 32);
+    float *xsum = scratch(groups * (int64_t)sizeof(float));
+    if (!xsum) return -1;
+    for (int64_t i = 0; i < groups; i++) {
+        float total = 0.0f;
+        for (int j = 0; j < 32; j++) total += x[32 * i + j];
+        xsum[i] = total;
+    }
+    activations a = {.x = x, .xsum = xsum};
+    shared_product(isa, fmt, w, n, k, &a, m, y);
+    free(xsum);
+    return 0;
+}
+
+/* y[M, N] = x W^T for W [N, k] in `fmt` (the file's layout) and fp32 x [M, k] (M >= 1),
+ * quantized per block of 32 (tserve_quantize_q8) into a scratch copy. Returns 0, or -1
+ * when the scratch cannot be allocated (y untouched). */
+int tserve_klinear_int8(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
+                        const float *x, int64_t m, float *y) {
+    int64_t groups = m * (k / 32);
+    int8_t *xq = scratch(m * k + 2 * groups * (int64_t)sizeof(float));
+    if (!xq) return -1;
+    float *xd = (float *)(xq + m * k), *xs = xd + groups; /* m * k: a multiple of 256 */
+    tserve_quantize_q8(isa, x, m, k, xq, xd, xs);
+    activations a = {.xq = xq, .xd = xd, .xs = xs};
+    shared_product(isa, fmt, w, n, k, &a, m, y);
+    free(xq);
+    return 0;
 }

@@ -34,7 +34,9 @@ number of rows (decode rows and prefill chunks alike).
 
 K-quants (``_kquant_kernels.c``) have both paths, their int8 one on the
 file's layout (the activations quantized as above). ``F16``/``BF16``
-weights run ``fp32`` either way. ``F32`` weights are no
+weights run ``fp32`` either way. Each product is one C call, here and in
+the fused decoder (``_decoder.py``) alike; one that quantizes or sums its
+activations first does so into scratch of its own. ``F32`` weights are no
 business of this module: they load as plain fp32 linear layers.
 
 **Instructions.** AVX2 + FMA + F16C where the CPU has them (chosen at run
@@ -122,7 +124,6 @@ FORMATS: Final = {f.name: f.code for f in _FORMAT_TABLE.values()}
 BLOCK_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block == 32)
 K_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block == 256)
 """Super-blocks of 256 weights (``_kquant_kernels.c``)."""
-_GROUP: Final = 32  # the K-quant kernels take x summed per group of this many values
 _ISA_NAMES: Final = ("portable C", "AVX2 + FMA + F16C")
 
 Isa = Literal[0, 1]
@@ -193,15 +194,10 @@ class QuantKernels:
         self._linear_int8.restype = c_int
         self._dequantize = _declare(library.tserve_dequantize, c_int, ptr, i64, ptr, i64, ptr)
         self._unpack = _declare(library.tserve_unpack, c_int, ptr, i64, ptr, i64, ptr)
-        self._klinear = _declare(
-            library.tserve_kqlinear_shared, c_int, c_int, ptr, i64, i64, ptr, ptr, i64, ptr
-        )
-        self._kgroup_sums = _declare(library.tserve_kgroup_sums, ptr, i64, i64, ptr)
-        self._quantize = _declare(library.tserve_quantize_q8, c_int, ptr, i64, i64, ptr, ptr, ptr)
-        self._klinear_int8 = _declare(
-            library.tserve_kqlinear_int8_shared,
-            c_int, c_int, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
-        )  # fmt: skip
+        # as _linear_int8: 0, or -1 when there is no memory for the activations' scratch
+        self._klinear, self._klinear_int8 = library.tserve_klinear, library.tserve_klinear_int8
+        for product in (self._klinear, self._klinear_int8):
+            product.argtypes, product.restype = self._linear_int8.argtypes, c_int
         self._kdequantize = _declare(
             library.tserve_kdequantize, c_int, c_int, ptr, i64, ptr, i64, ptr
         )
@@ -230,37 +226,13 @@ class QuantKernels:
         m = rows.shape[0]
         out = torch.empty(m, n)
         chosen = self.best_isa if isa is None else isa
+        where = (weight.fmt, weight.data.data_ptr(), n, k, rows.data_ptr(), m, out.data_ptr())
         if m and weight.fmt in K_FORMATS:
-            self._k_product(rows, weight, out, int8=int8, isa=chosen)
+            if (self._klinear_int8 if int8 else self._klinear)(chosen, *where):
+                raise MemoryError(f"no memory for {m} x {k} activations' scratch")
         elif m:
-            self._linear(
-                chosen, weight.fmt, weight.data.data_ptr(), n, k, rows.data_ptr(), m,
-                out.data_ptr(),
-            )  # fmt: skip
+            self._linear(chosen, *where)
         return out if flat else out.view(*x.shape[:-1], n)
-
-    def _k_product(
-        self,
-        rows: torch.Tensor,
-        weight: QuantizedWeight,
-        out: torch.Tensor,
-        *,
-        int8: bool,
-        isa: int,
-    ) -> None:
-        """``out [m, n] = rows [m, k] @ W.T`` for a K-quant ``weight`` (``_kquant_kernels.c``)."""
-        m, k = rows.shape
-        n = weight.out_features
-        head = (isa, weight.fmt, weight.data.data_ptr(), n, k)
-        per_block = torch.empty(m, k // _GROUP)  # int8: the scales; fp32: the sums of x
-        if int8:
-            xq, sums = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // _GROUP)
-            quantized = (xq.data_ptr(), per_block.data_ptr(), sums.data_ptr())
-            self._quantize(isa, rows.data_ptr(), m, k, *quantized)
-            self._klinear_int8(*head, *quantized, m, out.data_ptr())
-        else:
-            self._kgroup_sums(rows.data_ptr(), m, k, per_block.data_ptr())
-            self._klinear(*head, rows.data_ptr(), per_block.data_ptr(), m, out.data_ptr())
 
     def pack(self, weight: QuantizedWeight) -> PackedWeight:
         """``weight`` in :meth:`linear_int8`'s layout (a copy); only for a format

@@ -630,35 +630,3 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     free(scales);
     return 0;
 }
-
-/* ------------------------------------------------------------------ K-quants, shared */
-
-void tserve_kqlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
-                     int64_t k, const float *x, const float *xsum, int64_t m, float *y);
-void tserve_kqlinear_int8(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
-                          int64_t k, const int8_t *x, const float *xd, const float *xs,
-                          int64_t m, float *y);
-
-/* _kquant_kernels.c's products (each computes the columns [n0, n1) it is given), their
- * output columns split among the threads as above's are. */
-void tserve_kqlinear_shared(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
-                            const float *x, const float *xsum, int64_t m, float *y) {
-    int threads = threads_for(n * (k / BLOCK) * m);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        tserve_kqlinear(isa, fmt, w, n, n * t / count, n * (t + 1) / count, k, x, xsum, m, y);
-    }
-}
-
-void tserve_kqlinear_int8_shared(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
-                                 const int8_t *x, const float *xd, const float *xs, int64_t m,
-                                 float *y) {
-    int threads = threads_for(n * (k / BLOCK) * m);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        int64_t n0 = n * t / count, n1 = n * (t + 1) / count;
-        tserve_kqlinear_int8(isa, fmt, w, n, n0, n1, k, x, xd, xs, m, y);
-    }
-}

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
+import numpy as np
 
 from benchmarks._results import result_stem, write_json
 from tserve.gpu._engine import EngineCore
@@ -98,7 +98,8 @@ def _micro(core: EngineCore, repeats: int) -> dict[str, float]:
     """The mask fill alone, and the sampler with and without the masks, on the
     running rows and fixed random logits: CPU ms per call (all threads)."""
     seqs = core.scheduler.running
-    logits = torch.randn(len(seqs), core.vocab_size, generator=torch.Generator().manual_seed(0))
+    shape = (len(seqs), core.vocab_size)
+    logits = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     masks, _ = core.constraints.masks(seqs)
     out: dict[str, float] = {}
     calls: dict[str, Callable[[], object]] = {

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
-import torch
 
 from tests.gpu.cores import small_core
 from tests.gpu.test_engine_core import PEER, _drive, _Run
@@ -282,7 +282,7 @@ def test_abort_while_the_grammar_compiles(core: EngineCore) -> None:
 
 def test_padding_rows_past_the_vocabulary_are_never_allowed() -> None:
     """Logits wider than the tokenizer (padding rows): the extra columns are False."""
-    bitmask = torch.tensor([[-1, 0b101]], dtype=torch.int32)  # tokens 0-31, 32 and 34
+    bitmask = np.array([[-1, 0b101]], dtype=np.int32)  # tokens 0-31, 32 and 34
     allowed = _unpack(bitmask, 70)
     assert allowed.shape == (1, 70)
     assert allowed[0, :32].all() and allowed[0, 32] and not allowed[0, 33] and allowed[0, 34]

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 
@@ -19,8 +25,14 @@ def _seq(request_id: str, **params: object) -> Sequence:
     return Sequence(request_id, [1, 2, 3], SamplingParams(**params))  # type: ignore[arg-type]
 
 
-def _logits(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+def _logits(n: int, seed: int = 0) -> npt.NDArray[np.float32]:
+    return np.random.default_rng(seed).standard_normal((n, VOCAB), dtype=np.float32) * 3
+
+
+def _log_softmax(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]
 
 
 def _tokens(results: list[SampleResult]) -> list[int | None]:
@@ -61,7 +73,7 @@ def _run_alone_and_batched(params: dict[str, object], steps: int = 30) -> None:
         neighbours = [_seq(f"n{step}-{j}", seed=step * 10 + j, **params) for j in range(step % 5)]
         neighbours += [_seq(f"u{step}", temperature=0.7)]  # unseeded, draws from the shared rng
         batch = [*neighbours[: step % 3], target, *neighbours[step % 3 :]]
-        rows = torch.cat([_logits(len(batch), seed=100 + step)])
+        rows = _logits(len(batch), seed=100 + step)
         rows[batch.index(target)] = logits[step]
         got_batched.append(batched.sample(rows, batch)[batch.index(target)].token_id)
     assert got_alone == got_batched
@@ -77,7 +89,7 @@ def test_seeded_sampling_is_independent_of_the_batch(params: dict[str, object]) 
 
 
 def test_different_seeds_differ_and_release_restarts_the_stream() -> None:
-    logits = _logits(1, seed=3).expand(20, VOCAB)
+    logits = _logits(1, seed=3)
     sampler = Sampler()
 
     def stream(request_id: str, seed: int) -> list[int | None]:
@@ -92,7 +104,7 @@ def test_different_seeds_differ_and_release_restarts_the_stream() -> None:
 
 
 def test_sampling_follows_the_filtered_distribution() -> None:
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], dtype=np.float32))
     sampler = Sampler()
 
     def counts(**params: object) -> collections.Counter[int | None]:
@@ -112,7 +124,7 @@ def test_sampling_follows_the_filtered_distribution() -> None:
 
 
 def test_penalties_lower_the_logits_of_output_tokens() -> None:
-    logits = torch.zeros(1, VOCAB)
+    logits = np.zeros((1, VOCAB), dtype=np.float32)
     logits[0, 3] = 1.0
     logits[0, 4] = 0.5
     seq = _seq("p", temperature=0, frequency_penalty=0.3)
@@ -138,7 +150,7 @@ def test_logprobs_are_raw_and_ranked() -> None:
     ]
     seqs[2].output_token_ids = [int(logits[2].argmax())]
     results = Sampler().sample(logits, seqs)
-    raw = torch.log_softmax(logits, dim=-1)
+    raw = _log_softmax(logits)
     assert results[0].logprob is None
     for row, result in ((1, results[1]), (2, results[2])):
         lp = result.logprob
@@ -146,8 +158,9 @@ def test_logprobs_are_raw_and_ranked() -> None:
         assert math.isclose(lp.logprob, float(raw[row, lp.token_id]), abs_tol=1e-6)
     assert results[1].logprob is not None and results[1].logprob.top == []
     top = results[2].logprob.top if results[2].logprob else []
-    assert [t for t, _ in top] == raw[2].topk(5).indices.tolist()
-    assert [v for _, v in top] == pytest.approx(raw[2].topk(5).values.tolist(), abs=1e-6)
+    best = np.argsort(raw[2])[::-1][:5]
+    assert [t for t, _ in top] == best.tolist()
+    assert [v for _, v in top] == pytest.approx(raw[2][best].tolist(), abs=1e-6)
 
 
 def test_fault_injection_fails_only_matching_requests(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,14 +213,15 @@ def test_bad_rows_and_params_fail_alone() -> None:
 )
 def test_candidates_match_a_full_sort(top_p: float, top_k: int) -> None:
     """Narrow top-w selections give exactly the kept set a full sort gives."""
-    flat = torch.randn(4, 20000, generator=torch.Generator().manual_seed(8)) * 0.5
+    flat = np.random.default_rng(8).standard_normal((4, 20000), dtype=np.float32) * 0.5
     params = [Sampling(temperature=1.0, top_p=top_p, top_k=top_k)] * 4
-    for row, (ids, cdf) in zip(flat, _candidates(flat, params), strict=True):
-        probs = torch.softmax(row, dim=-1)
-        values, order = probs.sort(descending=True)
-        before = torch.cumsum(values, 0) - values
-        n = int(((before < top_p) & (torch.arange(len(values)) < (top_k or len(values)))).sum())
-        kept = torch.nonzero(torch.diff(cdf, prepend=cdf.new_zeros(1)) > 0).squeeze(1)
+    for row, (ids, cdf) in zip(flat, _candidates(list(flat), params), strict=True):
+        probs = np.exp(row.astype(np.float64) - row.max())
+        probs /= probs.sum()
+        order = np.argsort(probs)[::-1]
+        before = np.cumsum(probs[order]) - probs[order]
+        n = int(((before < top_p) & (np.arange(len(probs)) < (top_k or len(probs)))).sum())
+        kept = np.flatnonzero(np.diff(cdf, prepend=0) > 0)
         assert ids is not None and len(kept) == n
         assert set(ids[kept].tolist()) == set(order[:n].tolist())
 
@@ -229,7 +243,9 @@ def test_logit_bias_plus_100_forces_and_minus_100_bans() -> None:
         got = _tokens(sampler.sample(logits, seqs))
         assert got[:2] == [11, 12]
         assert got[2] != best[2]
-        assert got[2] == logits[2].clone().index_fill_(0, torch.tensor([best[2]]), -1e9).argmax()
+        banned = logits[2].copy()
+        banned[best[2]] = -1e9
+        assert got[2] == banned.argmax()
         assert got[3] == best[3]
 
 
@@ -247,13 +263,13 @@ def test_biased_rows_leave_their_neighbours_and_logprobs_alone() -> None:
     assert after[1].token_id == 6  # a repeated id's biases add up: 5 ends at +0
     assert [after[0], after[2]] == [before[0], before[2]]
     assert after[1].logprob is not None and before[1].logprob is not None
-    raw = torch.log_softmax(logits[1], -1)
+    raw = _log_softmax(logits)[1]
     assert after[1].logprob.logprob == pytest.approx(float(raw[6]))
 
 
 def test_a_mask_limits_a_row_to_its_allowed_tokens() -> None:
     logits = _logits(3, seed=9)
-    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed = np.zeros(VOCAB, dtype=np.bool_)
     allowed[[4, 9, 30]] = True
     seqs = [
         _seq("m-greedy", temperature=0),
@@ -272,7 +288,7 @@ def test_a_mask_limits_a_row_to_its_allowed_tokens() -> None:
 def test_the_mask_applies_after_logit_bias() -> None:
     """+100 on a token the grammar forbids cannot force it."""
     logits = _logits(1, seed=10)
-    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed = np.zeros(VOCAB, dtype=np.bool_)
     allowed[[3, 8]] = True
     seq = _seq("x", temperature=0, logit_bias=((20, 100.0), (8, 50.0)))
     assert _tokens(Sampler().sample(logits, [seq], {0: allowed})) == [8]
@@ -280,8 +296,51 @@ def test_the_mask_applies_after_logit_bias() -> None:
 
 def test_a_mask_that_allows_nothing_fails_that_request_alone() -> None:
     logits = _logits(2, seed=11)
-    nothing = torch.zeros(VOCAB, dtype=torch.bool)
+    nothing = np.zeros(VOCAB, dtype=np.bool_)
     results = Sampler().sample(logits, [_seq("dead"), _seq("ok", temperature=0)], {0: nothing})
     assert results[0].token_id is None and results[0].error is not None
     assert "allows no token" in results[0].error
     assert results[1].token_id == logits[1].argmax()
+
+
+# ------------------------------------------------------------------------ inputs and imports
+
+
+def test_a_cpu_torch_tensor_samples_as_its_numpy_array_does() -> None:
+    """The torch runner hands its CPU float32 logits over as they are (read in place)."""
+    logits = _logits(6, seed=12)
+    mask = np.zeros(VOCAB, dtype=np.bool_)
+    mask[[1, 2, 3]] = True
+
+    def batch() -> list[Sequence]:
+        return [
+            _seq("greedy", temperature=0, logprobs=3),
+            _seq("seeded", seed=5, top_p=0.8, temperature=0.9, logprobs=1),
+            _seq("penalised", seed=6, frequency_penalty=1.0, logit_bias=((7, 5.0),)),
+            _seq("top-k", seed=7, top_k=4),
+            _seq("masked", seed=8),
+            _seq("plain", seed=9),
+        ]
+
+    seqs = batch()
+    seqs[2].output_token_ids = [int(logits[2].argmax())] * 3
+    tensor = torch.from_numpy(logits.copy())
+    want = Sampler().sample(logits, seqs, {4: mask})
+    seqs = batch()
+    seqs[2].output_token_ids = [int(logits[2].argmax())] * 3
+    assert Sampler().sample(tensor, seqs, {4: mask}) == want
+    assert torch.equal(tensor, torch.from_numpy(logits)), "the sampler never writes its input"
+
+
+def test_the_sampler_and_the_masks_import_without_torch() -> None:
+    """The torch-free engine samples with them: neither pulls torch in, directly or not."""
+    code = (
+        "import sys, tserve.gpu._sampler, tserve.gpu._constraints\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root, env=env)

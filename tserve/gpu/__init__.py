@@ -49,10 +49,11 @@ Modules:
   add + RMSNorm, RoPE + K/V store, paged decode attention); loads the
   library ``setup.py`` compiles at install from ``_cpu_kernels.c``,
   ``_quant_kernels.c`` and ``_kquant_kernels.c`` (ctypes).
-* ``_sampler.py`` — the next token per request from its logits.
+* ``_sampler.py`` — the next token per request from its logits (numpy,
+  no torch: the torch and the torch-free runners share it).
 * ``_sampling_defaults.py`` — what a model recommends sampling with
   (``--generation-config``), for requests that leave it unset.
 * ``_constraints.py`` — structured outputs: grammars compiled in a worker
-  thread (bounded cache), each constrained row's mask, its matcher.
+  thread (bounded cache), each constrained row's mask (numpy), its matcher.
 * ``_models.py`` — finding, converting and loading models and encoders.
 """

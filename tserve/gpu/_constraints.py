@@ -47,7 +47,8 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 import llguidance
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from tserve.gpu._heap import trim_heap
 from tserve.gpu._sequence import Sequence as Seq
@@ -58,13 +59,12 @@ __all__ = ["MASK_FAULT_ENV", "Constraints", "GrammarCompiler"]
 log = logging.getLogger(__name__)
 
 MASK_FAULT_ENV: Final = "TSERVE_TEST_FAULT_MASK"
-_BITS: Final = torch.arange(32, dtype=torch.int32)
 
 Compiled = llguidance.LLMatcher | str
 """A compiled grammar's matcher at its start, or why it did not compile."""
 
-MaskResult = tuple[dict[int, torch.Tensor], dict[int, str]]
-"""Row -> allowed tokens (bool ``[vocab]``), and row -> why its grammar cannot go on."""
+MaskResult = tuple[dict[int, npt.NDArray[np.bool_]], dict[int, str]]
+"""Row -> allowed tokens (numpy bool ``[vocab]``), and row -> why its grammar cannot go on."""
 
 
 class GrammarCompiler:
@@ -287,12 +287,12 @@ class Constraints:
     ) -> MaskResult:
         """In the mask thread: llguidance's parallel fill (the GIL released), unpacked."""
         words = (self.compiler.tokenizer.vocab_size + 31) // 32
-        bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
+        bitmask = np.zeros((len(rows), words), dtype="<i4")  # C-contiguous, as llguidance writes it
         pairs = [(matcher, k) for k, (_, matcher) in enumerate(rows)]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(rows))
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, words * 4, len(rows))
         allowed = _unpack(bitmask, self.vocab_size)
-        any_allowed = allowed.any(dim=-1).tolist()
-        masks: dict[int, torch.Tensor] = {}
+        any_allowed = np.count_nonzero(allowed, axis=1).tolist()
+        masks: dict[int, npt.NDArray[np.bool_]] = {}
         for k, (i, _) in enumerate(rows):
             if any_allowed[k]:
                 masks[i] = allowed[k]
@@ -319,14 +319,16 @@ class Constraints:
         self.compiler.close()
 
 
-def _unpack(bitmask: torch.Tensor, width: int) -> torch.Tensor:
-    """Bool ``[R, width]`` from llguidance's bitmask ``[R, W]`` (bit i of word w =
-    token 32w + i); columns past the mask's tokens are False."""
-    bits = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(bitmask.shape[0], -1).bool()
+def _unpack(bitmask: npt.NDArray[np.int32], width: int) -> npt.NDArray[np.bool_]:
+    """Bool ``[R, width]`` from llguidance's int32 bitmask ``[R, W]`` (bit i of
+    word w = token 32w + i); columns past the mask's tokens are False."""
+    words = np.ascontiguousarray(bitmask, dtype="<i4")  # little-endian: byte b of word w
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").view(np.bool_)
     if bits.shape[1] >= width:
         return bits[:, :width]
-    pad = torch.zeros((bits.shape[0], width - bits.shape[1]), dtype=torch.bool)
-    return torch.cat([bits, pad], dim=1)
+    out = np.zeros((bits.shape[0], width), dtype=np.bool_)
+    out[:, : bits.shape[1]] = bits
+    return out
 
 
 def _first_line(message: str) -> str:

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
@@ -162,7 +164,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
             cpu_gemm=config.cpu_gemm,
             model_impl=config.model_impl,
         )
-        self.sampler = Sampler(device=device)
+        self.sampler = Sampler()
         self.blocks = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -313,15 +315,22 @@ class EngineCore(CoreBookkeeping[Sequence]):
                 self.scheduler.finish_stopped(seq.request_id)
 
     def _sample(
-        self, to_sample: list[Sequence], logits: torch.Tensor, grammar: MaskResult
+        self,
+        to_sample: list[Sequence],
+        logits: torch.Tensor | npt.NDArray[np.float32],
+        grammar: MaskResult,
     ) -> tuple[dict[str, int], list[Sequence]]:
         """Sampled token per request id, and the requests that failed alone (now finished).
 
-        Constrained rows are masked by their grammar (``grammar``: their masks
-        and the rows whose grammar failed), and their matchers advanced by the
-        sampled token; a failing grammar fails its request.
+        ``logits [N, V]``: a numpy array, or a torch tensor on any device in any
+        float dtype (brought to a CPU float32 array: zero-copy when it is one
+        already). Constrained rows are masked by their grammar (``grammar``:
+        their masks and the rows whose grammar failed), and their matchers
+        advanced by the sampled token; a failing grammar fails its request.
         """
         masks, errors = grammar
+        if not isinstance(logits, np.ndarray) and hasattr(logits, "numpy"):
+            logits = logits.float().cpu().numpy()  # a torch tensor, named without torch
         results = self.sampler.sample(logits, to_sample, masks)
         sampled: dict[str, int] = {}
         failed: list[Sequence] = []

@@ -8,16 +8,27 @@ Pipeline for one step (``logits [N, V]``, one row per request):
    OUTPUT tokens), then ``logit_bias``, then the grammar mask of constrained
    rows (tokens it forbids become -inf), raw logprobs, greedy argmax, and
    for sampled rows temperature, top-k and top-p (``Sequence.sampling``: the
-   request's own, else the model's defaults, else OpenAI's) on one sorted copy;
+   request's own, else the model's defaults, else OpenAI's) over a bounded
+   set of candidates (below);
 3. per request, guarded: draw one uniform number from the request's own
    generator (seeded requests) and invert the row's CDF, then assemble its
    logprobs.
 
 If the batched part itself raises, every row is redone as a batch of one, so
 the error still stays with the request that caused it. A seeded request draws
-exactly one number per step from a ``torch.Generator`` seeded with
-``params.seed`` and owned by that request alone, so its tokens do not depend on
-its neighbours in the batch. Call :meth:`Sampler.release` when a request ends.
+exactly one number per step from a ``numpy.random.Generator`` (PCG64) seeded
+with ``params.seed`` and owned by that request alone, so its tokens do not
+depend on its neighbours in the batch. Call :meth:`Sampler.release` when a
+request ends.
+
+numpy only, never torch (the torch-free engine uses it as the torch runner
+does). ``logits`` is anything ``numpy.asarray`` makes a float32 ``[N, V]``
+array of without a copy (a numpy array, a CPU float32 torch tensor); rows a
+penalty, bias or mask changes are copied one by one, the others are read in
+place. Candidates of a top-k/top-p row: the tokens whose probability is at
+least ``(1 - top_p) / (2 V)`` (the rest cannot reach the top-p prefix), then
+its top 512 of those, else 4096, else all of them, whichever first holds the
+top-p mass (``np.argpartition``); only those are sorted.
 
 Logprobs are the model's RAW logprobs (log-softmax of the logits before
 penalties, ``logit_bias``, the grammar mask, temperature, top-k and top-p),
@@ -36,11 +47,12 @@ import dataclasses
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from tserve.gpu._sequence import Sequence
 from tserve.protocol import Sampling, SamplingParams, TokenLogprob
@@ -51,11 +63,13 @@ __all__ = ["FAULT_ENV", "SampleResult", "Sampler", "SamplingFault"]
 log = logging.getLogger(__name__)
 
 FAULT_ENV: Final = "TSERVE_TEST_FAULT_SAMPLER"
-# A top-k/top-p row draws from its top 512 tokens, or 4096, or a full sort.
+# A top-k/top-p row draws from its top 512 candidates, or 4096, or all of them.
 _CANDIDATE_WIDTHS: Final = (512, 4096)
 
+_F32: TypeAlias = npt.NDArray[np.float32]
+_Ids: TypeAlias = npt.NDArray[np.intp]
 # (candidate token ids or None for "all, in id order", cumulative kept probabilities)
-_Candidates: TypeAlias = tuple[torch.Tensor | None, torch.Tensor]
+_Candidates: TypeAlias = tuple[_Ids | None, npt.NDArray[np.float64]]
 
 
 class SamplingFault(RuntimeError):
@@ -71,6 +85,18 @@ class SampleResult:
     error: str | None = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RawLogprobs:
+    """A row's raw logprobs, ``logits - top - log_sum`` (float32), read on demand."""
+
+    logits: _F32  # the step's row [V], never written
+    top: np.float32  # its max
+    log_sum: np.float32  # log(sum(exp(logits - top)))
+
+    def at(self, ids: Any) -> _F32:
+        return (self.logits[ids] - self.top) - self.log_sum  # type: ignore[no-any-return]
+
+
 @dataclasses.dataclass(slots=True)
 class _Batch:
     """The batched part's results for the rows that passed step 1."""
@@ -78,7 +104,7 @@ class _Batch:
     rows: list[int]  # indices into the step's logits, in order
     greedy: dict[int, int]  # row -> argmax of its penalised logits
     candidates: dict[int, _Candidates]  # row -> what to draw from (sampled rows)
-    logprobs: dict[int, torch.Tensor]  # row -> [V] raw logprobs (rows that asked)
+    logprobs: dict[int, _RawLogprobs]  # row -> its raw logprobs (rows that asked)
 
 
 class Sampler:
@@ -89,12 +115,10 @@ class Sampler:
     is called when each request ends.
     """
 
-    def __init__(self, *, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        self._generators: dict[str, torch.Generator] = {}
-        # Unseeded requests share this one; their draws are not reproducible.
-        self._shared = torch.Generator(device=self.device)
-        self._shared.seed()
+    def __init__(self) -> None:
+        self._generators: dict[str, np.random.Generator] = {}
+        # Unseeded requests share this one (seeded from the OS); their draws are not reproducible.
+        self._shared = np.random.default_rng()
         pattern = os.environ.get(FAULT_ENV)
         self._fault = re.compile(pattern) if pattern else None
 
@@ -104,101 +128,49 @@ class Sampler:
 
     def sample(
         self,
-        logits: torch.Tensor,
+        logits: npt.ArrayLike,
         seqs: SequenceOf[Sequence],
-        allowed: Mapping[int, torch.Tensor] | None = None,
+        allowed: Mapping[int, npt.NDArray[np.bool_]] | None = None,
     ) -> list[SampleResult]:
-        """One result per row of ``logits [N, V]`` (fp32), for ``seqs[i]`` at row i.
+        """One result per row of ``logits [N, V]`` (float32), for ``seqs[i]`` at row i.
 
-        ``allowed`` maps a constrained row to its grammar mask (bool ``[V]``,
-        True = the grammar allows that token); a row of all False is that
-        request's error. Never raises for a problem of one request; that
-        request's result carries the error instead.
+        ``logits`` is read in place, never written (``numpy.asarray``: a numpy
+        array or a CPU torch tensor). ``allowed`` maps a constrained row to its
+        grammar mask (bool ``[V]``, True = the grammar allows that token); a
+        row of all False is that request's error. Never raises for a problem of
+        one request; that request's result carries the error instead.
         """
         allowed = allowed or {}
-        assert logits.shape[0] == len(seqs), "one logits row per sequence"
+        array: _F32 = np.asarray(logits, dtype=np.float32)
+        assert array.ndim == 2 and array.shape[0] == len(seqs), "one logits row per sequence"
         results: list[SampleResult | None] = [None] * len(seqs)
+        # One pass gives both: argmax stops at a NaN, so a row's top is NaN or
+        # +inf exactly when its max is.
+        argmax = array.argmax(axis=1)
+        top = array[np.arange(len(seqs)), argmax]
+        finite = np.isfinite(top).tolist()
         ok: list[int] = []
-        with torch.inference_mode():
-            # One pass gives both: each row's max (NaN and +inf propagate) and its argmax.
-            top, argmax = logits.max(dim=-1)
-            finite = torch.isfinite(top).tolist()
-            for i, seq in enumerate(seqs):
-                problem = _check(seq.params, logits.shape[1], finite[i])
-                if problem is None:
-                    ok.append(i)
-                else:
-                    results[i] = _failed(seq, problem)
-            try:
-                batches = [self._batch(logits, argmax, seqs, ok, allowed)]
-            except Exception:
-                log.exception("batched sampling failed; isolating the failing request")
-                batches = self._one_by_one(logits, argmax, seqs, ok, results, allowed)
-            for batch in batches:
-                for row in batch.rows:
-                    results[row] = self._finish(batch, row, seqs[row])
+        for i, seq in enumerate(seqs):
+            problem = _check(seq.params, array.shape[1], finite[i])
+            if problem is None:
+                ok.append(i)
+            else:
+                results[i] = _failed(seq, problem)
+        step = _Step(array, argmax, top, seqs, allowed)
+        try:
+            batches = [step.batch(ok)]
+        except Exception:
+            log.exception("batched sampling failed; isolating the failing request")
+            batches = []
+            for row in ok:
+                try:
+                    batches.append(step.batch([row]))
+                except Exception as exc:
+                    results[row] = _failed(seqs[row], _describe(exc), exc)
+        for batch in batches:
+            for row in batch.rows:
+                results[row] = self._finish(batch, row, seqs[row])
         return [r if r is not None else SampleResult(None, error="not sampled") for r in results]
-
-    def _one_by_one(
-        self,
-        logits: torch.Tensor,
-        argmax: torch.Tensor,
-        seqs: SequenceOf[Sequence],
-        rows: list[int],
-        results: list[SampleResult | None],
-        allowed: Mapping[int, torch.Tensor],
-    ) -> list[_Batch]:
-        batches = []
-        for row in rows:
-            try:
-                batches.append(self._batch(logits, argmax, seqs, [row], allowed))
-            except Exception as exc:
-                results[row] = _failed(seqs[row], _describe(exc), exc)
-        return batches
-
-    def _batch(
-        self,
-        logits: torch.Tensor,
-        argmax: torch.Tensor,
-        seqs: SequenceOf[Sequence],
-        rows: list[int],
-        allowed: Mapping[int, torch.Tensor],
-    ) -> _Batch:
-        """Step 2 over ``rows``: everything that vectorises. ``argmax [N]`` is each
-        row's argmax of ``logits``."""
-        params = [seqs[i].params for i in rows]
-        sampling = [seqs[i].sampling for i in rows]
-        # ``rows`` is increasing: all of them means the whole tensor, no copy.
-        raw = logits if len(rows) == logits.shape[0] else logits[rows]
-        processed = _apply_penalties(raw, [seqs[i] for i in rows])
-        processed = _apply_bias(processed, raw, params)
-        processed = _apply_masks(processed, raw, [allowed.get(i) for i in rows])
-        want_lp = [j for j, p in enumerate(params) if p.logprobs is not None]
-        logprobs: dict[int, torch.Tensor] = {}
-        if want_lp:
-            lp = torch.log_softmax(raw[want_lp], dim=-1)
-            logprobs = {rows[j]: lp[k] for k, j in enumerate(want_lp)}
-        # Without penalties, bias or masks the rows' argmax is the one sample()
-        # took with the max; otherwise only the greedy rows need theirs.
-        greedy_at = [j for j, s in enumerate(sampling) if _is_greedy(s)]
-        if processed is raw:
-            greedy = dict(zip(rows, argmax[rows].tolist(), strict=True))
-        elif greedy_at:
-            best = processed[greedy_at].argmax(dim=-1).tolist()
-            greedy = {rows[j]: b for j, b in zip(greedy_at, best, strict=True)}
-        else:
-            greedy = {}
-        sampled = [j for j, s in enumerate(sampling) if not _is_greedy(s)]
-        candidates: dict[int, _Candidates] = {}
-        if sampled:
-            drawn = _candidates(processed[sampled], [sampling[j] for j in sampled])
-            candidates = {rows[j]: c for j, c in zip(sampled, drawn, strict=True)}
-        return _Batch(
-            rows=rows,
-            greedy=greedy,
-            candidates=candidates,
-            logprobs=logprobs,
-        )
 
     def _finish(self, batch: _Batch, row: int, seq: Sequence) -> SampleResult:
         """Step 3 for one request, guarded."""
@@ -216,20 +188,67 @@ class Sampler:
         if candidates is None:
             return batch.greedy[row]
         ids, cdf = candidates
-        u = torch.rand((), generator=self._generator(seq), device=self.device)
-        k = min(int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True)), len(cdf) - 1)
+        u = self._generator(seq).random()  # exactly one draw per step
+        k = min(int(np.searchsorted(cdf, u * float(cdf[-1]), side="right")), len(cdf) - 1)
         return k if ids is None else int(ids[k])
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq: Sequence) -> np.random.Generator:
         seed = seq.params.seed
         if seed is None:
             return self._shared
         generator = self._generators.get(seq.request_id)
         if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+            generator = np.random.Generator(np.random.PCG64(seed & 0xFFFF_FFFF_FFFF_FFFF))
             self._generators[seq.request_id] = generator
         return generator
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    """One step's inputs to step 2; ``argmax``/``top`` are each row's argmax and max."""
+
+    logits: _F32
+    argmax: npt.NDArray[np.intp]
+    top: _F32
+    seqs: SequenceOf[Sequence]
+    allowed: Mapping[int, npt.NDArray[np.bool_]]
+
+    def batch(self, rows: list[int]) -> _Batch:
+        """Step 2 over ``rows``: everything that vectorises. Rows that no penalty,
+        bias or mask changes are read from ``logits`` in place; the others are
+        copied, one row each."""
+        edited: dict[int, _F32] = {}  # row -> its penalised, biased, masked copy
+        for i in rows:
+            seq = self.seqs[i]
+            _apply_penalties(self.logits, i, seq, edited)
+            _apply_bias(self.logits, i, seq.params, edited)
+            mask = self.allowed.get(i)
+            if mask is not None:
+                _apply_mask(self.logits, i, mask, edited)
+        logprobs = {
+            i: _raw_logprobs(self.logits[i], self.top[i])
+            for i in rows
+            if self.seqs[i].params.logprobs is not None
+        }
+        greedy: dict[int, int] = {}
+        sampled: list[int] = []
+        for i in rows:
+            if not _is_greedy(self.seqs[i].sampling):
+                sampled.append(i)
+            elif i in edited:
+                greedy[i] = int(edited[i].argmax())
+            else:
+                greedy[i] = int(self.argmax[i])
+        drawn = _candidates(
+            [edited.get(i, self.logits[i]) for i in sampled],
+            [self.seqs[i].sampling for i in sampled],
+        )
+        return _Batch(
+            rows=rows,
+            greedy=greedy,
+            candidates=dict(zip(sampled, drawn, strict=True)),
+            logprobs=logprobs,
+        )
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -246,136 +265,120 @@ def _check(params: SamplingParams, vocab: int, finite: bool) -> str | None:
     return None if problem is None else problem.message
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _edited(logits: _F32, row: int, edited: dict[int, _F32]) -> _F32:
+    """``row``'s own copy, made on its first change (``logits`` is never written)."""
+    out = edited.get(row)
+    if out is None:
+        out = edited[row] = logits[row].copy()
+    return out
+
+
+def _apply_penalties(logits: _F32, row: int, seq: Sequence, edited: dict[int, _F32]) -> None:
     """``logits - frequency * count - presence * (count > 0)`` over output tokens.
 
-    Returns ``logits`` itself when no request has a penalty, else a copy.
-    """
-    penalised = [
-        j
-        for j, s in enumerate(seqs)
-        if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_token_ids
-    ]
-    if not penalised:
-        return logits
-    out = logits.clone()
-    vocab = logits.shape[1]
-    for j in penalised:
-        params = seqs[j].params
-        ids = torch.tensor(seqs[j].output_token_ids, device=logits.device)
-        counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
-        out[j] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    return out
+    Raises ValueError for an output token outside the vocabulary."""
+    params = seq.params
+    if not (params.presence_penalty or params.frequency_penalty) or not seq.output_token_ids:
+        return
+    ids, counts = np.unique(np.asarray(seq.output_token_ids, dtype=np.int64), return_counts=True)
+    if ids[0] < 0 or ids[-1] >= logits.shape[1]:
+        raise ValueError("an output token id is outside the vocabulary")
+    penalty = params.frequency_penalty * counts + params.presence_penalty
+    _edited(logits, row, edited)[ids] -= penalty.astype(np.float32)
 
 
-def _apply_bias(
-    logits: torch.Tensor, raw: torch.Tensor, params: list[SamplingParams]
-) -> torch.Tensor:
-    """Add each row's ``logit_bias`` (a repeated id's biases add up).
-
-    Returns ``logits`` itself when no row has a bias; copies it first when it
-    is still ``raw`` (the step's logits, which logprobs read)."""
-    biased = [j for j, p in enumerate(params) if p.logit_bias]
-    if not biased:
-        return logits
-    out = logits.clone() if logits is raw else logits
-    for j in biased:
-        ids, values = zip(*params[j].logit_bias, strict=True)
-        index = torch.tensor(ids, device=logits.device)
-        out[j].index_add_(0, index, torch.tensor(values, dtype=logits.dtype, device=logits.device))
-    return out
+def _apply_bias(logits: _F32, row: int, params: SamplingParams, edited: dict[int, _F32]) -> None:
+    """Add the row's ``logit_bias`` (a repeated id's biases add up)."""
+    if not params.logit_bias:
+        return
+    ids, values = zip(*params.logit_bias, strict=True)
+    np.add.at(_edited(logits, row, edited), np.asarray(ids), np.asarray(values, dtype=np.float32))
 
 
-def _apply_masks(
-    logits: torch.Tensor, raw: torch.Tensor, masks: list[torch.Tensor | None]
-) -> torch.Tensor:
-    """Set the logits a row's grammar forbids to -inf (rows with a mask only).
-
-    Returns ``logits`` itself when no row has a mask; copies it first when it
-    is still ``raw``. Raises ValueError for a mask that allows no token (the
-    caller's isolation makes it that request's error)."""
-    masked = [(j, m) for j, m in enumerate(masks) if m is not None]
-    if not masked:
-        return logits
-    out = logits.clone() if logits is raw else logits
-    for j, allow in masked:  # in place, row by row: no gather or scatter of rows
-        if not bool(allow.any()):
-            raise ValueError("the grammar allows no token here")
-        out[j].masked_fill_(~allow.to(out.device), float("-inf"))
-    return out
+def _apply_mask(
+    logits: _F32, row: int, allowed: npt.NDArray[np.bool_], edited: dict[int, _F32]
+) -> None:
+    """Set the logits the row's grammar forbids to -inf. Raises ValueError for a
+    mask that allows no token (the caller's isolation makes it that request's error)."""
+    allow = np.asarray(allowed, dtype=np.bool_)
+    if not allow.any():
+        raise ValueError("the grammar allows no token here")
+    _edited(logits, row, edited)[~allow] = -np.inf
 
 
-def _candidates(logits: torch.Tensor, params: list[Sampling]) -> list[_Candidates]:
-    """Temperature, then top-k, then top-p, for each row of ``logits [S, V]``.
+def _raw_logprobs(logits: _F32, top: np.float32) -> _RawLogprobs:
+    """The log-softmax of one row, as its log-normaliser (float32, like torch's)."""
+    total = np.exp(logits - top).sum()
+    return _RawLogprobs(logits, top, np.log(total).astype(np.float32))
+
+
+def _candidates(rows: Iterable[_F32], params: SequenceOf[Sampling]) -> list[_Candidates]:
+    """Temperature, then top-k, then top-p, for each row (float32 ``[V]``).
 
     A row's ``(ids, cdf)``: ``cdf`` is the unnormalised cumulative sum of the
-    kept probabilities over the candidate tokens ``ids`` (None = all tokens in
-    id order, when nothing is filtered); a draw is the first index where
-    ``cdf > u * cdf[-1]``. Filtered rows take their candidates from a top-512
-    selection, widening only when top-p needs more mass than it holds; the
-    most likely token is always kept.
+    kept probabilities, falling, over the candidate tokens ``ids`` (None = all
+    tokens in id order, when nothing is filtered); a draw is the first index
+    where ``cdf > u * cdf[-1]``. The most likely token is always kept.
     What a row gets depends on that row alone, never on its neighbours.
     """
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
-    out: list[_Candidates | None] = [None] * len(params)
-    plain = [j for j, p in enumerate(params) if p.top_k <= 0 and p.top_p >= 1]
-    if plain:
-        for j, cdf in zip(plain, torch.cumsum(probs[plain], dim=-1), strict=True):
-            out[j] = (None, cdf)
-    filtered = [j for j, p in enumerate(params) if j not in set(plain)]
-    if filtered:
-        found = _top_candidates(probs[filtered], [params[j] for j in filtered])
-        for j, c in zip(filtered, found, strict=True):
-            out[j] = c
-    return [c for c in out if c is not None]
+    out: list[_Candidates] = []
+    scratch: _F32 | None = None
+    for logits, p in zip(rows, params, strict=True):
+        if scratch is None or scratch.shape != logits.shape:
+            scratch = np.empty_like(logits)
+        # exp((logits - max) / T) in place: probabilities up to their sum.
+        np.subtract(logits, logits.max(), out=scratch)
+        scratch *= np.float32(1.0 / p.temperature)
+        np.exp(scratch, out=scratch)
+        if p.top_k <= 0 and p.top_p >= 1:
+            out.append((None, np.cumsum(scratch, dtype=np.float64)))
+        else:
+            out.append(_top_candidates(scratch, p))
+    return out
 
 
-def _top_candidates(probs: torch.Tensor, params: list[Sampling]) -> list[_Candidates]:
-    """Candidates of filtered rows from the narrowest top-w selection that holds them.
+def _top_candidates(probs: _F32, p: Sampling) -> _Candidates:
+    """The kept tokens of a filtered row from the narrowest top-w selection that holds them.
 
-    Widths are tried in ``_CANDIDATE_WIDTHS`` order, then the whole vocabulary;
-    a row moves on only if top-p needs more mass than its top-w holds. Which
-    width a row ends at depends on that row alone.
+    ``probs`` (unnormalised, read only) first loses the tokens of probability
+    below ``(1 - top_p) / (2 V)``: together they hold less than ``1 - top_p``,
+    so none of them is in the top-p prefix. Of the rest, widths are tried in
+    ``_CANDIDATE_WIDTHS`` order, then all of them; a row moves on only if
+    top-p needs more mass than its top-w holds and top-k does not stop within it.
     """
-    vocab = probs.shape[1]
-    result: list[_Candidates | None] = [None] * len(params)
-    pending = list(range(len(params)))
-    for width in (*_CANDIDATE_WIDTHS, vocab):
-        width = min(width, vocab)
-        values, ids = probs[pending].topk(width, dim=-1)
-        mass = values.sum(dim=-1).tolist()
-        still = []
-        for k, j in enumerate(pending):
-            p = params[j]
-            if width < vocab and (p.top_k <= 0 or p.top_k > width) and mass[k] < p.top_p:
-                still.append(j)
-            else:
-                result[j] = (ids[k], _kept_cdf(values[k], p))
-        if not still:
+    total = float(probs.sum())
+    top_p = min(p.top_p, 1.0)
+    goal = top_p * total
+    ids = np.flatnonzero(probs >= (1.0 - top_p) / (2 * len(probs)) * total)
+    values = probs[ids]
+    for width in _CANDIDATE_WIDTHS:
+        if width >= len(values):
             break
-        pending = still
-    return [c for c in result if c is not None]
+        best = np.argpartition(values, len(values) - width)[len(values) - width :]
+        if 0 < p.top_k <= width or float(values[best].sum()) >= goal:
+            ids, values = ids[best], values[best]
+            break
+    if 0 < p.top_k < len(values):
+        best = np.argpartition(values, len(values) - p.top_k)[len(values) - p.top_k :]
+        ids, values = ids[best], values[best]
+    order = np.argsort(values)[::-1]
+    cdf = np.cumsum(values[order], dtype=np.float64)  # float32 drifts over 10^4 terms
+    # Kept: the tokens with less than top_p of the mass strictly above them.
+    kept = 1 + int(np.searchsorted(cdf[:-1], goal, side="left"))
+    return ids[order[:kept]], cdf[:kept]
 
 
-def _kept_cdf(values: torch.Tensor, params: Sampling) -> torch.Tensor:
-    """Cumulative probabilities of ``values`` (falling) with top-k/top-p drops as 0."""
-    rank = torch.arange(len(values), device=values.device)
-    before = torch.cumsum(values, dim=0) - values  # mass strictly above each token
-    keep = (before < params.top_p) | (rank == 0)
-    if params.top_k > 0:
-        keep &= rank < params.top_k
-    return torch.cumsum(torch.where(keep, values, 0.0), dim=0)
-
-
-def _token_logprob(lp: torch.Tensor | None, token: int, top_n: int | None) -> TokenLogprob | None:
+def _token_logprob(lp: _RawLogprobs | None, token: int, top_n: int | None) -> TokenLogprob | None:
     if lp is None or top_n is None:
         return None
     top: list[tuple[int, float]] = []
     if top_n > 0:
-        values, ids = lp.topk(top_n)
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token, float(lp[token]), top)
+        vocab = len(lp.logits)
+        n = min(top_n, vocab)
+        best = np.argpartition(lp.logits, vocab - n)[vocab - n :]
+        best = best[np.argsort(lp.logits[best], kind="stable")[::-1]]
+        top = list(zip(best.tolist(), lp.at(best).tolist(), strict=True))
+    return TokenLogprob(token, float(lp.at(token)), top)
 
 
 def _describe(exc: BaseException) -> str:

@@ -208,22 +208,41 @@ def test_bad_rows_and_params_fail_alone() -> None:
     assert results[0].error is None and results[3].error is None
 
 
+@pytest.mark.parametrize("scale", [0.5, 12.0])  # most tokens near the top / most far below it
 @pytest.mark.parametrize(
     ("top_p", "top_k"), [(0.5, 0), (0.95, 0), (0.999, 0), (0.95, 700), (1.0, 3000), (0.3, 5)]
 )
-def test_candidates_match_a_full_sort(top_p: float, top_k: int) -> None:
-    """Narrow top-w selections give exactly the kept set a full sort gives."""
-    flat = np.random.default_rng(8).standard_normal((4, 20000), dtype=np.float32) * 0.5
+def test_candidates_match_a_full_sort(top_p: float, top_k: int, scale: float) -> None:
+    """Narrow top-w selections give exactly the kept set a full sort gives, less
+    the tokens under 2^-24 / V times the top one's odds (never candidates)."""
+    flat = np.random.default_rng(8).standard_normal((4, 20000), dtype=np.float32) * scale
     params = [Sampling(temperature=1.0, top_p=top_p, top_k=top_k)] * 4
     for row, (ids, cdf) in zip(flat, _candidates(list(flat), params), strict=True):
         probs = np.exp(row.astype(np.float64) - row.max())
+        near = int((probs >= 2.0**-24 / len(probs)).sum())
         probs /= probs.sum()
         order = np.argsort(probs)[::-1]
         before = np.cumsum(probs[order]) - probs[order]
         n = int(((before < top_p) & (np.arange(len(probs)) < (top_k or len(probs)))).sum())
         kept = np.flatnonzero(np.diff(cdf, prepend=0) > 0)
-        assert ids is not None and len(kept) == n
-        assert set(ids[kept].tolist()) == set(order[:n].tolist())
+        assert ids is not None and len(kept) == min(n, near)
+        assert set(ids[kept].tolist()) == set(order[: min(n, near)].tolist())
+
+
+def test_far_tokens_are_never_drawn_and_near_ones_keep_their_odds() -> None:
+    """An unfiltered row whose tokens are mostly far below its top draws from the
+    near ones in proportion to their probabilities."""
+    logits = np.full((1, VOCAB), -1000.0, dtype=np.float32)
+    logits[0, [3, 17, 40]] = np.log([0.5, 0.3, 0.2])
+    ids, _ = _candidates(list(logits), [Sampling(temperature=1.0, top_p=1.0, top_k=0)])[0]
+    assert ids is not None and ids.tolist() == [3, 17, 40]
+    sampler = Sampler()
+    draws = collections.Counter(
+        sampler.sample(logits, [_seq("near", seed=4)])[0].token_id for _ in range(4000)
+    )
+    assert set(draws) == {3, 17, 40}
+    for token, p in ((3, 0.5), (17, 0.3), (40, 0.2)):
+        assert abs(draws[token] / 4000 - p) < 0.03
 
 
 # --------------------------------------------------------------- logit_bias and grammar masks

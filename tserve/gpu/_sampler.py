@@ -25,10 +25,12 @@ numpy only, never torch (the torch-free engine uses it as the torch runner
 does). ``logits`` is anything ``numpy.asarray`` makes a float32 ``[N, V]``
 array of without a copy (a numpy array, a CPU float32 torch tensor); rows a
 penalty, bias or mask changes are copied one by one, the others are read in
-place. Candidates of a top-k/top-p row: the tokens whose probability is at
-least ``(1 - top_p) / (2 V)`` (the rest cannot reach the top-p prefix), then
-its top 512 of those, else 4096, else all of them, whichever first holds the
-top-p mass (``np.argpartition``); only those are sorted.
+place. A sampled row's exp runs only over its tokens at least ``2^-24 / V``
+times as likely as its most likely one (the rest hold less mass than float32
+resolves). Candidates of a top-k/top-p row: the tokens whose probability is
+at least ``(1 - top_p) / (2 V)`` (the rest cannot reach the top-p prefix),
+then its top 512 of those, else 4096, else all of them, whichever first
+holds the top-p mass (``np.argpartition``); only those are sorted.
 
 Logprobs are the model's RAW logprobs (log-softmax of the logits before
 penalties, ``logit_bias``, the grammar mask, temperature, top-k and top-p),
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -65,6 +68,10 @@ log = logging.getLogger(__name__)
 FAULT_ENV: Final = "TSERVE_TEST_FAULT_SAMPLER"
 # A top-k/top-p row draws from its top 512 candidates, or 4096, or all of them.
 _CANDIDATE_WIDTHS: Final = (512, 4096)
+# A sampled row's tokens less likely than 2^-24 / V times its most likely one
+# are never drawn: together they hold under 2^-24 of its mass, less than
+# float32 resolves in the sum, so they are left out before exp.
+_NEGLIGIBLE: Final = math.log(2.0**-24)
 
 _F32: TypeAlias = npt.NDArray[np.float32]
 _Ids: TypeAlias = npt.NDArray[np.intp]
@@ -316,56 +323,63 @@ def _candidates(rows: Iterable[_F32], params: SequenceOf[Sampling]) -> list[_Can
     """Temperature, then top-k, then top-p, for each row (float32 ``[V]``).
 
     A row's ``(ids, cdf)``: ``cdf`` is the unnormalised cumulative sum of the
-    kept probabilities, falling, over the candidate tokens ``ids`` (None = all
-    tokens in id order, when nothing is filtered); a draw is the first index
-    where ``cdf > u * cdf[-1]``. The most likely token is always kept.
+    kept probabilities over the candidate tokens ``ids`` (None = all tokens in
+    id order), falling when the row is filtered, in id order when it is not;
+    a draw is the first index where ``cdf > u * cdf[-1]``. The most likely
+    token is always kept. Tokens below ``_NEGLIGIBLE`` are never candidates.
     What a row gets depends on that row alone, never on its neighbours.
     """
     out: list[_Candidates] = []
-    scratch: _F32 | None = None
     for logits, p in zip(rows, params, strict=True):
-        if scratch is None or scratch.shape != logits.shape:
-            scratch = np.empty_like(logits)
-        # exp((logits - max) / T) in place: probabilities up to their sum.
-        np.subtract(logits, logits.max(), out=scratch)
-        scratch *= np.float32(1.0 / p.temperature)
-        np.exp(scratch, out=scratch)
+        top = logits.max()
+        vocab = len(logits)
+        cut = top + np.float32(p.temperature * (_NEGLIGIBLE - math.log(vocab)))
+        found = np.flatnonzero(logits >= cut)
+        ids = None if len(found) > vocab // 4 else found  # most of the row: exp it all, no gather
+        near = logits if ids is None else logits[ids]
+        # exp((logits - max) / T): the probabilities up to their sum.
+        probs = np.subtract(near, top)
+        probs *= np.float32(1.0 / p.temperature)
+        np.exp(probs, out=probs)
         if p.top_k <= 0 and p.top_p >= 1:
-            out.append((None, np.cumsum(scratch, dtype=np.float64)))
+            out.append((ids, np.cumsum(probs, dtype=np.float64)))
         else:
-            out.append(_top_candidates(scratch, p))
+            out.append(_top_candidates(probs, ids, vocab, p))
     return out
 
 
-def _top_candidates(probs: _F32, p: Sampling) -> _Candidates:
+def _top_candidates(probs: _F32, ids: _Ids | None, vocab: int, p: Sampling) -> _Candidates:
     """The kept tokens of a filtered row from the narrowest top-w selection that holds them.
 
-    ``probs`` (unnormalised, read only) first loses the tokens of probability
-    below ``(1 - top_p) / (2 V)``: together they hold less than ``1 - top_p``,
-    so none of them is in the top-p prefix. Of the rest, widths are tried in
+    ``probs`` (unnormalised) are those of tokens ``ids`` (None = all
+    ``vocab``). They first lose the tokens of probability below
+    ``(1 - top_p) / (2 V)``: together they hold less than ``1 - top_p``, so
+    none of them is in the top-p prefix. Of the rest, widths are tried in
     ``_CANDIDATE_WIDTHS`` order, then all of them; a row moves on only if
     top-p needs more mass than its top-w holds and top-k does not stop within it.
     """
     total = float(probs.sum())
     top_p = min(p.top_p, 1.0)
     goal = top_p * total
-    ids = np.flatnonzero(probs >= (1.0 - top_p) / (2 * len(probs)) * total)
-    values = probs[ids]
+    pool = np.flatnonzero(probs >= (1.0 - top_p) / (2 * vocab) * total)
+    values = probs[pool]
     for width in _CANDIDATE_WIDTHS:
         if width >= len(values):
             break
         best = np.argpartition(values, len(values) - width)[len(values) - width :]
-        if 0 < p.top_k <= width or float(values[best].sum()) >= goal:
-            ids, values = ids[best], values[best]
+        # Without top-p (1) only top-k stops it: a rounded mass can reach the whole.
+        if 0 < p.top_k <= width or (top_p < 1 and float(values[best].sum()) >= goal):
+            pool, values = pool[best], values[best]
             break
     if 0 < p.top_k < len(values):
         best = np.argpartition(values, len(values) - p.top_k)[len(values) - p.top_k :]
-        ids, values = ids[best], values[best]
+        pool, values = pool[best], values[best]
     order = np.argsort(values)[::-1]
     cdf = np.cumsum(values[order], dtype=np.float64)  # float32 drifts over 10^4 terms
-    # Kept: the tokens with less than top_p of the mass strictly above them.
-    kept = 1 + int(np.searchsorted(cdf[:-1], goal, side="left"))
-    return ids[order[:kept]], cdf[:kept]
+    # Kept: the tokens with less than top_p of the mass strictly above them (all without top-p).
+    n = len(cdf) if top_p >= 1 else 1 + int(np.searchsorted(cdf[:-1], goal, side="left"))
+    kept = pool[order[:n]]
+    return (kept if ids is None else ids[kept]), cdf[: len(kept)]
 
 
 def _token_logprob(lp: _RawLogprobs | None, token: int, top_n: int | None) -> TokenLogprob | None:

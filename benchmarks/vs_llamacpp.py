@@ -117,7 +117,7 @@ def decode_bytes(gguf: Path) -> int:
     """Bytes of weights one decode step reads: every tensor once, where a tied
     embedding counts once (as the output head); an untied one's single rows
     are left out."""
-    from tserve.gpu._gguf import _reader
+    from tserve.gpu._gguf_file import _reader
 
     tensors = _reader(gguf).tensors
     untied = any(t.name == "output.weight" for t in tensors)
@@ -220,7 +220,7 @@ def main() -> int:
     p.add_argument("--ctx-size", type=int, default=16384, help="llama-server's -c (all streams)")
     p.add_argument("--bandwidth-mib", type=int, default=512, help="read_bandwidth.c's buffer")
     args = p.parse_args()
-    from tserve.gpu._gguf import tokenizer_dir
+    from tserve.gpu._gguf_file import tokenizer_dir
     from tserve.gpu._models import default_cache_root, default_gguf
 
     gguf = (args.gguf or default_gguf()).resolve()

@@ -38,7 +38,16 @@ Modules:
 * ``_decoder.py`` — every layer of a quantized model's short step in one C
   call (``_decoder_kernels.c``), for the model runner to hand ``_llama.py``.
 * ``_gguf.py`` — a GGUF file as a :class:`PagedLlama` over its tensors in their
-  own formats; its tokenizer.
+  own formats.
+* ``_gguf_file.py`` — reading a GGUF file without torch: its tensors as numpy
+  views of the mapping, its metadata as a config, the RoPE table, its
+  tokenizer's directory.
+* ``_step_layout.py`` — a step's tokens over the paged pool (positions, K/V
+  slots, block tables) as numpy arrays, for both runners.
+* ``_quant_abi.py`` — the quantized formats and the C entry points both runners
+  call (products, dequantized rows, packing), no torch.
+* ``_decoder_abi.py`` — ``_decoder_kernels.c``'s structs and calls over raw
+  pointers, no torch.
 * ``_quant.py`` — linear layers and embeddings over quantized (Q8_0, Q4_0,
   Q4_1; K-quants Q4_K, Q5_K, Q6_K) and 16-bit weights, through
   ``_quant_kernels.c`` and ``_kquant_kernels.c``.
@@ -46,9 +55,9 @@ Modules:
   transformers.
 * ``_gemm.py`` — CPU linear layers on the library measured fastest.
 * ``_cpu_kernels.py`` — fused fp32 CPU kernels for ``_llama.py`` (residual
-  add + RMSNorm, RoPE + K/V store, paged decode attention); loads the
-  library ``setup.py`` compiles at install from ``_cpu_kernels.c``,
-  ``_quant_kernels.c`` and ``_kquant_kernels.c`` (ctypes).
+  add + RMSNorm, RoPE + K/V store, paged decode attention) as torch ops.
+* ``_library.py`` — loads the library ``setup.py`` compiles at install from
+  the ``.c`` files (ctypes); its OpenMP threads; no torch.
 * ``_sampler.py`` — the next token per request from its logits (numpy,
   no torch: the torch and the torch-free runners share it).
 * ``_sampling_defaults.py`` — what a model recommends sampling with

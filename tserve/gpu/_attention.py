@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from tserve.gpu._sequence import ScheduledChunk
+from tserve.gpu._step_layout import block_tables, lay_out, token_tables
 
 __all__ = [
     "ATTENTION_NAME",
@@ -177,29 +178,18 @@ def build_step(
     ``per_token``: the metadata has :class:`TokenTables` instead of groups
     (CPU only: the fused decoder's).
 
-    Tokens are packed in chunk order. Every chunk's sequence must have a block
-    table covering ``start + len(token_ids)`` positions. Per-token lists are
-    built in Python and become tensors once: a step's fixed cost is a handful
-    of tensor calls, whatever the batch.
+    Tokens are packed in chunk order (:func:`~tserve.gpu._step_layout.lay_out`).
+    Every chunk's sequence must have a block table covering ``start +
+    len(token_ids)`` positions.
     """
     block_size = pool.block_size
-    tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    offsets = [0]  # offsets[i]: packed index of chunk i's first token
-    for chunk in chunks:
-        assert chunk.token_ids, "a scheduled chunk has at least one token"
-        span = range(chunk.start, chunk.start + len(chunk.token_ids))
-        table = chunk.seq.block_table
-        assert len(table) * block_size >= span.stop, f"{chunk.seq.request_id}: block table short"
-        tokens += chunk.token_ids
-        positions += span
-        slots += [table[p // block_size] * block_size + p % block_size for p in span]
-        offsets.append(offsets[-1] + len(span))
-    packed = torch.tensor([tokens, positions, slots]).to(device)  # one transfer
+    layout = lay_out(chunks, block_size)
+    offsets = layout.offsets
+    packed = torch.from_numpy(layout.packed).to(device)  # one transfer
     if per_token:
-        tables = _token_tables(chunks, offsets, block_size)
-        return packed[0:1], packed[1:2], StepMetadata(pool, packed[2], (), tables)
+        tables, rows = token_tables(chunks, offsets, block_size)
+        token_rows = TokenTables(torch.from_numpy(tables), torch.from_numpy(rows))
+        return packed[0:1], packed[1:2], StepMetadata(pool, packed[2], (), token_rows)
 
     decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
@@ -209,32 +199,6 @@ def build_step(
         if members
     )
     return packed[0:1], packed[1:2], StepMetadata(pool, packed[2], groups)
-
-
-def _token_tables(
-    chunks: Sequence[ScheduledChunk], offsets: list[int], block_size: int
-) -> TokenTables:
-    """Chunk ``i``'s sequence's blocks as row ``i``; each token's row."""
-    kv_lens = [c.start + len(c.token_ids) for c in chunks]
-    tables = _block_tables(range(len(chunks)), chunks, kv_lens, block_size)
-    owner = [i for i in range(len(chunks)) for _ in range(offsets[i + 1] - offsets[i])]
-    return TokenTables(tables, torch.tensor(owner, dtype=torch.long))
-
-
-def _block_tables(
-    members: Sequence[int],
-    chunks: Sequence[ScheduledChunk],
-    kv_lens: list[int],
-    block_size: int,
-) -> torch.Tensor:
-    """``[B, ceil(max(kv_lens) / block_size)]`` long: each member's sequence's blocks
-    that hold its ``kv_lens`` keys, padding -> block 0."""
-    width = -(-max(kv_lens) // block_size)
-    rows = []
-    for i, kv_len in zip(members, kv_lens, strict=True):
-        n = -(-kv_len // block_size)
-        rows.append(chunks[i].seq.block_table[:n] + [0] * (width - n))
-    return torch.tensor(rows, dtype=torch.long)
 
 
 def _group(
@@ -311,7 +275,7 @@ def _kv_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``([B, blocks] block tables, [B * Kmax] pool slot of each key position)``;
     padding -> block 0, slot 0."""
-    tables = _block_tables(members, chunks, kv_lens, block_size)  # [B, blocks]
+    tables = torch.from_numpy(block_tables(members, chunks, kv_lens, block_size))  # [B, blocks]
     slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :kv_max]
     if any(kv_len != kv_max for kv_len in kv_lens):
         k_valid = torch.arange(kv_max)[None, :] < torch.tensor(kv_lens)[:, None]

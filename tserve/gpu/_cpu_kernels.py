@@ -21,9 +21,8 @@ bit for bit), with F16C where the CPU has it.
 
 The C sources (this file's ``_cpu_kernels.c`` and the quantized products'
 ``_quant_kernels.c`` and ``_kquant_kernels.c``) are compiled into one shared library, ``_kernels``,
-when the package is installed (``setup.py``; an editable install builds it
-in place), and loaded with ctypes: no torch headers, no Python extension
-ABI, no compiler on the serving machine. The library is built for any
+when the package is installed, and loaded with ctypes
+(:func:`~tserve.gpu._library.kernel_library`). The library is built for any
 x86-64 CPU and picks its instructions at run time from the CPU's flags
 (AVX-512, AVX2, or plain x86-64). :func:`kernel_library` returns None where
 it was not built (a source tree never installed: logged once); the forward
@@ -34,29 +33,27 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
-import logging
-from typing import Any, Final
+from typing import Final
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KV_TYPES", "LINEAR_PANEL", "CpuKernels", "cpu_kernels", "kernel_library"]
+from tserve.gpu._decoder_abi import add_rms_norm
+from tserve.gpu._library import KV_CODES, kernel_library
+from tserve.gpu._library import declare as _declare
 
-log = logging.getLogger(__name__)
+__all__ = ["KV_TYPES", "LINEAR_PANEL", "CpuKernels", "cpu_kernels"]
 
-_LIBRARY: Final = "tserve.gpu._kernels"  # setup.py's extension
 LINEAR_PANEL: Final = 32  # PANEL in _cpu_kernels.c
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
-KV_TYPES: Final = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KV_TYPES: Final = {
+    torch.float32: KV_CODES["fp32"],
+    torch.float16: KV_CODES["fp16"],
+    torch.bfloat16: KV_CODES["bf16"],
+}
 """The KV pool dtypes the kernels read and write: their ``KV_*`` codes in ``_cpu_kernels.c``."""
-
-
-def _declare(function: Any, *argtypes: type[ctypes._SimpleCData[Any]]) -> Any:
-    function.argtypes, function.restype = argtypes, None
-    return function
 
 
 class CpuKernels:
@@ -67,9 +64,7 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         i64, ptr = _I64, _PTR
-        self._add_rms_norm = _declare(
-            library.tserve_add_rms_norm, ptr, ptr, ptr, ptr, i64, i64, _F32, _INT
-        )
+        self._add_rms_norm = add_rms_norm(library)
         self._rope_store = _declare(
             library.tserve_rope_store, ptr, i64, i64, i64, i64, i64,
             ptr, ptr, ptr, ptr, ptr, ptr, i64, _INT,
@@ -216,24 +211,6 @@ class CpuKernels:
             KV_TYPES[k_pool.dtype],
         )
         return out
-
-
-@functools.cache
-def kernel_library() -> ctypes.CDLL | None:
-    """The compiled kernels (``tserve/gpu/_kernels*.so``, built at install), or
-    None where the package was never built (logged once)."""
-    spec = importlib.util.find_spec(_LIBRARY)  # located, not imported: it is no Python module
-    if spec is None or spec.origin is None:
-        log.warning(
-            "tserve's compiled CPU kernels are not built (pip install -e . builds them); "
-            "running on torch alone"
-        )
-        return None
-    try:
-        return ctypes.CDLL(spec.origin)
-    except OSError as exc:
-        log.warning("tserve's compiled CPU kernels do not load (%s); running on torch alone", exc)
-        return None
 
 
 @functools.cache

@@ -1,4 +1,6 @@
-"""Every layer of a quantized :class:`~tserve.gpu._llama.PagedLlama` step in one C call.
+"""Every layer of a quantized :class:`~tserve.gpu._llama.PagedLlama` step in one C call
+(the structs and the call itself: :mod:`tserve.gpu._decoder_abi`, shared with
+the native runner).
 
 On CPU a decode step of the default model (SmolLM2 135M, Q4_1) is 30 layers
 of about nine kernel calls each; their Python side (module calls, tensor
@@ -22,84 +24,35 @@ counts at which a product is tuned to dequantize).
 
 from __future__ import annotations
 
-import ctypes
-from typing import Any, Final
-
 import torch
 
 from tserve.gpu._attention import KVPool, StepMetadata
-from tserve.gpu._cpu_kernels import KV_TYPES, kernel_library
+from tserve.gpu._cpu_kernels import KV_TYPES
+from tserve.gpu._decoder_abi import (
+    MAX_FUSED_TOKENS,
+    DecoderShape,
+    DecoderStep,
+    LayerPointers,
+    Product,
+    decoder_step,
+    product_route,
+)
+from tserve.gpu._library import kernel_library
 from tserve.gpu._llama import LayerWeights, PagedLlama
-from tserve.gpu._quant import K_FORMATS, PackedWeight, QuantizedLinear, quant_kernels
+from tserve.gpu._quant import PackedWeight, QuantizedLinear, quant_kernels
 
 __all__ = ["MAX_FUSED_TOKENS", "FusedDecoder", "fused_decoder"]
 
-MAX_FUSED_TOKENS: Final = 64
-"""The most tokens a fused step takes: past it a prefill chunk's token-by-token
-attention costs more than the Python it saves (SmolLM2 Q4_1, one core, a
-prompt from position 0: 0.96x the forward pass's time at 64 tokens, 1.02x at 128)."""
-
-# _decoder_kernels.c's ROUTE_* codes: how QuantizedLinear runs a product.
-_PACKED_INT8, _FP32, _K_INT8, _K_FP32 = 0, 1, 2, 3
-
-_I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-
-
-class _Product(ctypes.Structure):
-    """``tserve_product``: ``y [m, n] = x [m, k] W^T`` over ``data``."""
-
-    _fields_ = (("data", _PTR), ("n", _I64), ("k", _I64), ("route", _I32), ("fmt", _I32))
-
-
-class _Layer(ctypes.Structure):
-    """``tserve_layer``; the pools are this layer's ``[kv_heads, slots, D]``."""
-
-    _fields_ = (
-        ("qkv", _Product),
-        ("o", _Product),
-        ("gate_up", _Product),
-        ("down", _Product),
-        ("attn_norm", _PTR),
-        ("mlp_norm", _PTR),
-        ("k_pool", _PTR),
-        ("v_pool", _PTR),
-    )
-
-
-class _Decoder(ctypes.Structure):
-    """``tserve_decoder``."""
-
-    _fields_ = (
-        ("layers", ctypes.POINTER(_Layer)),
-        ("num_layers", _I64),
-        ("hidden", _I64),
-        ("heads", _I64),
-        ("kv_heads", _I64),
-        ("head_dim", _I64),
-        ("rope_cos", _PTR),
-        ("rope_sin", _PTR),
-        ("num_slots", _I64),
-        ("block_size", _I64),
-        ("eps", _F32),
-        ("scale", _F32),
-        ("kv_type", _I32),
-        ("isa", _I32),
-    )
-
 
 class FusedDecoder:
-    """A model's layers and KV pool as ``_decoder_kernels.c`` reads them.
+    """A :class:`~tserve.gpu._decoder_abi.DecoderStep` over a model's tensors and
+    KV pool, called with a step's tensors. Holds raw pointers into the model's
+    weights and the pool: both must outlive it (the runner owns all three). Not
+    safe to call from two threads at once (the pool is written)."""
 
-    Holds raw pointers into the model's weights and the pool: both must
-    outlive it (the runner owns all three). Not safe to call from two
-    threads at once (the pool is written).
-    """
-
-    def __init__(self, step: Any, decoder: _Decoder, layers: ctypes.Array[_Layer], max_tokens: int):
+    def __init__(self, step: DecoderStep):
         self._step = step
-        self._decoder = decoder
-        self._layers = layers  # referenced by decoder.layers: kept alive here
-        self.max_tokens = max_tokens
+        self.max_tokens = step.max_tokens
         """The most tokens a step may have here (at least 1)."""
 
     def __call__(self, residual: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> None:
@@ -110,8 +63,7 @@ class FusedDecoder:
         tables = step.token_tables
         assert tables is not None, "a fused step is built with per_token=True"
         assert residual.is_contiguous() and residual.dtype == torch.float32
-        if self._step(
-            ctypes.byref(self._decoder),
+        self._step(
             residual.data_ptr(),
             residual.shape[0],
             positions.data_ptr(),
@@ -119,24 +71,19 @@ class FusedDecoder:
             tables.tables.data_ptr(),
             tables.tables.shape[1],
             tables.rows.data_ptr(),
-        ):
-            raise MemoryError(f"no memory for the scratch of a {residual.shape[0]}-token step")
+        )
 
 
-def _product(linear: torch.nn.Module) -> tuple[_Product, int | None] | None:
+def _product(linear: torch.nn.Module) -> tuple[Product, int | None] | None:
     """``linear`` as ``_decoder_kernels.c`` runs it and the rows up to which it
     runs its kernel (None: any), or None if it is no quantized product."""
     if not isinstance(linear, QuantizedLinear):
         return None
     weight = linear.weight_q
-    if isinstance(weight, PackedWeight):
-        route = _PACKED_INT8
-    elif linear.activations == "int8":
-        route = _K_INT8  # int8 on the file's layout: K-quants alone (QuantizedLinear)
-    else:
-        route = _K_FP32 if weight.fmt in K_FORMATS else _FP32
+    route, packed = product_route(weight.fmt, linear.activations)
+    assert packed == isinstance(weight, PackedWeight), "QuantizedLinear packs as routed"
     n, k = weight.out_features, weight.in_features
-    return _Product(weight.data.data_ptr(), n, k, route, weight.fmt), linear.kernel_rows
+    return Product(weight.data.data_ptr(), n, k, route, weight.fmt), linear.kernel_rows
 
 
 def _vector(t: torch.Tensor) -> int | None:
@@ -153,45 +100,34 @@ def fused_decoder(model: PagedLlama, pool: KVPool) -> FusedDecoder | None:
     rope = [_vector(model.rope_cos), _vector(model.rope_sin)]
     if library is None or kernels is None or pool.k.dtype not in KV_TYPES or None in rope:
         return None
-    layers = (_Layer * len(model.layers))()
+    layers = []
     max_tokens = MAX_FUSED_TOKENS
-    shapes = set()
-    for i, layer in enumerate(model.layers):
+    for layer in model.layers:
         assert isinstance(layer, LayerWeights)
         products = [_product(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         norms = [_vector(layer.attn_norm), _vector(layer.mlp_norm)]
         if any(p is None for p in products) or None in norms:
             return None
-        entry = layers[i]
-        for name, found in zip(("qkv", "o", "gate_up", "down"), products, strict=True):
-            assert found is not None
-            product, kernel_rows = found
-            setattr(entry, name, product)
+        found = [p for p in products if p is not None]
+        for _, kernel_rows in found:
             if kernel_rows is not None:
                 max_tokens = min(max_tokens, kernel_rows)
-        entry.attn_norm, entry.mlp_norm = norms
-        entry.k_pool = pool.k[layer.layer_idx].data_ptr()
-        entry.v_pool = pool.v[layer.layer_idx].data_ptr()
-        shapes.add(tuple((p.n, p.k) for p in (entry.qkv, entry.o, entry.gate_up, entry.down)))
-    if len(shapes) != 1 or max_tokens < 1:
-        return None  # the kernel sizes its scratch by the first layer
-    step = library.tserve_decoder_step
-    step.argtypes = (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR)
-    step.restype = ctypes.c_int
-    decoder = _Decoder(
-        layers=layers,
-        num_layers=len(model.layers),
+        qkv, o, gate_up, down = (product for product, _ in found)
+        attn_norm, mlp_norm = (n for n in norms if n is not None)
+        k_pool, v_pool = pool.k[layer.layer_idx].data_ptr(), pool.v[layer.layer_idx].data_ptr()
+        layers.append(LayerPointers(qkv, o, gate_up, down, attn_norm, mlp_norm, k_pool, v_pool))
+    shape = DecoderShape(
         hidden=model.norm.shape[0],
         heads=model.num_heads,
         kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
-        rope_cos=rope[0],
-        rope_sin=rope[1],
+        rope_cos=model.rope_cos.data_ptr(),
+        rope_sin=model.rope_sin.data_ptr(),
         num_slots=pool.num_slots,
         block_size=pool.block_size,
         eps=model.eps,
-        scale=model.scaling,
         kv_type=KV_TYPES[pool.k.dtype],
         isa=kernels.best_isa,
     )
-    return FusedDecoder(step, decoder, layers, max_tokens)
+    step = decoder_step(library, layers, shape, max_tokens)
+    return None if step is None else FusedDecoder(step)

@@ -152,3 +152,10 @@ int tserve_decoder_step(const tserve_decoder *model, float *residual, int64_t to
     free(s.block);
     return failed ? -1 : 0;
 }
+
+/* One product as a layer's would run: y [m, n] = x [m, k] W^T by w's route, for
+ * the output head of the native runner (tserve/gpu/_native.py), so that it takes
+ * the kernels QuantizedLinear does. Returns 0, or -1 when scratch cannot be had. */
+int tserve_product_run(const tserve_product *w, int isa, const float *x, int64_t m, float *y) {
+    return product(w, isa, x, m, y);
+}

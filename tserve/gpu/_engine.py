@@ -36,7 +36,8 @@ import torch
 
 from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
-from tserve.gpu._gguf import load_gguf, sampling_metadata
+from tserve.gpu._gguf import load_gguf
+from tserve.gpu._gguf_file import sampling_metadata
 from tserve.gpu._kv import BlockManager, kv_budget_blocks
 from tserve.gpu._model_runner import (
     KV_CACHE_DTYPES,

@@ -50,10 +50,28 @@ import array
 import collections
 import hashlib
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from tserve.gpu._sequence import Sequence
 
-__all__ = ["BlockManager", "kv_budget_blocks"]
+__all__ = ["BlockManager", "kv_budget_blocks", "kv_shape", "kv_token_bytes"]
+
+
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a model config (a transformers one,
+    its text config for a multimodal one, or a GGUF file's)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_token_bytes(config: Any, itemsize: int) -> int:
+    """Bytes of K plus V that one token occupies across all layers, at
+    ``itemsize`` bytes a value."""
+    layers, kv_heads, head_dim = kv_shape(config)
+    return 2 * layers * kv_heads * head_dim * itemsize
 
 
 def kv_budget_blocks(

@@ -45,6 +45,7 @@ from tserve.gpu._attention import (
 from tserve.gpu._cpu_kernels import cpu_kernels
 from tserve.gpu._decoder import fused_decoder
 from tserve.gpu._gemm import tune_linears
+from tserve.gpu._kv import kv_shape, kv_token_bytes
 from tserve.gpu._llama import TORCH_OPS, PagedLlama, StepOps, unsupported_reason
 from tserve.gpu._models import ModelLoadError
 from tserve.gpu._quant import tune_quantized
@@ -101,25 +102,15 @@ def runs_gguf(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
-def _kv_shape(config: Any) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` of a transformers (text) config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers, kv_heads, head_dim
-
-
 def _model_kv_shape(model: Any) -> tuple[int, int, int]:
     if isinstance(model, PagedLlama):
         return len(model.layers), model.num_kv_heads, model.head_dim
-    return _kv_shape(model.config)
+    return kv_shape(model.config)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Bytes of K plus V that one token occupies across all layers."""
-    layers, kv_heads, head_dim = _kv_shape(config)
-    return 2 * layers * kv_heads * head_dim * dtype.itemsize
+    return kv_token_bytes(config, dtype.itemsize)
 
 
 class ModelRunner:

@@ -17,6 +17,8 @@ Three ways a model directory comes to be, all ending in a directory that plain
   tests (:func:`build_tiny_model`).
 
 Every function here blocks (disk, and seconds of CPU for conversion).
+Importing this module imports no torch (the native engine imports it); the
+functions that need torch or transformers import them.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_EMBEDDING_MODEL_NAME",
@@ -231,6 +234,7 @@ def publish_dir(staging: Path, target: Path, marker: str, contents: str) -> None
 
 def _convert_gguf(gguf: Path, out: Path, report: ProgressCallback) -> None:
     """Dequantize ``gguf`` into a plain fp32 transformers directory ``out``."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     report("loading the GGUF tokenizer")
@@ -293,6 +297,7 @@ def build_tiny_model(
     tied to the embedding, and 6 query heads sharing 2 KV heads (hidden size
     96). Takes about a second.
     """
+    import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out = Path(directory)

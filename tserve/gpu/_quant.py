@@ -51,7 +51,8 @@ measures once, per weight shape, whether its rows are faster through the
 kernel or through dequantizing the weight into a scratch fp32 copy and
 ``F.linear`` (the BLAS), and picks by row count (:class:`QuantizedLinear`).
 
-**Formats** are one table (``_FORMAT_TABLE``): a format's GGML id, block
+**Formats** are one table (``_quant_abi.py``'s, with the entry points both this module
+and the native runner call): a format's GGML id, block
 size and bytes, and whether it has a packed int8 kernel.
 """
 
@@ -63,18 +64,30 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 import torch
 import torch.nn.functional as F
 
-from tserve.gpu._cpu_kernels import kernel_library
+from tserve.gpu._quant_abi import (
+    BLOCK_FORMATS,
+    FORMATS,
+    K_FORMATS,
+    Activations,
+    Isa,
+    QuantLibrary,
+    format_spec,
+    product_activations,
+    quant_library,
+    row_bytes,
+)
 
 __all__ = [
     "BLOCK_FORMATS",
     "FORMATS",
     "K_FORMATS",
     "Activations",
+    "Isa",
     "PackedWeight",
     "QuantKernels",
     "QuantizedEmbedding",
@@ -86,54 +99,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-Activations = Literal["int8", "fp32"]
-"""How a product treats its activations: ``int8``, quantized per block of 32
-against the packed weight; ``fp32``, against the weight dequantized in registers."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Format:
-    """A weight format the kernels multiply by. ``block``: values per block (1 for
-    a float format), of ``block_bytes`` bytes; ``int8``: it has an int8-activation
-    kernel, over a packed layout (:meth:`QuantKernels.pack`) if ``packs``."""
-
-    name: str
-    code: int  # GGML's type id (gguf.GGMLQuantizationType), the C code's format code
-    block: int
-    block_bytes: int
-    int8: bool
-    packs: bool
-
-
-_FORMAT_TABLE: Final = {
-    f.code: f
-    for f in (
-        _Format("F16", 1, 1, 2, int8=False, packs=False),
-        _Format("BF16", 30, 1, 2, int8=False, packs=False),
-        _Format("Q4_0", 2, 32, 18, int8=True, packs=True),
-        _Format("Q4_1", 3, 32, 20, int8=True, packs=True),
-        _Format("Q8_0", 8, 32, 34, int8=True, packs=True),
-        _Format("Q4_K", 12, 256, 144, int8=True, packs=False),
-        _Format("Q5_K", 13, 256, 176, int8=True, packs=False),
-        _Format("Q6_K", 14, 256, 210, int8=True, packs=False),
-    )
-}
-FORMATS: Final = {f.name: f.code for f in _FORMAT_TABLE.values()}
-"""The formats the kernels multiply by, by GGUF name."""
-BLOCK_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block == 32)
-K_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block == 256)
-"""Super-blocks of 256 weights (``_kquant_kernels.c``)."""
-_ISA_NAMES: Final = ("portable C", "AVX2 + FMA + F16C")
-
-Isa = Literal[0, 1]
-"""0: portable C; 1: AVX2 + FMA + F16C."""
-
-
-def row_bytes(fmt: int, k: int) -> int:
-    """Bytes of one weight row of ``k`` values in ``fmt``."""
-    spec = _FORMAT_TABLE[fmt]
-    return k // spec.block * spec.block_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +118,7 @@ class QuantizedWeight:
         expected = (self.out_features, row_bytes(self.fmt, self.in_features))
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
             raise ValueError(f"weight data {tuple(self.data.shape)} is not uint8 {expected}")
-        block = _FORMAT_TABLE[self.fmt].block
+        block = format_spec(self.fmt).block
         if self.in_features % block:
             raise ValueError(f"in_features {self.in_features} is not a multiple of {block}")
 
@@ -169,14 +134,6 @@ class PackedWeight:
     in_features: int
 
 
-_I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
-
-def _declare(function: Any, *argtypes: type[ctypes._SimpleCData[Any]]) -> Any:
-    function.argtypes, function.restype = argtypes, None
-    return function
-
-
 class QuantKernels:
     """``_quant_kernels.c``'s and ``_kquant_kernels.c``'s entry points. ``isa`` is
     what runs (this CPU's best unless a caller forces portable, as the tests do).
@@ -184,27 +141,18 @@ class QuantKernels:
     threads (torch's own OpenMP pool), or on the caller alone when it is small
     """
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        library.tserve_quant_isa.restype = _INT
-        self.best_isa: Isa = 1 if library.tserve_quant_isa() == 1 else 0
-        i64, ptr, c_int = _I64, _PTR, _INT
-        self._linear = _declare(library.tserve_qlinear, c_int, c_int, ptr, i64, i64, ptr, i64, ptr)
-        self._linear_int8 = library.tserve_qlinear_int8
-        self._linear_int8.argtypes = (c_int, c_int, ptr, i64, i64, ptr, i64, ptr)
-        self._linear_int8.restype = c_int
-        self._dequantize = _declare(library.tserve_dequantize, c_int, ptr, i64, ptr, i64, ptr)
-        self._unpack = _declare(library.tserve_unpack, c_int, ptr, i64, ptr, i64, ptr)
+    def __init__(self, quant: QuantLibrary) -> None:
+        library = quant.library
+        self._quant = quant
+        self.best_isa: Isa = quant.best_isa
+        c_int = ctypes.c_int
+        self._linear, self._linear_int8 = quant.linear, quant.linear_int8
+        self._dequantize, self._unpack = quant.dequantize, quant.unpack
         # as _linear_int8: 0, or -1 when there is no memory for the activations' scratch
         self._klinear, self._klinear_int8 = library.tserve_klinear, library.tserve_klinear_int8
         for product in (self._klinear, self._klinear_int8):
             product.argtypes, product.restype = self._linear_int8.argtypes, c_int
-        self._kdequantize = _declare(
-            library.tserve_kdequantize, c_int, c_int, ptr, i64, ptr, i64, ptr
-        )
-        self._pack = _declare(library.tserve_pack, c_int, ptr, i64, i64, ptr)
-        library.tserve_packed_bytes.argtypes = (c_int, i64, i64)
-        library.tserve_packed_bytes.restype = i64
-        self._packed_bytes = library.tserve_packed_bytes
+        self._kdequantize = quant.kdequantize
 
     def linear(
         self,
@@ -238,9 +186,8 @@ class QuantKernels:
         """``weight`` in :meth:`linear_int8`'s layout (a copy); only for a format
         that ``packs``."""
         n, k = weight.out_features, weight.in_features
-        data = torch.empty(self._packed_bytes(weight.fmt, n, k), dtype=torch.uint8)
-        self._pack(weight.fmt, weight.data.contiguous().data_ptr(), n, k, data.data_ptr())
-        return PackedWeight(weight.fmt, data, n, k)
+        data = self._quant.pack(weight.fmt, weight.data.numpy(), n, k)
+        return PackedWeight(weight.fmt, torch.from_numpy(data), n, k)
 
     def linear_int8(
         self, x: torch.Tensor, weight: PackedWeight, *, isa: Isa | None = None
@@ -288,17 +235,10 @@ class QuantKernels:
 
 @functools.cache
 def quant_kernels() -> QuantKernels | None:
-    """The quantized kernels, or None where the compiled library is absent.
-    Logs once which instructions they run on."""
-    library = kernel_library()
-    if library is None:
-        return None
-    kernels = QuantKernels(library)
-    if kernels.best_isa == 0:
-        log.warning("this CPU lacks AVX2/FMA/F16C: quantized products run as portable C (slow)")
-    else:
-        log.info("quantized products run on %s", _ISA_NAMES[kernels.best_isa])
-    return kernels
+    """The quantized kernels, or None where the compiled library is absent
+    (:func:`~tserve.gpu._quant_abi.quant_library`, which logs their instructions once)."""
+    quant = quant_library()
+    return None if quant is None else QuantKernels(quant)
 
 
 Route = Literal["kernel", "dequantize"]
@@ -324,12 +264,10 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self._kernels = kernels
-        self.activations: Activations = (
-            "int8" if activations == "int8" and _FORMAT_TABLE[weight.fmt].int8 else "fp32"
-        )
+        self.activations: Activations = product_activations(weight.fmt, activations)
         self.weight_q: QuantizedWeight | PackedWeight
         self._kernel: Callable[[torch.Tensor], torch.Tensor]
-        if self.activations == "int8" and _FORMAT_TABLE[weight.fmt].packs:
+        if self.activations == "int8" and format_spec(weight.fmt).packs:
             packed = self.weight_q = kernels.pack(weight)
             self._kernel = lambda x: kernels.linear_int8(x, packed)
         elif self.activations == "int8":  # a K-quant: int8 on the file's layout

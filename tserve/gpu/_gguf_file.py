@@ -1,0 +1,404 @@
+"""Reading a GGUF file: its tensors as numpy views of the mapping, its metadata
+as a config, its tokenizer's directory; no torch.
+
+:class:`GgufFile` maps the file (``gguf.GGUFReader``, copy-on-write, so
+nothing is written back), checks its architecture (``llama``: Llama,
+SmolLM, Mistral-style files) and that every tensor is in a format tserve
+multiplies by (F32, or one of :data:`~tserve.gpu._quant_abi.FORMATS`; any
+other is a :class:`~tserve.gpu._models.ModelLoadError` naming the tensor
+and its format: ``--dequantize`` serves the file through the fp32 conversion
+instead), and reads its metadata into a :class:`GgufConfig`. Weights come
+out as raw rows (one per output feature, as GGUF stores them), Q and K rows
+back in the rotate-half order tserve's RoPE uses (llama.cpp's converter
+stores them in interleaved-pair order). The torch forward pass builds its
+modules over them (:mod:`tserve.gpu._gguf`), the native runner its arrays
+(:mod:`tserve.gpu._native`); whatever a model holds a copy of, the file's
+pages can leave the process's resident set (:meth:`GgufFile.release_unused`).
+
+The tokenizer comes from files beside the file (``tokenizer.json`` in the
+same directory) or else from its metadata, converted once by transformers
+into a small cache directory, in a child process (transformers imports
+torch; the engine need not), which the API process reads as it reads any
+model directory's.
+
+Blocks (file IO; the first conversion of a file's tokenizer takes seconds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import mmap
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from tserve.gpu._models import ModelLoadError, ProgressCallback, publish_dir, staging_dir
+from tserve.gpu._quant_abi import FORMATS
+from tserve.gpu._sampling_defaults import GGUF_SAMPLING_PREFIX
+
+__all__ = [
+    "F32",
+    "GgufConfig",
+    "GgufFile",
+    "head_name",
+    "layer_norms",
+    "layer_products",
+    "rope_tables",
+    "sampling_metadata",
+    "tokenizer_dir",
+]
+
+_ARCHITECTURE: Final = "llama"
+F32: Final = 0
+"""GGML's id of F32, the format of plain fp32 tensors (no kernel of its own)."""
+_TOKENIZER_COMPLETE: Final = ".tserve-tokenizer"
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufConfig:
+    """What a file's metadata says of its model, under the names of a
+    transformers ``LlamaConfig`` (the engine reads either alike)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_linear_factor: float  # positions are divided by it (linear scaling); 1.0: none
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
+def _reader(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` of ``path`` (copy-on-write mapping) over a plain
+    ndarray view of its mapping: slicing the ``np.memmap`` it makes costs a
+    memmap object per metadata item (30 s for SmolLM2's 49k-token vocabulary
+    on a busy machine, 5 s this way). Tensors' data stay views of the mapping."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        _plain: np.ndarray
+
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapping: np.ndarray) -> None:
+            self._plain = np.asarray(mapping)
+
+    return Reader(path, "c")
+
+
+def _open(path: Path) -> Any:
+    try:
+        return _reader(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {str(path)!r} as GGUF: {exc}") from exc
+
+
+class _Metadata:
+    def __init__(self, reader: Any, path: Path) -> None:
+        self._fields = reader.fields
+        self._path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def with_prefix(self, prefix: str) -> dict[str, Any]:
+        return {
+            key: field.contents() for key, field in self._fields.items() if key.startswith(prefix)
+        }
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self._path.name}: no {key!r} in its metadata")
+        return value
+
+
+class GgufFile:
+    """A GGUF file of a Llama-family model whose every tensor tserve runs.
+
+    ``has_kernels`` False (the compiled library is absent) makes any tensor
+    not in F32 an error. Raises ModelLoadError naming the file, and the
+    tensor where one is the problem. The arrays it hands out are views of
+    the file's mapping (or copies where rows are reordered or joined).
+    """
+
+    def __init__(self, path: Path, *, has_kernels: bool) -> None:
+        self.path = path
+        reader = _open(path)
+        self._tensors: dict[str, Any] = {tensor.name: tensor for tensor in reader.tensors}
+        meta = _Metadata(reader, path)
+        arch = meta.get("general.architecture")
+        if arch != _ARCHITECTURE:
+            raise ModelLoadError(
+                f"{path.name}: architecture {arch!r}: tserve runs GGUF files of "
+                f"{_ARCHITECTURE!r} as they are; --dequantize serves others through transformers"
+            )
+        self.formats = _check_formats(path, self._tensors.values(), has_kernels)
+        """GGUF format name -> tensors in it."""
+        self.config = _config(meta, self._tensors)
+        self.sampling: dict[str, Any] = meta.with_prefix(GGUF_SAMPLING_PREFIX)
+        """Its ``general.sampling.*`` metadata (full key -> value)."""
+
+    def describe(self) -> str:
+        """One line: the file's name and its tensors by format."""
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(self.formats.items()))
+        return f"{self.path.name}: {counts} tensors"
+
+    def _tensor(self, name: str) -> Any:
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{self.path.name}: no tensor {name!r}")
+        return tensor
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def fmt(self, name: str) -> int:
+        """GGML format id of tensor ``name``."""
+        return int(self._tensor(name).tensor_type)
+
+    def in_features(self, name: str) -> int:
+        """The values in one row of weight ``name``."""
+        return int(self._tensor(name).shape[0])
+
+    def rows(self, name: str, permute_heads: int | None = None) -> tuple[int, np.ndarray]:
+        """``(format, raw rows [out, bytes] uint8)``; with ``permute_heads``, Q/K
+        rows of that many heads back in rotate-half order (a strided view)."""
+        tensor = self._tensor(name)
+        out = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
+        rows = tensor.data.view(np.uint8).reshape(out, -1)
+        if permute_heads is not None:
+            # GGUF rows of a head: pairs (i, i + D/2) interleaved; back to halves.
+            rows = rows.reshape(permute_heads, -1, 2, rows.shape[1]).swapaxes(1, 2)
+            rows = rows.reshape(out, -1)
+        return int(tensor.tensor_type), rows
+
+    def joined(
+        self, names: Sequence[str], permute_heads: Sequence[int | None] | None = None
+    ) -> tuple[int, np.ndarray] | None:
+        """``(format, rows)`` of one weight whose outputs are ``names``' outputs,
+        concatenated (a copy when more than one), or None where they differ in
+        format."""
+        heads = permute_heads or [None] * len(names)
+        parts = [self.rows(name, h) for name, h in zip(names, heads, strict=True)]
+        if len({fmt for fmt, _ in parts}) > 1:
+            return None
+        rows = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
+        return parts[0][0], rows
+
+    def vector(self, name: str) -> np.ndarray:
+        """A 1-D weight (a norm's) in fp32: a view of the file where it is F32."""
+        tensor = self._tensor(name)
+        if int(tensor.tensor_type) != F32:
+            return np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+        data: np.ndarray = tensor.data.reshape(-1)
+        return data
+
+    def release_unused(self, held: Iterable[tuple[int, int]]) -> None:
+        """Let go of the pages of every tensor whose bytes lie in none of the
+        address ranges ``held`` (``[start, end)``: what a model holds in place;
+        it holds a copy of the rest: joined, reordered or packed), by
+        :func:`_release_pages`. Blocks for a moment."""
+        spans = list(held)
+        for tensor in self._tensors.values():
+            low = tensor.data.ctypes.data
+            high = low + tensor.data.nbytes
+            if not any(start < high and low < end for start, end in spans):
+                _release_pages(tensor.data)
+
+
+EMBEDDING: Final = "token_embd.weight"
+OUTPUT_NORM: Final = "output_norm.weight"
+
+
+def head_name(config: GgufConfig) -> str:
+    """The output head's tensor: the embedding's where they are tied."""
+    return EMBEDDING if config.tie_word_embeddings else "output.weight"
+
+
+def layer_products(config: GgufConfig, i: int) -> dict[str, tuple[list[str], list[int | None]]]:
+    """Layer ``i``'s four products (``qkv``, ``o``, ``gate_up``, ``down``): the
+    tensors each joins, in order, and the heads to permute each by (Q and K)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    block = f"blk.{i}"
+    return {
+        "qkv": (
+            [f"{block}.attn_q.weight", f"{block}.attn_k.weight", f"{block}.attn_v.weight"],
+            [heads, kv_heads, None],
+        ),
+        "o": ([f"{block}.attn_output.weight"], [None]),
+        "gate_up": ([f"{block}.ffn_gate.weight", f"{block}.ffn_up.weight"], [None, None]),
+        "down": ([f"{block}.ffn_down.weight"], [None]),
+    }
+
+
+def layer_norms(i: int) -> dict[str, str]:
+    """Layer ``i``'s two RMSNorm weights (``attn_norm``, ``mlp_norm``)."""
+    return {"attn_norm": f"blk.{i}.attn_norm.weight", "mlp_norm": f"blk.{i}.ffn_norm.weight"}
+
+
+def sampling_metadata(path: Path) -> dict[str, Any]:
+    """``path``'s ``general.sampling.*`` metadata (full key -> value), for a file
+    served through its fp32 conversion, which keeps none of it. Blocking: the
+    whole metadata is read (seconds for a large vocabulary)."""
+    return _Metadata(_open(path), path).with_prefix(GGUF_SAMPLING_PREFIX)
+
+
+def rope_tables(config: GgufConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``(cos, sin)``, each fp32 ``[max_position_embeddings, head_dim / 2]``.
+
+    The angles are transformers' (default and linear RoPE), bit for bit: the
+    same fp32 operations; their cosines and sines are rounded from float64
+    (so they may differ from transformers' by one unit in the last place:
+    torch's fp32 ``cos`` and ``sin`` are not correctly rounded)."""
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)
+    inv_freq = inv_freq / np.float32(config.rope_linear_factor)
+    positions = np.arange(config.max_position_embeddings, dtype=np.float32)
+    angles = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for tensor in tensors:
+        name = tensor.tensor_type.name
+        if name != "F32" and name not in FORMATS:
+            raise ModelLoadError(
+                f"{path.name}: tensor {tensor.name!r} is {name}, which tserve has no kernel "
+                f"for (it runs F32, {', '.join(FORMATS)}); --dequantize serves the file as fp32"
+            )
+        if name != "F32" and not has_kernels:
+            raise ModelLoadError(
+                f"{path.name}: tensor {tensor.name!r} is {name}, and tserve's compiled kernels "
+                "are not built (pip install -e . builds them); --dequantize serves it as fp32"
+            )
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _config(meta: _Metadata, tensors: dict[str, Any]) -> GgufConfig:
+    """The model that the metadata describes."""
+    arch = _ARCHITECTURE
+    if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type") not in (
+        None,
+        "none",
+        "linear",
+    ):
+        raise ModelLoadError(
+            f"{meta._path.name}: its RoPE scaling is not one tserve reads from GGUF; "
+            "--dequantize serves it through transformers"
+        )
+    heads = int(meta.need(f"{arch}.attention.head_count"))
+    hidden = int(meta.need(f"{arch}.embedding_length"))
+    linear = meta.get(f"{arch}.rope.scaling.type") == "linear"
+    embed = tensors[EMBEDDING]
+    return GgufConfig(
+        vocab_size=int(embed.shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(meta.need(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(meta.need(f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_linear_factor=float(meta.need(f"{arch}.rope.scaling.factor")) if linear else 1.0,
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+_MADV_DONTNEED: Final = getattr(mmap, "MADV_DONTNEED", None)
+
+
+@functools.cache
+def _madvise() -> Any:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes, madvise.restype = (
+        [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
+        ctypes.c_int,
+    )
+    return madvise
+
+
+def _release_pages(data: np.ndarray) -> None:
+    """Drop the whole pages inside ``data``, a part of the file's private
+    mapping that nothing wrote, from this process's resident set (``madvise``
+    ``MADV_DONTNEED``): the page cache keeps them, and a later read faults them
+    in again from the file, unchanged. Where there is no ``MADV_DONTNEED``, or
+    the call fails, they stay resident; nothing else changes."""
+    if _MADV_DONTNEED is None:
+        return
+    page = mmap.PAGESIZE
+    start = -(-data.ctypes.data // page) * page
+    end = (data.ctypes.data + data.nbytes) // page * page
+    if end > start:
+        _madvise()(start, end - start, _MADV_DONTNEED)
+
+
+def tokenizer_dir(path: Path, cache_dir: Path, progress: ProgressCallback) -> Path:
+    """The directory of the file's tokenizer files: beside it, or converted once
+    (in a child process: the caller's interpreter imports neither transformers
+    nor torch)."""
+    if (path.parent / "tokenizer.json").is_file():
+        return path.parent
+    stat = path.stat()
+    key = hashlib.blake2b(
+        f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode(), digest_size=8
+    ).hexdigest()
+    target = cache_dir / "gguf-tokenizers" / f"{path.stem}-{key}"
+    if (target / _TOKENIZER_COMPLETE).is_file():
+        return target
+    progress(f"converting {path.name}'s tokenizer into {target} (once)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with staging_dir(target.parent) as staging:
+        code = f"from {__name__} import _convert_tokenizer as c; import sys; c(*sys.argv[1:])"
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(path), str(staging)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode:
+            raise ModelLoadError(
+                f"{path.name}: its tokenizer could not be converted: {done.stderr.strip()}"
+            )
+        publish_dir(staging, target, _TOKENIZER_COMPLETE, f"{path}\n")
+    return target
+
+
+def _convert_tokenizer(path: str, out: str) -> None:
+    """Write the tokenizer of GGUF ``path`` (and its EOS as a generation config)
+    into directory ``out``, by transformers (the child :func:`tokenizer_dir` runs)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    gguf = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out)
+    eos = tokenizer.eos_token_id
+    if eos is not None:
+        GenerationConfig(eos_token_id=eos).save_pretrained(out)  # type: ignore[no-untyped-call]

@@ -1,21 +1,25 @@
 """Prefill and decode tokens per second on a GGUF file: tserve's engine beside llama.cpp's.
 
 Run: ``python -m benchmarks.gguf_engine [--gguf PATH] [--prompt 64] [--gen 32]
-[--threads 1] [--repeats 3] [--llama-bench PATH] [--sides int8,fp32,dequantized]``
+[--threads 1] [--repeats 3] [--streams 1] [--llama-bench PATH]
+[--sides native,int8,fp32,dequantized]``
 
 The measurements of ``llama-bench -p P -n G -t T``, on the same file, in
 one process per side, alternating sides within each repeat (a shared
 machine drifts; alternation shares the drift), the best of ``--repeats``
 each:
 
-* prefill: one request of ``--prompt`` random tokens (prefix caching off),
-  the time of the engine steps until its first token (one step while the
-  prompt fits ``--batch-tokens``);
-* decode: the same request's next ``--gen`` tokens, each one step of one
-  sequence, from the first token to the last.
+* prefill: ``--streams`` requests (one by default) of ``--prompt`` random
+  tokens each (prefix caching off), added at once: their prompt tokens over
+  the time of the engine steps until every one has its first token (one
+  step while the prompts fit ``--batch-tokens``);
+* decode: the same requests' next ``--gen`` tokens each, from the step after
+  the last first token to the end: the tokens of those steps over their time.
 
-Sides (``--sides``): ``int8`` and ``fp32`` (the file as it is, tserve's
-quantized kernels with ``--gguf-activations int8`` / ``fp32``),
+Sides (``--sides``): ``native`` and ``native-fp32`` (the file as it is on the
+native runner, no torch: ``--gguf-runner native``, ``--gguf-activations int8``
+/ ``fp32``), ``int8`` and ``fp32`` (the same on torch's forward pass,
+``--gguf-runner torch``),
 ``dequantized`` (the same file converted once to fp32, ``--dequantize``),
 and, with ``--llama-bench``, llama.cpp's ``llama-bench`` (``-r 1 -o json``,
 its ``avg_ts``). Prints a table, each side's ratio to llama.cpp and the
@@ -37,25 +41,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from benchmarks._bandwidth import read_bandwidth
 from benchmarks._results import result_stem, write_json
 from tserve.gpu._engine import EngineCore
 from tserve.gpu._models import default_gguf
 from tserve.protocol import AddRequest, EngineConfig, GgufActivations, SamplingParams
 
-_SIDES = ("int8", "fp32", "dequantized")
+_SIDES = ("native", "native-fp32", "int8", "fp32", "dequantized")
 
 
-def _core(gguf: Path, threads: int, batch_tokens: int, side: str) -> EngineCore:
-    activations: GgufActivations = "fp32" if side == "fp32" else "int8"
+def _core(gguf: Path, threads: int, batch_tokens: int, side: str, streams: int) -> EngineCore:
+    activations: GgufActivations = "fp32" if side.endswith("fp32") else "int8"
     config = EngineConfig(
         model=str(gguf),
         device="cpu",
         dtype="float32",
         threads=threads,
-        max_num_seqs=1,
+        max_num_seqs=streams,
+        gguf_runner="native" if side.startswith("native") else "torch",
         max_num_batched_tokens=batch_tokens,
         kv_cache_tokens=4096,
         enable_prefix_caching=False,
@@ -65,21 +68,28 @@ def _core(gguf: Path, threads: int, batch_tokens: int, side: str) -> EngineCore:
     return EngineCore(config, progress=lambda line: print(f"  {line}"))
 
 
-def _measure(core: EngineCore, prompt: list[int], gen: int, tag: str) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of one request on an idle core."""
+def _measure(core: EngineCore, prompts: list[list[int]], gen: int, tag: str) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of ``prompts`` added at once to an idle core."""
     params = SamplingParams(max_tokens=gen + 1, temperature=0.0, ignore_eos=True)
-    core.add(AddRequest(tag, prompt, params), b"bench")
-    tokens = 0
+    for i, prompt in enumerate(prompts):
+        core.add(AddRequest(f"{tag}-{i}", prompt, params), b"bench")
+    started: set[str] = set()
+    tokens = decoded = 0
     start = time.perf_counter()
     first = end = start
     while core.has_work:
-        for _, out in core.step():
-            if out.token_ids and tokens == 0:
-                first = time.perf_counter()
-            tokens += len(out.token_ids)
-        end = time.perf_counter()
-    assert tokens == gen + 1, f"{tag}: {tokens} tokens"
-    return len(prompt) / (first - start), gen / (end - first)
+        outputs = core.step()
+        now = time.perf_counter()
+        step_tokens = sum(len(out.token_ids) for _, out in outputs)
+        tokens += step_tokens
+        if len(started) == len(prompts):
+            decoded += step_tokens
+            end = now
+        else:
+            started.update(out.request_id for _, out in outputs if out.token_ids)
+            first = end = now
+    assert tokens == len(prompts) * (gen + 1), f"{tag}: {tokens} tokens"
+    return sum(map(len, prompts)) / (first - start), decoded / (end - first)
 
 
 def _read_bandwidth() -> float:
@@ -89,8 +99,15 @@ def _read_bandwidth() -> float:
 
 def _step_bytes(core: EngineCore) -> int:
     """Bytes of weights one decode step reads (each weight once, the embedding's one row aside)."""
+    import torch
+
+    from tserve.gpu._model_runner import ModelRunner
+    from tserve.gpu._native import NativeRunner
     from tserve.gpu._quant import QuantizedLinear
 
+    if isinstance(core.runner, NativeRunner):
+        return core.runner.model.product_bytes
+    assert isinstance(core.runner, ModelRunner)
     total = 0
     for module in core.runner.model.modules():
         if isinstance(module, QuantizedLinear):
@@ -119,6 +136,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-tokens", type=int, default=512)
+    parser.add_argument("--streams", type=int, default=1, help="requests at once")
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
     parser.add_argument(
         "--sides", default=",".join(_SIDES), help=f"tserve's sides, of {', '.join(_SIDES)}"
@@ -129,8 +147,13 @@ def main() -> int:
         parser.error(f"--sides: a comma-separated list of {', '.join(_SIDES)}")
 
     gguf = (args.gguf or default_gguf()).resolve()
-    print(f"{gguf.name}, {args.threads} thread(s), -p {args.prompt} -n {args.gen}")
-    cores = {side: _core(gguf, args.threads, args.batch_tokens, side) for side in sides}
+    print(
+        f"{gguf.name}, {args.threads} thread(s), {args.streams} stream(s), "
+        f"-p {args.prompt} -n {args.gen}"
+    )
+    cores = {
+        side: _core(gguf, args.threads, args.batch_tokens, side, args.streams) for side in sides
+    }
     vocab = cores[sides[0]].vocab_size
     bandwidth = _read_bandwidth()
     rng = random.Random(0)
@@ -138,8 +161,10 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats + 1):  # the first round warms up
         for side, core in cores.items():
-            prompt = [rng.randrange(vocab) for _ in range(args.prompt)]
-            rates = _measure(core, prompt, args.gen, f"{side}-{repeat}")
+            prompts = [
+                [rng.randrange(vocab) for _ in range(args.prompt)] for _ in range(args.streams)
+            ]
+            rates = _measure(core, prompts, args.gen, f"{side}-{repeat}")
             if repeat:
                 runs.append(
                     {"side": side, "repeat": repeat, "prefill": rates[0], "decode": rates[1]}
@@ -167,7 +192,7 @@ def main() -> int:
         print(f"{side:>12} {prefill:>14.1f} {decode:>13.1f} {rate}")
     ratios: dict[str, dict[str, float]] = {}
     for side in cores:
-        for other in ("dequantized", "llama.cpp"):
+        for other in ("int8", "fp32", "dequantized", "llama.cpp"):
             if other in best and other != side:
                 ratio = {
                     "prefill": best[side][0] / best[other][0],
@@ -185,6 +210,7 @@ def main() -> int:
         "prompt": args.prompt,
         "gen": args.gen,
         "threads": args.threads,
+        "streams": args.streams,
         "repeats": args.repeats,
         "llama_bench": args.llama_bench,
         "machine": platform.processor() or platform.machine(),

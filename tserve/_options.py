@@ -186,6 +186,16 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "weights dequantized in registers: the results of the fp32 conversion)",
         choices=("int8", "fp32"),
     )
+    _option(
+        eng,
+        "--gguf-runner",
+        str,
+        d.gguf_runner,
+        "what runs a GGUF file served as it is on CPU: 'auto' (the native runner, which "
+        "imports no torch, where every layer fuses; torch's forward pass otherwise), "
+        "'native' or 'torch'",
+        choices=("auto", "native", "torch"),
+    )
     _option(eng, "--cache-dir", str, None, "where converted models are cached")
     _option(
         eng,
@@ -218,6 +228,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "dequantize": args.dequantize,
         "generation_config": args.generation_config,
         "gguf_activations": args.gguf_activations,
+        "gguf_runner": args.gguf_runner,
         "cache_dir": args.cache_dir,
         "engine_kind": args.engine_kind,
         "echo_step_time": args.echo_step_time,

@@ -10,7 +10,14 @@ from typing import Literal, TypeAlias
 
 import msgspec
 
-__all__ = ["CpuGemm", "EngineConfig", "GgufActivations", "KvCacheDtype", "ModelImpl"]
+__all__ = [
+    "CpuGemm",
+    "EngineConfig",
+    "GgufActivations",
+    "GgufRunner",
+    "KvCacheDtype",
+    "ModelImpl",
+]
 
 
 CpuGemm: TypeAlias = Literal["auto", "blas", "onednn", "avx512"]
@@ -21,6 +28,10 @@ ModelImpl: TypeAlias = Literal["auto", "hf"]
 
 GgufActivations: TypeAlias = Literal["int8", "fp32"]
 """How a GGUF file's quantized products treat their activations (``tserve.gpu._quant``)."""
+
+GgufRunner: TypeAlias = Literal["auto", "native", "torch"]
+"""What runs a GGUF file served as it is on CPU: the native runner (no torch,
+``tserve.gpu._native``) where every layer fuses, else torch's forward pass; or one."""
 
 KvCacheDtype: TypeAlias = Literal["auto", "fp32", "fp16", "bf16"]
 """What the KV cache stores: "auto" (see ``tserve.gpu._model_runner.resolve_kv_dtype``) or one."""
@@ -56,7 +67,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     activations quantized to 8 bits per block of 32 against the packed
     weights, integer products (llama.cpp's scheme); "fp32", fp32 against the
     weights dequantized in registers (the fp32 conversion's results up to
-    summation order). ``heartbeat_interval``: every peer hears from
+    summation order). ``gguf_runner`` (a GGUF file served as it is, on CPU):
+    "native", the engine imports no torch (numpy buffers and the C kernels:
+    every layer of the file must fuse); "torch", torch's forward pass; "auto",
+    native where the file allows it. ``heartbeat_interval``: every peer hears from
     the engine at least this often; on a network bind it is also the period
     of the ZMTP heartbeats (``tserve.gpu._bind``).
 
@@ -110,3 +124,4 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dequantize: bool = False
     generation_config: str = "auto"
     gguf_activations: GgufActivations = "int8"
+    gguf_runner: GgufRunner = "auto"

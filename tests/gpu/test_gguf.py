@@ -261,8 +261,10 @@ def test_the_engine_serves_a_gguf_file_as_its_fp32_conversion_would(
 ) -> None:
     """With fp32 activations (int8 ones round them: their own test is below)."""
     path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
-    native = small_core(path, cache_dir=str(tmp_path / "cache"), gguf_activations="fp32")
-    assert isinstance(native.runner.model, PagedLlama)
+    native = small_core(
+        path, cache_dir=str(tmp_path / "cache"), gguf_activations="fp32", gguf_runner="torch"
+    )
+    assert isinstance(native.runner, ModelRunner) and isinstance(native.runner.model, PagedLlama)
     assert native.model_path == path.parent.resolve() and native.model_name == "tiny.gguf"
     converted = small_core(path, cache_dir=str(tmp_path / "cache"), dequantize=True)
     assert (tmp_path / "cache" / "tiny-fp32" / "config.json").is_file()

@@ -174,6 +174,7 @@ def test_a_byte_budget_holds_twice_the_tokens_at_half_the_bytes(tiny_model_dir: 
         "fp32": 40, "fp16": 80, "bf16": 80,
     }  # fmt: skip
     for kv, core in cores.items():
+        assert isinstance(core.runner, ModelRunner)
         pool = core.runner.pool
         assert pool.k.dtype == {"fp32": torch.float32, **KV_DTYPES}[kv]
         assert pool.k.nbytes + pool.v.nbytes == budget
@@ -185,7 +186,9 @@ def test_a_byte_budget_holds_twice_the_tokens_at_half_the_bytes(tiny_model_dir: 
         for kv in ("fp32", "fp16")
     }
     assert tokens["fp32"].blocks.num_blocks == tokens["fp16"].blocks.num_blocks == 64
-    assert tokens["fp16"].runner.pool.k.nbytes * 2 == tokens["fp32"].runner.pool.k.nbytes
+    fp32, fp16 = tokens["fp32"].runner, tokens["fp16"].runner
+    assert isinstance(fp32, ModelRunner) and isinstance(fp16, ModelRunner)
+    assert fp16.pool.k.nbytes * 2 == fp32.pool.k.nbytes
 
 
 def test_a_byte_budget_below_one_block_is_an_error_naming_it(tiny_model_dir: Path) -> None:
@@ -215,6 +218,7 @@ def test_fp16_prefix_caching_and_preemption_change_no_token(tiny_model_dir: Path
     off = small_core(tiny_model_dir, enable_prefix_caching=False, **settings)
     on = small_core(tiny_model_dir, enable_prefix_caching=True, **settings)
     tight = small_core(tiny_model_dir, kv_cache_tokens=256, **settings)
+    assert isinstance(off.runner, ModelRunner) and isinstance(on.runner, ModelRunner)
     assert off.runner.pool.k.dtype == on.runner.pool.k.dtype == torch.float16
 
     expected = _run(off, requests, concurrency=16)

@@ -35,6 +35,10 @@ Modules:
 * ``_llama.py`` — :class:`PagedLlama`, tserve's own forward pass for
   Llama-family models (Llama, Mistral, Qwen2): fused products over the loaded
   weights, the head on sampled rows only; its glue as :class:`StepOps`.
+* ``_native.py`` — a GGUF file served without torch: :class:`NativeModel`
+  (its weights as numpy arrays the C kernels read) and :class:`NativeRunner`
+  (one step: embedding, the fused decoder in calls of at most 64 tokens, the
+  head on sampled rows), logits bit for bit the torch path's fused step's.
 * ``_decoder.py`` — every layer of a quantized model's short step in one C
   call (``_decoder_kernels.c``), for the model runner to hand ``_llama.py``.
 * ``_gguf.py`` — a GGUF file as a :class:`PagedLlama` over its tensors in their

@@ -25,37 +25,25 @@ times out, ends that request alone with ERROR.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-import numpy.typing as npt
-import torch
 
 from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
-from tserve.gpu._gguf import load_gguf
-from tserve.gpu._gguf_file import sampling_metadata
-from tserve.gpu._kv import BlockManager, kv_budget_blocks
-from tserve.gpu._model_runner import (
-    KV_CACHE_DTYPES,
-    ModelRunner,
-    kv_bytes_per_token,
-    resolve_device,
-    resolve_kv_dtype,
-    runs_gguf,
-)
+from tserve.gpu._gguf_file import GgufFile, sampling_metadata
+from tserve.gpu._kv import BlockManager, kv_budget_blocks, kv_token_bytes
 from tserve.gpu._models import (
     DEFAULT_MODEL_NAME,
     ModelLoadError,
     converted_gguf_dir,
     default_cache_root,
     default_gguf,
-    load_model,
 )
-from tserve.gpu._quant import quant_kernels
 from tserve.gpu._sampler import Sampler
 from tserve.gpu._sampling_defaults import read_sampling_defaults
 from tserve.gpu._scheduler import Scheduler
@@ -79,7 +67,31 @@ Progress = Callable[[str], None]
 # one, instead of spinning; new frames wait at most this long for the loop.
 _IDLE_COMPILE_WAIT = 0.005
 
-_DTYPE_NAMES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
+
+class _Runner(Protocol):
+    """What the engine needs of a runner (ModelRunner, NativeRunner)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def execute(self, chunks: list[ScheduledChunk]) -> Any: ...
+
+
+@dataclasses.dataclass
+class _Loaded:
+    """A model loaded for one of the runners, before its KV pool is sized."""
+
+    config: Any  # a transformers config or a GgufConfig: read alike
+    model_path: Path  # the directory of its tokenizer files
+    name_path: Path  # its name in EngineReady (unless the default model)
+    tokenizer: object | None  # a transformers tokenizer, or None: the files'
+    eos_token_ids: tuple[int, ...]
+    gguf_sampling: dict[str, Any]  # a GGUF file's general.sampling.*
+    defaults_dir: Path  # where a generation_config.json would be
+    device: str
+    kv_dtype: str  # a --kv-cache-dtype name, "auto" resolved
+    kv_itemsize: int
+    runner: Callable[[int], _Runner]  # given the KV pool's blocks
 
 
 class EngineCore(CoreBookkeeping[Sequence]):
@@ -89,60 +101,35 @@ class EngineCore(CoreBookkeeping[Sequence]):
 
     def __init__(self, config: EngineConfig, progress: Progress = print) -> None:
         super().__init__()
-        torch.set_num_threads(max(1, config.threads))
-        device, dtype = resolve_device(config)
         default = config.model == "default"
         path = default_gguf() if default else Path(config.model).expanduser()
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_root()
         is_default = default or _is_default_gguf(path)
-        model: Any
-        gguf_sampling: dict[str, Any] = {}  # a GGUF file's general.sampling.*
-        if path.suffix == ".gguf" and path.is_file() and not config.dequantize:
-            if not runs_gguf(device, dtype):
-                raise ValueError(
-                    f"{path.name} runs as it is on CPU in float32; on {device} ({dtype}) "
-                    "serve it with --dequantize"
-                )
-            progress(f"loading {path} as it is, on {device}")
-            gguf = load_gguf(
-                path,
-                kernels=quant_kernels(),
-                cache_dir=cache,
-                progress=progress,
-                activations=config.gguf_activations,
-            )
-            model, model_config = gguf.model, gguf.config
-            self.model_path = gguf.tokenizer_dir.resolve()
-            gguf_sampling, defaults_dir = gguf.sampling, path.parent
-            tokenizer = None  # llguidance reads the tokenizer.json there
-            self.eos_token_ids = _eos_ids(model_config, None)
+        as_is = path.suffix == ".gguf" and path.is_file() and not config.dequantize
+        file = _native_file(config, path) if as_is else None
+        if file is not None:
+            loaded = _load_native(config, file, cache, progress)
         else:
-            defaults_dir = path
-            if path.suffix == ".gguf" and path.is_file():
-                # Its conversion keeps none of its sampling metadata; the
-                # bundled file states none (its card's values apply).
-                if config.generation_config == "auto" and not is_default:
-                    gguf_sampling = sampling_metadata(path)
-                defaults_dir = path.parent
-                name = DEFAULT_MODEL_NAME if default else None
-                path = converted_gguf_dir(path, cache, name=name, progress=progress)
-            progress(f"loading {path} on {device} ({dtype})")
-            model, tokenizer = load_model(path, device=device, dtype=dtype)
-            model_config = model.config
-            self.model_path = path.resolve()
-            self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.model_name = "SmolLM2-135M-Instruct" if default else path.name
+            loaded = _load_torch(config, path, cache, progress, default=default, as_is=as_is)
+        converted = not as_is and path.suffix == ".gguf" and path.is_file()
+        if converted and config.generation_config == "auto" and not is_default:
+            # Its conversion keeps none of its sampling metadata; the
+            # bundled file states none (its card's values apply).
+            loaded.gguf_sampling = sampling_metadata(path)
+        model_config = loaded.config
+        self.model_path = loaded.model_path
+        self.eos_token_ids = loaded.eos_token_ids
+        self.model_name = "SmolLM2-135M-Instruct" if default else loaded.name_path.name
         self.sampling_defaults = read_sampling_defaults(
             config.generation_config,
-            model_dir=defaults_dir,
-            gguf_metadata=gguf_sampling,
+            model_dir=loaded.defaults_dir,
+            gguf_metadata=loaded.gguf_sampling,
             default_model=is_default,
         )
         progress(self.sampling_defaults.describe())
         self.vocab_size = int(model_config.vocab_size)
-        self.device = str(device)
-        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
-        token_bytes = kv_bytes_per_token(model_config, kv_dtype)
+        self.device = loaded.device
+        token_bytes = kv_token_bytes(model_config, loaded.kv_itemsize)
         num_blocks = kv_budget_blocks(
             kv_cache_tokens=config.kv_cache_tokens,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
@@ -155,16 +142,8 @@ class EngineCore(CoreBookkeeping[Sequence]):
             config.max_model_len or model_len, model_len, num_blocks * config.block_size
         )
         self.config = config
-        self.runner = ModelRunner(
-            model,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            device=device,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            cpu_gemm=config.cpu_gemm,
-            model_impl=config.model_impl,
-        )
+        self.runner = loaded.runner(num_blocks)
+        tokenizer = loaded.tokenizer
         self.sampler = Sampler()
         self.blocks = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -194,7 +173,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
         kv_tokens = num_blocks * config.block_size
         progress(
             f"engine ready: {self.model_name}, {kv_tokens} KV tokens "
-            f"({_DTYPE_NAMES[kv_dtype]}, {kv_tokens * token_bytes / 2**20:.0f} MiB)"
+            f"({loaded.kv_dtype}, {kv_tokens * token_bytes / 2**20:.0f} MiB)"
         )
 
     # -- requests in ---------------------------------------------------------
@@ -291,7 +270,8 @@ class EngineCore(CoreBookkeeping[Sequence]):
         outputs += [(seq.peer, self._output(seq)) for seq in news]  # 6 outputs
         return outputs
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _forward(self, chunks: list[ScheduledChunk]) -> Any:
+        """The sampled rows' logits: a numpy array (the native runner's) or a torch tensor."""
         self._count_step()
         return self.runner.execute(chunks)
 
@@ -318,7 +298,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
     def _sample(
         self,
         to_sample: list[Sequence],
-        logits: torch.Tensor | npt.NDArray[np.float32],
+        logits: Any,
         grammar: MaskResult,
     ) -> tuple[dict[str, int], list[Sequence]]:
         """Sampled token per request id, and the requests that failed alone (now finished).
@@ -399,6 +379,161 @@ class EngineCore(CoreBookkeeping[Sequence]):
             self.sampler.release(seq.request_id)
             self.constraints.release(seq.request_id)
         return RequestOutput(seq.request_id, new, seq.finish_reason, logprobs, seq.error)
+
+
+def _native_file(config: EngineConfig, path: Path) -> GgufFile | None:
+    """The GGUF file ``path``, read, where the native runner serves it (the
+    engine then imports no torch); None for torch's forward pass. Raises
+    ValueError where ``gguf_runner`` "native" was asked for and cannot be."""
+    from tserve.gpu._native import native_problem
+
+    problem = _native_config_problem(config)
+    if problem is None and config.gguf_runner != "torch":
+        file = GgufFile(path, has_kernels=True)
+        problem = native_problem(file)
+        if problem is None:
+            return file
+    if config.gguf_runner == "native":
+        raise ValueError(f"--gguf-runner native cannot serve {path.name}: {problem}")
+    return None
+
+
+def _native_config_problem(config: EngineConfig) -> str | None:
+    """What in ``config`` keeps a GGUF file off the native runner, or None."""
+    if config.gguf_runner == "torch":
+        return "--gguf-runner torch"
+    if config.device not in ("auto", "cpu") or config.dtype not in ("auto", "float32"):
+        return f"it runs on CPU in float32, not {config.device} {config.dtype}"
+    if config.device == "auto" and _cuda_possible():
+        return "a CUDA device may be present (--device cpu serves it natively)"
+    if config.model_impl == "hf":
+        return "--model-impl hf"
+    if config.gguf_runner == "auto":
+        return "--gguf-runner auto takes torch's forward pass"
+    return None
+
+
+def _cuda_possible() -> bool:
+    """Whether this machine may have a CUDA device (an NVIDIA driver's device
+    files), told without importing torch."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def _load_native(config: EngineConfig, file: GgufFile, cache: Path, progress: Progress) -> _Loaded:
+    """``file`` on the native runner: numpy and the C kernels, no torch."""
+    from tserve.gpu._library import set_threads
+    from tserve.gpu._native import KV_STORAGE, NativeModel, NativeRunner
+
+    progress(f"loading {file.path} as it is, on cpu, on the native runner (no torch)")
+    activations = config.gguf_activations
+    model = NativeModel(file, cache_dir=cache, progress=progress, activations=activations)
+    set_threads(model.quant.library, config.threads)
+    kv_dtype = "fp32" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+
+    def runner(num_blocks: int) -> _Runner:
+        return NativeRunner(
+            model, num_blocks=num_blocks, block_size=config.block_size, kv_dtype=kv_dtype
+        )
+
+    return _Loaded(
+        config=model.config,
+        model_path=model.tokenizer_dir.resolve(),
+        name_path=file.path,
+        tokenizer=None,  # llguidance reads the tokenizer.json there
+        eos_token_ids=_eos_ids(model.config, None),
+        gguf_sampling=model.sampling,
+        defaults_dir=file.path.parent,
+        device="cpu",
+        kv_dtype=kv_dtype,
+        kv_itemsize=np.dtype(KV_STORAGE[kv_dtype]).itemsize,
+        runner=runner,
+    )
+
+
+def _load_torch(
+    config: EngineConfig,
+    path: Path,
+    cache: Path,
+    progress: Progress,
+    *,
+    default: bool,
+    as_is: bool,
+) -> _Loaded:
+    """``path`` on torch's forward pass (the only place the engine imports torch):
+    a GGUF file as it is (CPU fp32), a GGUF file's fp32 conversion, or a model
+    directory."""
+    import torch
+
+    from tserve.gpu._gguf import load_gguf
+    from tserve.gpu._model_runner import (
+        KV_CACHE_DTYPES,
+        ModelRunner,
+        resolve_device,
+        resolve_kv_dtype,
+        runs_gguf,
+    )
+    from tserve.gpu._models import load_model
+    from tserve.gpu._quant import quant_kernels
+
+    torch.set_num_threads(max(1, config.threads))
+    device, dtype = resolve_device(config)
+    model: Any
+    if as_is:
+        if not runs_gguf(device, dtype):
+            raise ValueError(
+                f"{path.name} runs as it is on CPU in float32; on {device} ({dtype}) "
+                "serve it with --dequantize"
+            )
+        progress(f"loading {path} as it is, on {device}, on torch's forward pass")
+        gguf = load_gguf(
+            path,
+            kernels=quant_kernels(),
+            cache_dir=cache,
+            progress=progress,
+            activations=config.gguf_activations,
+        )
+        model, model_config, tokenizer = gguf.model, gguf.config, None
+        model_path, sampling = gguf.tokenizer_dir.resolve(), gguf.sampling
+        defaults_dir = path.parent
+        eos = _eos_ids(model_config, None)
+    else:
+        defaults_dir = path
+        if path.suffix == ".gguf" and path.is_file():
+            defaults_dir = path.parent
+            name = DEFAULT_MODEL_NAME if default else None
+            path = converted_gguf_dir(path, cache, name=name, progress=progress)
+        progress(f"loading {path} on {device} ({dtype})")
+        model, tokenizer = load_model(path, device=device, dtype=dtype)
+        model_config, model_path, sampling = model.config, path.resolve(), {}
+        eos = _eos_ids(model, tokenizer)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    kv_name = next(name for name, d in KV_CACHE_DTYPES.items() if d == kv_dtype)
+
+    def runner(num_blocks: int) -> _Runner:
+        return ModelRunner(
+            model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            device=device,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            cpu_gemm=config.cpu_gemm,
+            model_impl=config.model_impl,
+        )
+
+    return _Loaded(
+        config=model_config,
+        model_path=model_path,
+        name_path=path,
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+        gguf_sampling=sampling,
+        defaults_dir=defaults_dir,
+        device=str(device),
+        kv_dtype=kv_name,
+        kv_itemsize=kv_dtype.itemsize,
+        runner=runner,
+    )
 
 
 def _is_default_gguf(path: Path) -> bool:

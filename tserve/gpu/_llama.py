@@ -354,9 +354,10 @@ class PagedLlama(torch.nn.Module):
         if keep.numel() == 0:
             return residual.new_empty(0, self.vocab_size)
         last = residual.index_select(0, keep)
-        if hidden is not None:
-            last.add_(hidden.index_select(0, keep))
-        logits: torch.Tensor = self.lm_head(_rms_norm(last, self.norm, self.eps))
+        tail = None if hidden is None else hidden.index_select(0, keep)
+        # On the step's ops like every other norm: the native runner's head is
+        # the same C kernel (tserve/gpu/_native.py), so their logits agree bit for bit.
+        logits: torch.Tensor = self.lm_head(self.ops.add_rms_norm(last, tail, self.norm, self.eps))
         return logits
 
 

@@ -1,0 +1,213 @@
+"""The native runner (numpy and the C kernels, no torch) against the torch path
+on the same GGUF file.
+
+Both run a short step on the same kernels in the same order (the fused
+decoder, the final norm, the head's product), so their logits agree bit for
+bit; a step longer than one fused call splits into several there, token by
+token attention making the split exact, while the torch path runs it op by
+op (SDPA, and dequantized weights where a product is tuned to): those agree
+up to float rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.gpu.cores import generated, small_core
+from tests.gpu.gguf_files import build_wide_model, write_gguf
+from tserve.gpu._decoder_abi import MAX_FUSED_TOKENS
+from tserve.gpu._engine import EngineCore
+from tserve.gpu._gguf import load_gguf
+from tserve.gpu._gguf_file import GgufFile
+from tserve.gpu._model_runner import ModelRunner
+from tserve.gpu._native import NativeModel, NativeRunner, native_problem
+from tserve.gpu._quant import Activations, quant_kernels
+from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.protocol import AddRequest, SamplingParams
+
+KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BLOCK_SIZE, NUM_BLOCKS = 4, 96
+
+
+def _runners(
+    path: Path, tmp_path: Path, activations: Activations, kv: str
+) -> tuple[NativeRunner, ModelRunner]:
+    file = GgufFile(path, has_kernels=True)
+    native = NativeModel(file, cache_dir=tmp_path, progress=lambda _: None, activations=activations)
+    loaded = load_gguf(
+        path,
+        kernels=quant_kernels(),
+        cache_dir=tmp_path,
+        progress=lambda _: None,
+        activations=activations,
+    )
+    return (
+        NativeRunner(native, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_dtype=kv),
+        ModelRunner(
+            loaded.model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_dtype=KV_DTYPES[kv]
+        ),
+    )
+
+
+def _sequences() -> tuple[Sequence, Sequence]:
+    """Two sequences whose blocks interleave, in reverse order."""
+    blocks = list(range(NUM_BLOCKS))[::-1]
+    a, b = Sequence("a", [], SamplingParams()), Sequence("b", [], SamplingParams())
+    a.block_table, b.block_table = blocks[0::2], blocks[1::2]
+    return a, b
+
+
+def _mixed_steps() -> list[list[ScheduledChunk]]:
+    """Chunked prefill beside decodes, then decodes, every step of at most 15
+    tokens (a product is never tuned to dequantize below 16 rows, so the torch
+    path runs each on its fused decoder)."""
+    a, b = _sequences()
+    tokens = [(i * 37 + 11) % 512 for i in range(40)]
+    steps = [
+        [ScheduledChunk(a, 0, tokens[:5], False), ScheduledChunk(b, 0, tokens[20:23], True)],
+        [ScheduledChunk(a, 5, tokens[5:9], True), ScheduledChunk(b, 3, [tokens[23]], True)],
+    ]
+    for i in range(5):
+        steps.append(
+            [
+                ScheduledChunk(a, 9 + i, [tokens[9 + i]], True),
+                ScheduledChunk(b, 4 + i, [tokens[24 + i]], True),
+            ]
+        )
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("fmt", "activations"), [("Q4_1", "int8"), ("Q8_0", "int8"), ("Q4_0", "fp32"), ("F16", "fp32")]
+)
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+def test_native_steps_are_the_torch_path_s_fused_steps_bit_for_bit(
+    smollm2_tiny_dir: Path, tmp_path: Path, fmt: str, activations: Activations, kv: str
+) -> None:
+    path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / f"tiny-{fmt}.gguf", fmt)
+    native, torch_runner = _runners(path, tmp_path, activations, kv)
+    for chunks in _mixed_steps():
+        ours = native.execute(chunks)
+        expected = torch_runner.execute(chunks)
+        assert ours.dtype == np.float32 and ours.shape == tuple(expected.shape)
+        assert np.array_equal(ours, expected.numpy())
+
+
+def test_a_k_quant_file_of_one_format_per_product_runs_natively(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Q4_K layers (int8 on the file's layout) and a Q6_K head: the K-quant routes."""
+    wide = build_wide_model(tiny_model_dir, tmp_path / "wide")
+    formats = {"output.weight": "Q6_K"}
+    path = write_gguf(wide, tmp_path / "gguf" / "wide.gguf", "Q4_K", formats=formats)
+    native, torch_runner = _runners(path, tmp_path, "int8", "fp32")
+    for chunks in _mixed_steps():
+        assert np.array_equal(native.execute(chunks), torch_runner.execute(chunks).numpy())
+
+
+def test_a_step_longer_than_a_fused_call_splits_and_matches_the_torch_path(
+    smollm2_tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A 200-token prompt in one step: four fused calls here. Against the torch
+    path fed the same prompt in 8-token steps (each on its fused decoder): bit
+    for bit; against its own 200-token step (op by op): up to float rounding."""
+    path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
+    native, chunked = _runners(path, tmp_path, "fp32", "fp32")
+    whole = _runners(path, tmp_path, "fp32", "fp32")[1]
+    assert 3 * native.max_tokens < 200 and native.max_tokens == MAX_FUSED_TOKENS
+    prompt = [(i * 13 + 5) % 512 for i in range(200)]
+    decodes = [7, 99, 300]
+    results = []
+    for runner, step in ((native, 200), (chunked, 8), (whole, 200)):
+        seq = Sequence("s", prompt, SamplingParams())
+        seq.block_table = list(range(NUM_BLOCKS))[::-1]
+        rows = []
+        for start in range(0, len(prompt), step):
+            sample = start + step >= len(prompt)
+            logits = runner.execute(
+                [ScheduledChunk(seq, start, prompt[start : start + step], sample)]
+            )
+            if sample:
+                rows.append(np.asarray(logits))
+        for i, token in enumerate(decodes):
+            rows.append(np.asarray(runner.execute([ScheduledChunk(seq, 200 + i, [token], True)])))
+        results.append(np.concatenate(rows))
+    ours, by_chunks, op_by_op = results
+    assert np.array_equal(ours, by_chunks)
+    difference = float(np.abs(ours - op_by_op).max() / np.abs(op_by_op).max())
+    assert difference <= 1e-5, difference
+
+
+def test_mixed_formats_and_dense_layers_keep_a_file_on_the_torch_path(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    mixed = {f"blk.{i}.attn_k.weight": "Q8_0" for i in range(2)}
+    path = write_gguf(tiny_model_dir, tmp_path / "m" / "mixed.gguf", "Q4_1", formats=mixed)
+    assert "several formats" in str(native_problem(GgufFile(path, has_kernels=True)))
+    dense = write_gguf(tiny_model_dir, tmp_path / "d" / "dense.gguf", "F32")
+    assert "dense F32" in str(native_problem(GgufFile(dense, has_kernels=True)))
+    core = small_core(path, cache_dir=str(tmp_path / "cache"))
+    assert isinstance(core.runner, ModelRunner)
+    with pytest.raises(ValueError, match=r"--gguf-runner native cannot serve mixed\.gguf"):
+        small_core(path, cache_dir=str(tmp_path / "cache"), gguf_runner="native")
+
+
+def _greedy(core: EngineCore, prompt: list[int], n: int, request_id: str = "r") -> list[int]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return generated(core, AddRequest(request_id, prompt, params))
+
+
+@pytest.mark.parametrize(
+    ("activations", "step_tokens"), [("int8", 15), ("fp32", 64)], ids=["int8", "fp32"]
+)
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+def test_the_engine_on_the_native_runner_serves_as_on_the_torch_path(
+    smollm2_tiny_dir: Path, tmp_path: Path, kv: str, activations: Activations, step_tokens: int
+) -> None:
+    """Greedy outputs of both engines on the same file, prompts of every length
+    up to past one fused call. In steps of at most 15 tokens both run the same
+    kernels (bit for bit, whatever the torch path's tuning measured); in
+    longer ones the torch path runs op by op, which rounds otherwise: on fp32
+    activations too little to move a greedy token (on int8 ones a rounding
+    of an activation to 8 bits may flip, moving a near-tie)."""
+    path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
+    cores = [
+        small_core(
+            path,
+            cache_dir=str(tmp_path),
+            gguf_runner=runner,
+            kv_cache_dtype=kv,
+            gguf_activations=activations,
+            max_num_batched_tokens=step_tokens,
+            max_num_seqs=4,
+        )
+        for runner in ("native", "torch")
+    ]
+    assert isinstance(cores[0].runner, NativeRunner)
+    assert isinstance(cores[1].runner, ModelRunner)
+    assert cores[0].model_name == cores[1].model_name == "tiny.gguf"
+    assert cores[0].model_path == cores[1].model_path == path.parent.resolve()
+    for length in (1, 9, 40, 100):
+        prompt = [(i * 13 + length) % 512 for i in range(length)]
+        assert _greedy(cores[0], prompt, 10) == _greedy(cores[1], prompt, 10)
+
+
+def test_prefix_caching_hits_on_the_native_runner_and_changes_no_token(
+    smollm2_tiny_dir: Path, tmp_path: Path
+) -> None:
+    path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
+    system = [(i * 7 + 3) % 512 for i in range(70)]
+    prompts = [system + [(i * 31 + k) % 512 for i in range(5)] for k in range(3)]
+    outputs = []
+    for caching in (False, True):
+        core = small_core(
+            path, cache_dir=str(tmp_path), gguf_runner="native", enable_prefix_caching=caching
+        )
+        outputs.append([_greedy(core, p, 8, f"r{k}") for k, p in enumerate(prompts)])
+        if caching:
+            assert core.stats().prefix_cache_hits > 0
+    assert outputs[0] == outputs[1]

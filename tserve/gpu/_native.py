@@ -1,0 +1,283 @@
+"""A GGUF model served without torch: numpy buffers and the C kernels alone.
+
+On CPU every layer of a quantized step already runs in one C call
+(``_decoder_kernels.c``); what torch adds around it in the engine process
+is its import, about 220 MB of its 391 MB resident after loading the default
+model. :class:`NativeModel` holds a GGUF file's weights as the kernels read
+them (numpy arrays: packed panels for int8 products, the file's rows where
+they lie in the mapping otherwise, norms and the RoPE table), and
+:class:`NativeRunner` runs a step over them with the same contract as
+:meth:`~tserve.gpu._model_runner.ModelRunner.execute`:
+
+1. the embedding of every token (the C dequantizer's rows, or an F32
+   table's rows);
+2. every layer by :class:`~tserve.gpu._decoder_abi.DecoderStep` over the
+   step's tokens in schedule order, in calls of at most
+   :data:`~tserve.gpu._decoder_abi.MAX_FUSED_TOKENS` tokens: attention runs
+   token by token over the pool through per-token block tables, so a later
+   call attends to the K/V an earlier one wrote, and splitting changes no
+   value;
+3. the final RMSNorm and the output head on the sampled rows only.
+
+Each is the kernel the torch forward pass runs on CPU (the fused decoder,
+``tserve_add_rms_norm``, the head's product by its route), so a step gives
+the logits of the torch path's fused step bit for bit. The torch path runs
+a long prefill chunk through its SDPA and dequantized-weight products
+instead; those agree with the kernels' results up to float rounding.
+
+A file qualifies (:func:`native_problem`) when every layer's four products
+are each of one quantized format (the default model: Q4_1 layers, a tied
+Q8_0 embedding and head) and the head is quantized; a mixed-format product
+(Q4_K_M's Q6_K ``attn_v`` beside Q4_K ones), dense F32 layers, or an absent
+compiled library keep the file on the torch path.
+
+Threads: the products' OpenMP threads, set by the engine
+(:func:`~tserve.gpu._library.set_threads`, ``--threads``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+from tserve.gpu._decoder_abi import (
+    MAX_FUSED_TOKENS,
+    DecoderShape,
+    DecoderStep,
+    LayerPointers,
+    Product,
+    add_rms_norm,
+    decoder_step,
+    product_route,
+    run_product,
+)
+from tserve.gpu._gguf_file import (
+    EMBEDDING,
+    F32,
+    OUTPUT_NORM,
+    GgufFile,
+    head_name,
+    layer_norms,
+    layer_products,
+    rope_tables,
+    tokenizer_dir,
+)
+from tserve.gpu._library import KV_CODES
+from tserve.gpu._models import ModelLoadError, ProgressCallback
+from tserve.gpu._quant_abi import Activations, QuantLibrary, quant_library
+from tserve.gpu._sequence import ScheduledChunk
+from tserve.gpu._step_layout import lay_out, token_tables
+
+__all__ = ["KV_STORAGE", "NativeModel", "NativeRunner", "native_problem"]
+
+KV_STORAGE: Final = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
+"""What the pool's arrays hold per ``--kv-cache-dtype``: bf16 as its 16 bits
+(numpy has no bf16; the C code reads and writes them by ``KV_CODES``)."""
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+def native_problem(file: GgufFile) -> str | None:
+    """Why :class:`NativeModel` cannot run ``file``, or None when it can."""
+    if quant_library() is None:
+        return "tserve's compiled kernels are not built"
+    config = file.config
+    for i in range(config.num_hidden_layers):
+        for product, (names, _) in layer_products(config, i).items():
+            formats = {file.fmt(name) for name in names}
+            if len(formats) > 1:
+                return f"layer {i}'s {product} product joins tensors of several formats"
+            if F32 in formats:
+                return f"layer {i}'s {product} product is dense F32"
+    if file.fmt(head_name(config)) == F32:
+        return "its output head is dense F32"
+    return None
+
+
+class NativeModel:
+    """A GGUF file's weights as ``_decoder_kernels.c`` reads them (numpy), for a
+    file :func:`native_problem` accepts; raises ModelLoadError otherwise. Its
+    products treat their activations as ``activations`` says
+    (:mod:`tserve.gpu._quant`), as the torch path's do.
+
+    Keeps every array the kernels point into (and, through them, the file's
+    mapping); the pages of tensors it holds only as a copy (joined, reordered,
+    packed) are let go once it is built. Blocks (file IO and packing).
+    """
+
+    def __init__(
+        self,
+        file: GgufFile,
+        *,
+        cache_dir: Path,
+        progress: ProgressCallback,
+        activations: Activations = "fp32",
+    ) -> None:
+        quant = quant_library()
+        problem = native_problem(file)
+        if problem is not None or quant is None:
+            raise ModelLoadError(f"{file.path.name} cannot run natively: {problem}")
+        progress(file.describe())
+        self.quant: QuantLibrary = quant
+        self.config = config = file.config
+        self.sampling = file.sampling
+        self.formats = file.formats
+        self._file = file
+        self._activations = activations
+        self._held: list[np.ndarray] = []  # every array a pointer below points into
+        self.product_bytes = 0
+        """Bytes of the products' weights: what one decode step reads."""
+        self.layers = [self._layer(i) for i in range(config.num_hidden_layers)]
+        self.head, self._head_packed = self._product([head_name(config)], [None])
+        self.norm = self._hold(file.vector(OUTPUT_NORM))
+        self.rope_cos, self.rope_sin = (self._hold(t) for t in rope_tables(config))
+        self._embed_rows: np.ndarray | None = None  # an F32 table's rows
+        if config.tie_word_embeddings and self._head_packed:
+            # One copy of the tied rows, packed: the head's bytes, unpacked per token.
+            self._embed_fmt, self._embed_data = self.head.fmt, int(self.head.data)
+            self._embed_packed = True
+        else:
+            self._embed_fmt, rows = file.rows(EMBEDDING)
+            self._embed_data, self._embed_packed = _address(self._hold(rows)), False
+            if self._embed_fmt == F32:
+                self._embed_rows = self._held[-1].view(np.float32)
+        file.release_unused((_address(a), _address(a) + a.nbytes) for a in self._held)
+        self.tokenizer_dir = tokenizer_dir(file.path, cache_dir, progress)
+
+    def _hold(self, a: np.ndarray) -> np.ndarray:
+        held = np.ascontiguousarray(a)
+        self._held.append(held)
+        return held
+
+    def _product(self, names: list[str], permutes: list[int | None]) -> tuple[Product, bool]:
+        joined = self._file.joined(names, permutes)
+        assert joined is not None, "native_problem: one format per product"
+        fmt, rows = joined
+        n, k = rows.shape[0], self._file.in_features(names[0])
+        route, packed = product_route(fmt, self._activations)
+        data = self._hold(self.quant.pack(fmt, rows, n, k) if packed else rows)
+        self.product_bytes += data.nbytes
+        return Product(_address(data), n, k, route, fmt), packed
+
+    def _layer(self, i: int) -> tuple[tuple[Product, ...], tuple[int, ...]]:
+        """Layer ``i``'s ``(qkv, o, gate_up, down)`` and ``(attn_norm, mlp_norm)``."""
+        products = [self._product(*spec)[0] for spec in layer_products(self.config, i).values()]
+        norms = [_address(self._hold(self._file.vector(n))) for n in layer_norms(i).values()]
+        return tuple(products), tuple(norms)
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """fp32 ``[len(tokens), hidden]``: the embedding rows of ``tokens`` (int64)."""
+        hidden = self.config.hidden_size
+        if self._embed_rows is not None:
+            rows: np.ndarray = self._embed_rows[tokens]
+            return rows
+        out = np.empty((len(tokens), hidden), dtype=np.float32)
+        index = np.ascontiguousarray(tokens, dtype=np.int64)
+        self.quant.dequantize_rows(
+            self._embed_fmt, self._embed_data, hidden, index, out, packed=self._embed_packed
+        )
+        return out
+
+
+class NativeRunner:
+    """Executes scheduled chunks over :class:`NativeModel` with a paged KV pool of
+    ``num_blocks * block_size`` slots in ``kv_dtype`` (``fp32``, ``fp16``,
+    ``bf16``); the pool's pages are taken only as K/V is written (``np.empty``).
+    Owns the pool. Not thread-safe: one owner calls it."""
+
+    def __init__(
+        self, model: NativeModel, *, num_blocks: int, block_size: int, kv_dtype: str = "fp32"
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        config = model.config
+        self.model = model
+        self.vocab_size = config.vocab_size
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_dtype = kv_dtype
+        slots = num_blocks * block_size
+        shape = (config.num_hidden_layers, config.num_key_value_heads, slots, config.head_dim)
+        self.k_pool = np.empty(shape, dtype=KV_STORAGE[kv_dtype])
+        self.v_pool = np.empty(shape, dtype=KV_STORAGE[kv_dtype])
+        library = model.quant.library
+        self._library = library
+        layers = []
+        for i, ((qkv, o, gate_up, down), (attn_norm, mlp_norm)) in enumerate(model.layers):
+            pools = _address(self.k_pool[i]), _address(self.v_pool[i])
+            layers.append(LayerPointers(qkv, o, gate_up, down, attn_norm, mlp_norm, *pools))
+        shape_ = DecoderShape(
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            rope_cos=_address(model.rope_cos),
+            rope_sin=_address(model.rope_sin),
+            num_slots=slots,
+            block_size=block_size,
+            eps=config.rms_norm_eps,
+            kv_type=KV_CODES[kv_dtype],
+            isa=model.quant.best_isa,
+        )
+        step = decoder_step(library, layers, shape_, MAX_FUSED_TOKENS)
+        if step is None:
+            raise ModelLoadError("the model's layers differ in their products' shapes")
+        self._step: DecoderStep = step
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens one call of the fused decoder takes: longer steps split."""
+        return self._step.max_tokens
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
+        """Run ``chunks`` (any mix of prefill chunks and decodes) as one step.
+
+        Writes each chunk's K/V into its sequence's slots and returns fp32
+        logits ``[n, vocab]`` for the chunks with ``sample=True``, in chunk
+        order. Blocks until done. Token ids must be < vocab size (checked at
+        admission, not here).
+        """
+        if not chunks:
+            return np.empty((0, self.vocab_size), dtype=np.float32)
+        layout = lay_out(chunks, self.block_size)
+        tables, rows = token_tables(chunks, layout.offsets, self.block_size)
+        tokens = layout.tokens
+        positions, slots = layout.positions, layout.slots  # rows of one C array: contiguous
+        residual = self.model.embed(tokens)  # [T, hidden]; the sums accumulate here
+        hidden = residual.shape[1]
+        width, step = tables.shape[1], self._step.max_tokens
+        for start in range(0, len(tokens), step):
+            count = min(step, len(tokens) - start)
+            self._step(
+                _address(residual) + 4 * hidden * start,
+                count,
+                _address(positions) + 8 * start,
+                _address(slots) + 8 * start,
+                _address(tables),
+                width,
+                _address(rows) + 8 * start,
+            )
+        keep = [layout.offsets[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
+        return self._head(residual[keep])
+
+    def _head(self, last: np.ndarray) -> np.ndarray:
+        """The final norm and the output head over the rows ``last`` [r, hidden]."""
+        model = self.model
+        rows, hidden = last.shape
+        logits = np.empty((rows, self.vocab_size), dtype=np.float32)
+        if rows:
+            normed = np.empty_like(last)
+            add_rms_norm(self._library)(
+                _address(last), None, _address(model.norm), _address(normed), rows, hidden,
+                model.config.rms_norm_eps, 0,
+            )  # fmt: skip
+            run_product(self._library, model.head, model.quant.best_isa, _address(normed),
+                        rows, _address(logits))  # fmt: skip
+        return logits

@@ -229,6 +229,16 @@ def test_candidates_match_a_full_sort(top_p: float, top_k: int, scale: float) ->
         assert set(ids[kept].tolist()) == set(order[: min(n, near)].tolist())
 
 
+def test_top_p_ending_among_tied_tokens_keeps_the_first_of_them() -> None:
+    """Token 0 holds 13% of the mass, 49 tied tokens 1.8% each: top-p 0.2 keeps 0 and 4 ties."""
+    row = np.zeros(VOCAB, dtype=np.float32)
+    row[0] = 2.0
+    ids, cdf = _candidates([row], [Sampling(temperature=1.0, top_p=0.2, top_k=0)])[0]
+    assert ids is not None and ids.tolist() == [0, 1, 2, 3, 4]
+    want = np.cumsum(np.exp([0.0, -2, -2, -2, -2]))
+    assert cdf.tolist() == pytest.approx(want.tolist(), rel=1e-6)
+
+
 def test_far_tokens_are_never_drawn_and_near_ones_keep_their_odds() -> None:
     """An unfiltered row whose tokens are mostly far below its top draws from the
     near ones in proportion to their probabilities."""

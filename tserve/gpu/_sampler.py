@@ -325,8 +325,8 @@ def _candidates(rows: Iterable[_F32], params: SequenceOf[Sampling]) -> list[_Can
 
     A row's ``(ids, cdf)``: ``cdf`` is the unnormalised cumulative sum of the
     kept probabilities over the candidate tokens ``ids``, in id order (None =
-    all tokens); a draw is the first index where ``cdf > u * cdf[-1]``. The most likely
-    token is always kept. Tokens below ``_NEGLIGIBLE`` are never candidates.
+    all tokens); a draw is the first index where ``cdf > u * cdf[-1]``. The
+    most likely token is always kept; tokens below ``_NEGLIGIBLE`` never are.
     What a row gets depends on that row alone, never on its neighbours.
     """
     out: list[_Candidates] = []

@@ -11,6 +11,8 @@ up to float rounding.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -211,3 +213,49 @@ def test_prefix_caching_hits_on_the_native_runner_and_changes_no_token(
         if caching:
             assert core.stats().prefix_cache_hits > 0
     assert outputs[0] == outputs[1]
+
+
+_SERVE_DEFAULT = """
+import sys
+from tserve.gpu._engine import EngineCore
+from tserve.gpu._heap import keep_freed_heap, trim_heap
+from tserve.protocol import AddRequest, EngineConfig, SamplingParams
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) // 1024
+
+keep_freed_heap()  # as the engine process does (tserve/gpu/_process.py)
+core = EngineCore(EngineConfig(device="cpu", cache_dir=sys.argv[1]), progress=print)
+trim_heap()
+print("rss after load", rss(), "MiB")
+params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+core.add(AddRequest("r", list(range(100, 160)), params), b"p")
+tokens = []
+while core.has_work:
+    for _, out in core.step():
+        tokens += out.token_ids
+print("rss after a request", rss(), "MiB")
+print("tokens", len(tokens))
+print("imported", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+def test_an_engine_on_the_default_model_never_imports_torch(tmp_path: Path) -> None:
+    """EngineCore in a fresh interpreter, as the engine process builds it: the
+    native runner, and neither torch nor transformers imported after loading
+    (the tokenizer converted in a child) and serving a request. Its resident
+    memory is reported (``-s``), not asserted."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SERVE_DEFAULT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    lines = done.stdout.splitlines()
+    print(*[line for line in lines if line.startswith("rss")], sep="\n")
+    assert any("on the native runner (no torch)" in line for line in lines)
+    assert "tokens 16" in lines
+    assert lines[-1] == "imported []"

@@ -1,12 +1,17 @@
 """The engine's step loop, in process and without sockets.
 
 :class:`EngineCore` joins the scheduler (plain Python), the model runner and
-the sampler. One :meth:`EngineCore.step` is one forward pass over every
-scheduled request. Everything about ONE request — invalid parameters, token
-ids out of the vocabulary, a prompt that can never fit, an error while
-sampling it — ends that request alone with ``FinishReason.ERROR`` and frees
-its KV; only an exception out of the batch itself (the forward pass, the
-device) escapes ``step()``, and the process treats that as fatal.
+the sampler. The runner is :class:`~tserve.gpu._native.NativeRunner` (numpy
+and the C kernels) for a GGUF file served as it is on CPU whose every layer
+fuses (``--gguf-runner``, its load log says which and why), else
+:class:`~tserve.gpu._model_runner.ModelRunner`: torch is imported only then
+(``_load_torch``), so an engine on the default model never imports it. One
+:meth:`EngineCore.step` is one forward pass over every scheduled request.
+Everything about ONE request — invalid parameters, token ids out of the
+vocabulary, a prompt that can never fit, an error while sampling it — ends
+that request alone with ``FinishReason.ERROR`` and frees its KV; only an
+exception out of the batch itself (the forward pass, the device) escapes
+``step()``, and the process treats that as fatal.
 
 A request that leaves temperature, top_p or top_k unset samples with the
 model's recommended value (read once at load, ``_sampling_defaults.py``),
@@ -106,11 +111,14 @@ class EngineCore(CoreBookkeeping[Sequence]):
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_root()
         is_default = default or _is_default_gguf(path)
         as_is = path.suffix == ".gguf" and path.is_file() and not config.dequantize
-        file = _native_file(config, path) if as_is else None
-        if file is not None:
+        native, file = _choose_runner(config, path, progress) if as_is else (False, None)
+        if native:
+            assert file is not None
             loaded = _load_native(config, file, cache, progress)
         else:
-            loaded = _load_torch(config, path, cache, progress, default=default, as_is=as_is)
+            loaded = _load_torch(
+                config, path, cache, progress, default=default, as_is=as_is, file=file
+            )
         converted = not as_is and path.suffix == ".gguf" and path.is_file()
         if converted and config.generation_config == "auto" and not is_default:
             # Its conversion keeps none of its sampling metadata; the
@@ -381,21 +389,26 @@ class EngineCore(CoreBookkeeping[Sequence]):
         return RequestOutput(seq.request_id, new, seq.finish_reason, logprobs, seq.error)
 
 
-def _native_file(config: EngineConfig, path: Path) -> GgufFile | None:
-    """The GGUF file ``path``, read, where the native runner serves it (the
-    engine then imports no torch); None for torch's forward pass. Raises
-    ValueError where ``gguf_runner`` "native" was asked for and cannot be."""
+def _choose_runner(
+    config: EngineConfig, path: Path, progress: Progress
+) -> tuple[bool, GgufFile | None]:
+    """Whether the native runner serves GGUF file ``path`` (the engine then
+    imports no torch), and the file where it was read to decide; the reason
+    said when not. Raises ValueError where ``gguf_runner`` "native" was asked
+    for and cannot be."""
     from tserve.gpu._native import native_problem
 
+    file = None
     problem = _native_config_problem(config)
-    if problem is None and config.gguf_runner != "torch":
+    if problem is None:
         file = GgufFile(path, has_kernels=True)
         problem = native_problem(file)
         if problem is None:
-            return file
+            return True, file
     if config.gguf_runner == "native":
         raise ValueError(f"--gguf-runner native cannot serve {path.name}: {problem}")
-    return None
+    progress(f"{path.name} runs on torch's forward pass, not the native runner: {problem}")
+    return False, file
 
 
 def _native_config_problem(config: EngineConfig) -> str | None:
@@ -408,8 +421,6 @@ def _native_config_problem(config: EngineConfig) -> str | None:
         return "a CUDA device may be present (--device cpu serves it natively)"
     if config.model_impl == "hf":
         return "--model-impl hf"
-    if config.gguf_runner == "auto":
-        return "--gguf-runner auto takes torch's forward pass"
     return None
 
 
@@ -458,10 +469,11 @@ def _load_torch(
     *,
     default: bool,
     as_is: bool,
+    file: GgufFile | None,
 ) -> _Loaded:
     """``path`` on torch's forward pass (the only place the engine imports torch):
-    a GGUF file as it is (CPU fp32), a GGUF file's fp32 conversion, or a model
-    directory."""
+    a GGUF file as it is (CPU fp32; ``file``: it, read already), a GGUF file's
+    fp32 conversion, or a model directory."""
     import torch
 
     from tserve.gpu._gguf import load_gguf
@@ -491,6 +503,7 @@ def _load_torch(
             cache_dir=cache,
             progress=progress,
             activations=config.gguf_activations,
+            file=file,
         )
         model, model_config, tokenizer = gguf.model, gguf.config, None
         model_path, sampling = gguf.tokenizer_dir.resolve(), gguf.sampling

@@ -75,15 +75,17 @@ def load_gguf(
     cache_dir: Path,
     progress: ProgressCallback,
     activations: Activations = "fp32",
+    file: GgufFile | None = None,
 ) -> GgufModel:
     """Load ``path`` for tserve's own forward pass on CPU; its quantized products
     treat their activations as ``activations`` says (:mod:`tserve.gpu._quant`).
 
     ``kernels`` None (the compiled library is absent) is an error for a file
     with any weight not in F32. Raises ModelLoadError naming the file, and
-    the tensor where one is the problem.
+    the tensor where one is the problem. ``file``: ``path`` read already.
     """
-    file = GgufFile(path, has_kernels=kernels is not None)
+    if file is None or kernels is None:
+        file = GgufFile(path, has_kernels=kernels is not None)
     config = file.config
     progress(file.describe())
     weights = _Weights(file, kernels, activations)

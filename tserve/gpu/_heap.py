@@ -13,15 +13,25 @@ parsed metadata, the layers' tuning scratch, the parse of a tokenizer) would
 stay resident for the process's life, about 80 MB for the default model.
 :func:`trim_heap` gives the free part back once, after loading; the steps'
 memory is kept as before. Elsewhere than glibc both are no-ops.
+
+A KV pool is neither: :func:`untouched_pages` maps it fresh from the kernel,
+so that only the pages K/V are written to become resident.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 from typing import Any
 
-__all__ = ["MALLOC_MMAP_THRESHOLD", "MALLOC_TRIM_THRESHOLD", "keep_freed_heap", "trim_heap"]
+__all__ = [
+    "MALLOC_MMAP_THRESHOLD",
+    "MALLOC_TRIM_THRESHOLD",
+    "keep_freed_heap",
+    "trim_heap",
+    "untouched_pages",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +66,14 @@ def trim_heap() -> None:
     malloc_trim = _libc_function("malloc_trim")
     if malloc_trim is not None:
         malloc_trim(0)
+
+
+def untouched_pages(nbytes: int) -> mmap.mmap:
+    """``nbytes`` (at least 1) of zeros that take no memory until written: a fresh
+    private anonymous mapping, whose pages the kernel supplies zeroed at their
+    first touch, 4 KiB at a time. (``torch.zeros`` writes every byte, making a
+    whole KV pool resident before any request; ``np.empty`` of a large array
+    asks for transparent huge pages, so that one K/V row written per
+    ``[kv_heads, slots, D]`` plane of each layer makes 2 MiB of it resident: the
+    default model's 755 MB pool all but whole after one request.)"""
+    return mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -45,6 +44,7 @@ from tserve.gpu._attention import (
 from tserve.gpu._cpu_kernels import cpu_kernels
 from tserve.gpu._decoder import fused_decoder
 from tserve.gpu._gemm import tune_linears
+from tserve.gpu._heap import untouched_pages
 from tserve.gpu._kv import kv_shape, kv_token_bytes
 from tserve.gpu._llama import TORCH_OPS, PagedLlama, StepOps, unsupported_reason
 from tserve.gpu._models import ModelLoadError
@@ -237,14 +237,12 @@ class ModelRunner:
 def _untouched_zeros(
     shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Zeros that take no memory until written, on CPU: a fresh private anonymous
-    mapping, whose pages the kernel supplies zeroed at their first touch
-    (``torch.zeros`` writes every byte, making a whole KV pool resident before
-    any request). Elsewhere ``torch.zeros``."""
+    """Zeros that take no memory until written, on CPU
+    (:func:`~tserve.gpu._heap.untouched_pages`). Elsewhere ``torch.zeros``."""
     if device.type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
     count = math.prod(shape)
-    pages = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE)
+    pages = untouched_pages(count * dtype.itemsize)
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 

@@ -37,6 +37,7 @@ Threads: the products' OpenMP threads, set by the engine
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
@@ -65,6 +66,7 @@ from tserve.gpu._gguf_file import (
     rope_tables,
     tokenizer_dir,
 )
+from tserve.gpu._heap import untouched_pages
 from tserve.gpu._library import KV_CODES
 from tserve.gpu._models import ModelLoadError, ProgressCallback
 from tserve.gpu._quant_abi import Activations, QuantLibrary, quant_library
@@ -73,13 +75,24 @@ from tserve.gpu._step_layout import lay_out, token_tables
 
 __all__ = ["KV_STORAGE", "NativeModel", "NativeRunner", "native_problem"]
 
-KV_STORAGE: Final = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
+KV_STORAGE: Final[dict[str, type[np.generic]]] = {
+    "fp32": np.float32,
+    "fp16": np.float16,
+    "bf16": np.uint16,
+}
 """What the pool's arrays hold per ``--kv-cache-dtype``: bf16 as its 16 bits
 (numpy has no bf16; the C code reads and writes them by ``KV_CODES``)."""
 
 
 def _address(a: np.ndarray) -> int:
     return int(a.ctypes.data)
+
+
+def _untouched(shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
+    """Zeros of ``shape`` that take no memory until written (:func:`untouched_pages`)."""
+    count = math.prod(shape)
+    pages = untouched_pages(count * np.dtype(dtype).itemsize)
+    return np.frombuffer(pages, dtype=dtype, count=count).reshape(shape)
 
 
 def native_problem(file: GgufFile) -> str | None:
@@ -187,7 +200,7 @@ class NativeModel:
 class NativeRunner:
     """Executes scheduled chunks over :class:`NativeModel` with a paged KV pool of
     ``num_blocks * block_size`` slots in ``kv_dtype`` (``fp32``, ``fp16``,
-    ``bf16``); the pool's pages are taken only as K/V is written (``np.empty``).
+    ``bf16``); the pool's pages are taken only as K/V is written.
     Owns the pool. Not thread-safe: one owner calls it."""
 
     def __init__(
@@ -205,8 +218,7 @@ class NativeRunner:
         self.kv_dtype = kv_dtype
         slots = num_blocks * block_size
         shape = (config.num_hidden_layers, config.num_key_value_heads, slots, config.head_dim)
-        self.k_pool = np.empty(shape, dtype=KV_STORAGE[kv_dtype])
-        self.v_pool = np.empty(shape, dtype=KV_STORAGE[kv_dtype])
+        self.k_pool, self.v_pool = (_untouched(shape, KV_STORAGE[kv_dtype]) for _ in "kv")
         library = model.quant.library
         self._library = library
         layers = []

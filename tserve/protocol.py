@@ -39,6 +39,7 @@ from tserve.engine_config import (
     CpuGemm,
     EngineConfig,
     GgufActivations,
+    GgufRunner,
     KvCacheDtype,
     ModelImpl,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "GgufActivations",
+    "GgufRunner",
     "Heartbeat",
     "Hello",
     "JsonSchema",

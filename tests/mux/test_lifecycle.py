@@ -147,6 +147,7 @@ class Model:
 
     opened: bool = False
     added: bool = False  # its add was queued
+    sent: bool = False  # its add was taken: the engine may answer
     final_routed: bool = False  # the engine's final output was routed while it was open
     aborts: int = 0
     abort_after_final: bool = False
@@ -179,6 +180,7 @@ def test_random_events_keep_every_rule(events: list[tuple[str, str]]) -> None:
             return
         for add in inputs.adds:
             assert models[add.request_id].added
+            models[add.request_id].sent = True
         for rid in inputs.aborts:
             model = models[rid]
             assert model.added, "an abort only for a request the engine was sent"
@@ -195,7 +197,7 @@ def test_random_events_keep_every_rule(events: list[tuple[str, str]]) -> None:
         elif event == "submit" and model.opened and mailboxes[rid].state is S.ADMITTED:
             router.submit(AddRequest(rid, [1], SamplingParams(max_tokens=MAX_TOKENS)))
             model.added = True
-        elif event in ("token", "final") and model.added and not model.final_routed:
+        elif event in ("token", "final") and model.sent and not model.final_routed:
             # The engine's rules: outputs only for what it was sent, at most
             # max_tokens of them, nothing after the final one.
             final = event == "final" or model.sent_tokens == MAX_TOKENS

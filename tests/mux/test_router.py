@@ -72,6 +72,21 @@ def test_abort_is_idempotent_and_close_aborts_only_what_runs() -> None:
     assert len(router) == 0
 
 
+def test_an_abort_that_crosses_the_last_output_is_withdrawn_before_it_is_sent() -> None:
+    router, _ = _router()
+    mailbox = router.open("a", 4)
+    router.open("b", 4)
+    for rid in ("a", "b"):
+        router.submit(_add(rid))
+    router.take_inputs()
+    router.abort("a")
+    router.abort("b")
+    router.route([RequestOutput("a", [5], FinishReason.STOP)])  # a's end, before the abort left
+    assert mailbox.state is RequestState.FINISHED
+    inputs = router.take_inputs()
+    assert inputs is not None and inputs.aborts == ["b"]
+
+
 def test_submission_only_moves_forward() -> None:
     router, _ = _router()
     router.open("a", 4)

@@ -266,10 +266,11 @@ def sampling_metadata(path: Path) -> dict[str, Any]:
 def rope_tables(config: GgufConfig) -> tuple[np.ndarray, np.ndarray]:
     """``(cos, sin)``, each fp32 ``[max_position_embeddings, head_dim / 2]``.
 
-    The angles are transformers' (default and linear RoPE), bit for bit: the
-    same fp32 operations; their cosines and sines are rounded from float64
-    (so they may differ from transformers' by one unit in the last place:
-    torch's fp32 ``cos`` and ``sin`` are not correctly rounded)."""
+    The angles are transformers' (default and linear RoPE): the same fp32
+    operations, though torch's vectorized ``pow`` may round an inverse
+    frequency a unit or two differently (its AVX-512 path does); their cosines
+    and sines are rounded from float64 (torch's fp32 ``cos`` and ``sin`` are
+    not correctly rounded)."""
     dim = config.head_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)

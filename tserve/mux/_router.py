@@ -17,6 +17,8 @@ Rules of the table itself:
   sent (the lifecycle's ``reject``): it ends at once with one
   ``FinishReason.ERROR`` output, so one bad add cannot spoil a batched frame.
   One aborted before it was sent ends with one ``FinishReason.ABORT`` output.
+* An abort still waiting to be sent when its request's last output is routed
+  is withdrawn (the two crossed): a finished request is never aborted.
 * ``fail_all`` fails every open request at once (engine death, the mux
   stopping): after a death the queued inputs are dropped (nobody would read
   them); otherwise the aborts the lifecycles ask for are queued, for a last
@@ -182,6 +184,14 @@ class Router:
             mailbox.fail(error)
         if actions.forget:
             del self._mailboxes[mailbox.request_id]
+            if output is not None and self._aborts:  # its last output: see the rules
+                self._withdraw_abort(mailbox.request_id)
+
+    def _withdraw_abort(self, request_id: str) -> None:
+        """Drop ``request_id``'s queued abort, if any (the queue is short: it
+        empties at every ``take_inputs``)."""
+        if request_id in self._aborts:
+            self._aborts.remove(request_id)
 
 
 _ADD_ENCODER: Final = msgspec.msgpack.Encoder()

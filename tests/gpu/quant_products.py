@@ -36,8 +36,8 @@ def built_kernels() -> QuantKernels:
 
 
 def variants(kernels: QuantKernels) -> list[Isa]:
-    """The kernel variants to run: portable C (0) and the best this CPU has."""
-    return [0] if kernels.best_isa == 0 else [0, kernels.best_isa]
+    """The kernel variants to run: portable C (0) and each one up to the best this CPU has."""
+    return [isa for isa in (0, 1, 2) if isa <= kernels.best_isa]
 
 
 def dequantized(fmt: str, rows: np.ndarray, n: int, k: int) -> torch.Tensor:

@@ -442,7 +442,7 @@ void tserve_kdequantize(int isa, int fmt, const uint8_t *w, int64_t k, const int
         const uint8_t *row = w + (rows ? rows[i] : i) * stride;
         for (int64_t b = 0; b < nb; b++) {
 #if defined(__x86_64__)
-            if (isa == ISA_AVX2) {
+            if (isa >= ISA_AVX2) {
                 super_floats_avx2(fmt, row + b * unit, out + i * k + b * QK);
                 continue;
             }
@@ -467,8 +467,8 @@ typedef struct {
 static void product(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
                     int64_t k, const activations *a, int64_t m, float *y) {
     int64_t stride = k / QK * super_bytes(fmt), groups = k / 32;
-    row_fn fast = isa == ISA_AVX2 && !a->xq ? avx2_row(fmt) : 0;
-    row_int8_fn fast_int8 = isa == ISA_AVX2 && a->xq ? avx2_row_int8(fmt) : 0;
+    row_fn fast = isa >= ISA_AVX2 && !a->xq ? avx2_row(fmt) : 0;
+    row_int8_fn fast_int8 = isa >= ISA_AVX2 && a->xq ? avx2_row_int8(fmt) : 0;
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
         for (int64_t j = n0; j < n1; j++) {

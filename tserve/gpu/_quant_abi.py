@@ -79,10 +79,15 @@ FORMATS: Final = {f.name: f.code for f in _FORMAT_TABLE.values()}
 BLOCK_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block == 32)
 K_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block == 256)
 """Super-blocks of 256 weights (``_kquant_kernels.c``)."""
-_ISA_NAMES: Final = ("portable C", "AVX2 + FMA + F16C")
+_ISA_NAMES: Final = (
+    "portable C",
+    "AVX2 + FMA + F16C",
+    "AVX-512 VNNI (the block formats' int8 products) and AVX2 + FMA + F16C",
+)
 
-Isa = Literal[0, 1]
-"""0: portable C; 1: AVX2 + FMA + F16C."""
+Isa = Literal[0, 1, 2]
+"""0: portable C; 1: AVX2 + FMA + F16C; 2: AVX-512 F/BW/VL + VNNI for the block
+formats' int8 products, AVX2 for the rest."""
 
 
 def format_spec(fmt: int) -> _Format:
@@ -117,7 +122,8 @@ class QuantLibrary:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
         library.tserve_quant_isa.restype = _INT
-        self.best_isa: Isa = 1 if library.tserve_quant_isa() == 1 else 0
+        best = library.tserve_quant_isa()
+        self.best_isa: Isa = best if best in (1, 2) else 0
         i64, ptr, c_int = _I64, _PTR, _INT
         self.linear = declare(library.tserve_qlinear, c_int, c_int, ptr, i64, i64, ptr, i64, ptr)
         """``(isa, fmt, w, n, k, x, m, y)``: ``y [m, n] = x [m, k] W^T``, fp32

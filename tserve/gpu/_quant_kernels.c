@@ -20,8 +20,10 @@
  *   that one pass of 256-bit integer products serves PANEL outputs and their
  *   scales are one vector load (layout at panel_block_bytes).
  *
- * Each kernel has a portable C version and an AVX2 + FMA + F16C one; the
- * caller picks by `isa` (tserve_quant_isa() says what this CPU runs).
+ * Each kernel has a portable C version and an AVX2 + FMA + F16C one, the
+ * int8 panels an AVX-512 VNNI one too; the caller picks by `isa`
+ * (tserve_quant_isa() says the best this CPU runs; a kernel without a variant
+ * for it runs the next one down).
  * Output rows are split among OpenMP threads: torch's own runtime (the same
  * libgomp), so torch.set_num_threads sets the count and its threads are
  * the ones used; products too small to share run on the caller alone.
@@ -43,9 +45,12 @@
 int tserve_quant_isa(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        return ISA_AVX2;
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return ISA_AVX512_VNNI;
+    if (avx2) return ISA_AVX2;
 #endif
     return ISA_PORTABLE;
 }
@@ -131,7 +136,7 @@ void tserve_quantize_q8(int isa, const float *x, int64_t m, int64_t k, int8_t *q
     int64_t blocks = m * (k / BLOCK);
     for (int64_t i = 0; i < blocks; i++) {
 #if defined(__x86_64__)
-        if (isa == ISA_AVX2) {
+        if (isa >= ISA_AVX2) {
             quantize_block_avx2(x + i * BLOCK, q + i * BLOCK, d + i, s + i);
             continue;
         }
@@ -526,6 +531,158 @@ AVX2_PANEL(Q4_0)
 AVX2_PANEL(Q4_1)
 AVX2_PANEL(Q8_0)
 
+/* ------------------------------------------------------------------ AVX-512 VNNI
+ *
+ * The packed panels of the block formats with 512-bit registers: one register
+ * holds four W rows' quants of a block, one per 128-bit lane, and vpdpbusd
+ * (u8 x s8, four products summed into each int32) leaves four partial sums per
+ * row and lane. Those are scaled and summed in fp32 lane by lane, and each
+ * lane's four only meet at the end of K: the same products as the AVX2
+ * kernels', the sums in another order. */
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* Eight fp32 values (`index` picks which for each row) spread over the two
+ * registers' lanes: rows 0..3 in the first, 4..7 in the second, each value
+ * in all four places of its row's lane. */
+AVX512 INLINE void spread_rows(__m256 values, const int index[PANEL], __m512 out[2]) {
+    __m512 wide = _mm512_castps256_ps512(values);
+    for (int p = 0; p < 2; p++) {
+        const int *i = index + 4 * p;
+        __m512i lanes = _mm512_setr_epi32(i[0], i[0], i[0], i[0], i[1], i[1], i[1], i[1], i[2],
+                                          i[2], i[2], i[2], i[3], i[3], i[3], i[3]);
+        out[p] = _mm512_permutexvar_ps(lanes, wide);
+    }
+}
+
+/* The per-row totals of two registers laid out as spread_rows leaves them. */
+AVX512 INLINE void row_totals(__m512 first, __m512 second, float out[PANEL]) {
+    __m512 pairs = _mm512_add_ps(_mm512_shuffle_ps(first, second, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(first, second, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1)));
+    float lanes[16];
+    _mm512_storeu_ps(lanes, sums); /* lane j: row j, row 4 + j, row j, row 4 + j */
+    for (int j = 0; j < 4; j++) {
+        out[j] = lanes[4 * j];
+        out[4 + j] = lanes[4 * j + 1];
+    }
+}
+
+/* A Q4_0/Q4_1 panel against `rows` int8 rows of x: per block, two 64-byte loads
+ * hold the eight rows' nibbles; masked, they meet the x block's first half
+ * (broadcast to every lane), shifted, its second half. The offsets' term
+ * (Q4_1's m, Q4_0's -8 d) is one fp32 product per row and block, as in AVX2. */
+AVX512 INLINE void panel_q4_vnni(int fmt, const uint8_t *panel, int64_t k, int rows,
+                                 const int8_t *x, const float *xd, const float *xs, float *y,
+                                 int64_t y_stride, int cols) {
+    const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = fmt == Q4_1 ? 32 : 16;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[TILE_ROWS][2];
+    __m256 acc_m[TILE_ROWS];
+    for (int r = 0; r < rows; r++) {
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        acc_m[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *src = panel + b * pb;
+        prefetch_ahead(src, pb);
+        __m256 dw8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+        __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
+                                : _mm256_mul_ps(dw8, _mm256_set1_ps(-8.0f));
+        __m512 dw[2];
+        spread_rows(dw8, Q4_SLOT, dw);
+        __m512i lo[2], hi[2];
+        for (int p = 0; p < 2; p++) {
+            __m512i v = _mm512_loadu_si512((const void *)(src + quants + 64 * p));
+            lo[p] = _mm512_and_si512(v, low);
+            hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xb = x + r * k + b * BLOCK;
+            __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xb));
+            __m512i xz = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xb + 16)));
+            __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
+            for (int p = 0; p < 2; p++) {
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[p], xa);
+                dot = _mm512_dpbusd_epi32(dot, hi[p], xz);
+                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[p], dx),
+                                            acc[r][p]);
+            }
+            acc_m[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r * nb + b]), acc_m[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float totals[PANEL], offsets[PANEL];
+        row_totals(acc[r][0], acc[r][1], totals);
+        _mm256_storeu_ps(offsets, acc_m[r]);
+        for (int c = 0; c < cols; c++) y[r * y_stride + c] = totals[c] + offsets[Q4_SLOT[c]];
+    }
+}
+
+/* A Q8_0 panel against `rows` int8 rows of x. vpdpbusd wants one unsigned
+ * operand: x + 128 (its sign bit flipped), each int32 starting from -128 times
+ * its four weights' sum (one vpdpbusd per block), so the sums are x . w exactly.
+ * A register holds two rows (two lanes each); pairs of registers fold into
+ * spread_rows' layout before their scales. */
+AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, const int8_t *x,
+                                 const float *xd, float *y, int64_t y_stride, int cols) {
+    static const int natural[PANEL] = {0, 1, 2, 3, 4, 5, 6, 7};
+    const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *src = panel + b * pb;
+        prefetch_ahead(src, pb);
+        __m512 dw[2];
+        spread_rows(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)), natural, dw);
+        __m512i w[4], start[4];
+        for (int q = 0; q < 4; q++) {
+            w[q] = _mm512_loadu_si512((const void *)(src + 16 + 64 * q));
+            __m512i offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w[q]);
+            start[q] = _mm512_sub_epi32(_mm512_setzero_si512(), offset);
+        }
+        for (int r = 0; r < rows; r++) {
+            __m256i xq = _mm256_loadu_si256((const __m256i *)(x + r * k + b * BLOCK));
+            __m512i xv = _mm512_xor_si512(_mm512_broadcast_i64x4(xq), flip);
+            __m512i dot[4];
+            for (int q = 0; q < 4; q++) dot[q] = _mm512_dpbusd_epi32(start[q], xv, w[q]);
+            __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
+            for (int p = 0; p < 2; p++) { /* rows 4p..4p+3, one per lane */
+                __m512i a = dot[2 * p], c = dot[2 * p + 1];
+                __m512i rowwise =
+                    _mm512_add_epi32(_mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1)));
+                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rowwise),
+                                            _mm512_mul_ps(dw[p], dx), acc[r][p]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float totals[PANEL];
+        row_totals(acc[r][0], acc[r][1], totals);
+        for (int c = 0; c < cols; c++) y[r * y_stride + c] = totals[c];
+    }
+}
+
+#define VNNI_PANEL_TILE(R)                                                                    \
+    (FORMAT == Q8_0 ? panel_q8_vnni(panel, k, R, x, xd, y, y_stride, cols)                    \
+                    : panel_q4_vnni(FORMAT, panel, k, R, x, xd, xs, y, y_stride, cols))
+
+#define VNNI_PANEL(FMT)                                                                       \
+    AVX512 static void panel_vnni_##FMT(const uint8_t *panel, int64_t k, int rows,            \
+                                        const int8_t *x, const float *xd, const float *xs,    \
+                                        float *y, int64_t y_stride, int cols) {               \
+        enum { FORMAT = FMT };                                                                \
+        (void)xs;                                                                             \
+        BY_TILE_ROWS(rows, VNNI_PANEL_TILE)                                                   \
+    }
+
+VNNI_PANEL(Q4_0)
+VNNI_PANEL(Q4_1)
+VNNI_PANEL(Q8_0)
+
 #endif
 
 /* The AVX2 kernel of `fmt` (NULL: none; always, off x86-64). */
@@ -543,14 +700,21 @@ static row_fn avx2_row(int fmt) {
     return 0;
 }
 
-static panel_fn avx2_panel(int fmt) {
+/* The int8 panel kernel `isa` runs for `fmt` (NULL: the portable one). */
+static panel_fn fast_panel(int isa, int fmt) {
 #if defined(__x86_64__)
-    switch (fmt) {
-    case Q4_0: return panel_avx2_Q4_0;
-    case Q4_1: return panel_avx2_Q4_1;
-    case Q8_0: return panel_avx2_Q8_0;
-    }
+    if (isa == ISA_AVX512_VNNI) switch (fmt) {
+        case Q4_0: return panel_vnni_Q4_0;
+        case Q4_1: return panel_vnni_Q4_1;
+        case Q8_0: return panel_vnni_Q8_0;
+        }
+    if (isa >= ISA_AVX2) switch (fmt) {
+        case Q4_0: return panel_avx2_Q4_0;
+        case Q4_1: return panel_avx2_Q4_1;
+        case Q8_0: return panel_avx2_Q8_0;
+        }
 #endif
+    (void)isa;
     (void)fmt;
     return 0;
 }
@@ -567,7 +731,7 @@ int tserve_quant_format_supported(int fmt) {
 void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
                     int64_t m, float *y) {
     int64_t stride = row_bytes(fmt, k);
-    row_fn fast = isa == ISA_AVX2 ? avx2_row(fmt) : 0;
+    row_fn fast = isa >= ISA_AVX2 ? avx2_row(fmt) : 0;
     int threads = threads_for(n * (k / BLOCK) * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
@@ -601,7 +765,7 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     if (!scales) return -1;
     float *xd = scales, *xs = scales + m * nb;
     int8_t *xq = (int8_t *)(scales + 2 * m * nb);
-    panel_fn fast = isa == ISA_AVX2 ? avx2_panel(fmt) : 0;
+    panel_fn fast = fast_panel(isa, fmt);
     int threads = threads_for(n * nb * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {

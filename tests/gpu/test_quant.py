@@ -3,15 +3,17 @@
 Weights come from :mod:`tests.gpu.quant_products` (the ``gguf`` package's
 quantizers, K-quant super-blocks packed in ggml's layout) and ``gguf``'s
 dequantizers are the reference: an implementation independent of tserve's.
-Each kernel runs in every variant this CPU has (portable C, and AVX2 where
-present) on shapes where such kernels go wrong: one block, odd row counts,
-rows that leave a partial tile, more rows than a tile or a chunk, odd output
-counts. The rules every format shares (threads, the tuned route, dequantized
-rows) are tested here for the K-quants too; their products and their int8
-scheme: test_kquant.py.
+Each kernel runs in every variant this CPU has (portable C, AVX2 and, for
+the int8 panels, AVX-512 VNNI where present) on shapes where such kernels go
+wrong: one block, odd row counts, rows that leave a partial tile, more rows
+than a tile or a chunk, odd output counts. The rules every format shares
+(threads, the tuned route, dequantized rows) are tested here for the K-quants
+too; their products and their int8 scheme: test_kquant.py.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +43,18 @@ _SHAPES = [(1, 33, 32), (5, 7, 96), (13, 100, 576), (67, 9, 64), (130, 3, 160)] 
 @pytest.fixture(scope="module")
 def kernels() -> QuantKernels:
     return built_kernels()
+
+
+def test_the_best_variant_is_the_one_the_cpu_flags_allow(kernels: QuantKernels) -> None:
+    """What the C code's run-time check chose, against what Linux says the CPU has."""
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    vnni = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+    assert kernels.best_isa == (2 if vnni else 1 if avx2 else 0)
 
 
 def _k(fmt: str, blocks: int) -> int:

@@ -514,22 +514,27 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const 
     for (int r = 0; r < rows; r++) store_panel(acc[r], natural, y + r * y_stride, cols);
 }
 
-#define AVX2_PANEL_TILE(R)                                                                    \
-    (FORMAT == Q8_0 ? panel_q8_avx2(panel, k, R, x, xd, y, y_stride, cols)                    \
-                    : panel_q4_avx2(FORMAT, panel, k, R, x, xd, xs, y, y_stride, cols))
+/* panel_<SUFFIX>_<FMT>: the int8 panel kernel of one format and instruction set
+ * (panel_q8_<SUFFIX> or panel_q4_<SUFFIX>), the format and the tile's row count
+ * constants in each instance. */
+#define PANEL_TILE(SUFFIX, R)                                                                 \
+    (FORMAT == Q8_0 ? panel_q8_##SUFFIX(panel, k, R, x, xd, y, y_stride, cols)                \
+                    : panel_q4_##SUFFIX(FORMAT, panel, k, R, x, xd, xs, y, y_stride, cols))
 
-#define AVX2_PANEL(FMT)                                                                       \
-    AVX2 static void panel_avx2_##FMT(const uint8_t *panel, int64_t k, int rows,              \
-                                      const int8_t *x, const float *xd, const float *xs,      \
-                                      float *y, int64_t y_stride, int cols) {                 \
+#define PANEL_KERNEL(TARGET, SUFFIX, FMT)                                                     \
+    TARGET static void panel_##SUFFIX##_##FMT(const uint8_t *panel, int64_t k, int rows,      \
+                                              const int8_t *x, const float *xd,               \
+                                              const float *xs, float *y, int64_t y_stride,    \
+                                              int cols) {                                     \
         enum { FORMAT = FMT };                                                                \
         (void)xs;                                                                             \
-        BY_TILE_ROWS(rows, AVX2_PANEL_TILE)                                                   \
+        BY_TILE_ROWS(rows, SUFFIX##_PANEL_TILE)                                               \
     }
 
-AVX2_PANEL(Q4_0)
-AVX2_PANEL(Q4_1)
-AVX2_PANEL(Q8_0)
+#define avx2_PANEL_TILE(R) PANEL_TILE(avx2, R)
+PANEL_KERNEL(AVX2, avx2, Q4_0)
+PANEL_KERNEL(AVX2, avx2, Q4_1)
+PANEL_KERNEL(AVX2, avx2, Q8_0)
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
  *
@@ -666,22 +671,10 @@ AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, cons
     }
 }
 
-#define VNNI_PANEL_TILE(R)                                                                    \
-    (FORMAT == Q8_0 ? panel_q8_vnni(panel, k, R, x, xd, y, y_stride, cols)                    \
-                    : panel_q4_vnni(FORMAT, panel, k, R, x, xd, xs, y, y_stride, cols))
-
-#define VNNI_PANEL(FMT)                                                                       \
-    AVX512 static void panel_vnni_##FMT(const uint8_t *panel, int64_t k, int rows,            \
-                                        const int8_t *x, const float *xd, const float *xs,    \
-                                        float *y, int64_t y_stride, int cols) {               \
-        enum { FORMAT = FMT };                                                                \
-        (void)xs;                                                                             \
-        BY_TILE_ROWS(rows, VNNI_PANEL_TILE)                                                   \
-    }
-
-VNNI_PANEL(Q4_0)
-VNNI_PANEL(Q4_1)
-VNNI_PANEL(Q8_0)
+#define vnni_PANEL_TILE(R) PANEL_TILE(vnni, R)
+PANEL_KERNEL(AVX512, vnni, Q4_0)
+PANEL_KERNEL(AVX512, vnni, Q4_1)
+PANEL_KERNEL(AVX512, vnni, Q8_0)
 
 #endif
 

@@ -195,6 +195,7 @@ void tserve_dequantize(int fmt, const uint8_t *w, int64_t k, const int64_t *rows
  * as they come. The same bytes as the file's rows, rearranged. */
 
 static const int Q4_SLOT[PANEL] = {0, 4, 1, 5, 2, 6, 3, 7}; /* slot of row i */
+static const int ROW_ORDER[PANEL] = {0, 1, 2, 3, 4, 5, 6, 7};  /* Q8_0's: slot i is row i */
 
 static int64_t panel_block_bytes(int fmt) {
     switch (fmt) {
@@ -433,6 +434,14 @@ AVX2 INLINE void store_panel(__m256 sums, const int *slot, float *y, int cols) {
     for (int c = 0; c < cols; c++) y[c] = lanes[slot[c]];
 }
 
+/* A Q4_0/Q4_1 panel block's scales and offsets (Q4_1's m, Q4_0's -8 d), in slot order. */
+AVX2 INLINE __m256 q4_scales(int fmt, const uint8_t *src, __m256 *offsets) {
+    __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+    *offsets = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
+                           : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+    return dw;
+}
+
 /* A Q4_0/Q4_1 panel against `rows` int8 rows of x. Per block and pair of W rows:
  * one 32-byte load holds both rows' nibbles; masked, they are elements 0..15 of
  * each (the x block's first half broadcast to both lanes), shifted, elements
@@ -448,9 +457,7 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int row
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
         prefetch_ahead(src, pb);
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-        __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
-                                : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+        __m256 mw, dw = q4_scales(fmt, src, &mw);
         __m256i lo[4], hi[4];
         for (int p = 0; p < 4; p++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(src + quants + 32 * p));
@@ -483,7 +490,6 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int row
  * lanes leave one sum per row, in row order. */
 AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const int8_t *x,
                                const float *xd, float *y, int64_t y_stride, int cols) {
-    static const int natural[PANEL] = {0, 1, 2, 3, 4, 5, 6, 7};
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE_ROWS];
@@ -511,7 +517,7 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const 
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) store_panel(acc[r], natural, y + r * y_stride, cols);
+    for (int r = 0; r < rows; r++) store_panel(acc[r], ROW_ORDER, y + r * y_stride, cols);
 }
 
 /* panel_<SUFFIX>_<FMT>: the int8 panel kernel of one format and instruction set
@@ -592,11 +598,9 @@ AVX512 INLINE void panel_q4_vnni(int fmt, const uint8_t *panel, int64_t k, int r
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
         prefetch_ahead(src, pb);
-        __m256 dw8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-        __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
-                                : _mm256_mul_ps(dw8, _mm256_set1_ps(-8.0f));
+        __m256 mw;
         __m512 dw[2];
-        spread_rows(dw8, Q4_SLOT, dw);
+        spread_rows(q4_scales(fmt, src, &mw), Q4_SLOT, dw);
         __m512i lo[2], hi[2];
         for (int p = 0; p < 2; p++) {
             __m512i v = _mm512_loadu_si512((const void *)(src + quants + 64 * p));
@@ -632,7 +636,6 @@ AVX512 INLINE void panel_q4_vnni(int fmt, const uint8_t *panel, int64_t k, int r
  * spread_rows' layout before their scales. */
 AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, const int8_t *x,
                                  const float *xd, float *y, int64_t y_stride, int cols) {
-    static const int natural[PANEL] = {0, 1, 2, 3, 4, 5, 6, 7};
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[TILE_ROWS][2];
@@ -641,7 +644,7 @@ AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, cons
         const uint8_t *src = panel + b * pb;
         prefetch_ahead(src, pb);
         __m512 dw[2];
-        spread_rows(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)), natural, dw);
+        spread_rows(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)), ROW_ORDER, dw);
         __m512i w[4], start[4];
         for (int q = 0; q < 4; q++) {
             w[q] = _mm512_loadu_si512((const void *)(src + 16 + 64 * q));

@@ -89,12 +89,12 @@ def _read_line(stream: IO[bytes], timeout: float) -> str:
     return found[0] if found else ""
 
 
-def _eventually(predicate: Callable[[], bool], what: str, deadline: float = DEADLINE) -> float:
-    """Poll ``predicate`` until it holds; return how long that took."""
-    start = time.monotonic()
-    while time.monotonic() - start < deadline:
+def _eventually(predicate: Callable[[], bool], what: str, deadline: float = DEADLINE) -> None:
+    """Poll ``predicate`` until it holds (``deadline``: a hang guard, not a timing check)."""
+    give_up = time.monotonic() + deadline
+    while time.monotonic() < give_up:
         if predicate():
-            return time.monotonic() - start
+            return
         time.sleep(0.02)
     raise AssertionError(f"not within {deadline:g} s: {what}")
 

@@ -11,7 +11,8 @@ import pytest
 
 from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import write_gguf
-from tserve.gpu._engine import EngineCore, _is_default_gguf
+from tserve.gpu._engine import EngineCore
+from tserve.gpu._engine_load import is_default_gguf
 from tserve.gpu._models import ModelLoadError, default_gguf
 from tserve.gpu._sampling_defaults import read_sampling_defaults
 from tserve.protocol import AddRequest, Sampling, SamplingDefaults, SamplingParams
@@ -53,8 +54,8 @@ def test_each_field_comes_from_the_first_source_that_states_it(tmp_path: Path) -
 def test_the_default_model_gets_its_model_cards_values(tmp_path: Path) -> None:
     found = read_sampling_defaults("auto", model_dir=tmp_path, default_model=True)
     assert found == SamplingDefaults(0.2, 0.9, None, "SmolLM2-135M-Instruct's model card")
-    assert _is_default_gguf(default_gguf())
-    assert not _is_default_gguf(tmp_path / "other.gguf")
+    assert is_default_gguf(default_gguf())
+    assert not is_default_gguf(tmp_path / "other.gguf")
 
 
 def test_none_is_openais_defaults_and_a_directory_replaces_the_models(tmp_path: Path) -> None:

@@ -3,9 +3,9 @@
 :class:`EngineCore` joins the scheduler (plain Python), the model runner and
 the sampler. The runner is :class:`~tserve.gpu._native.NativeRunner` (numpy
 and the C kernels) for a GGUF file served as it is on CPU whose every layer
-fuses (``--gguf-runner``, its load log says which and why), else
-:class:`~tserve.gpu._model_runner.ModelRunner`: torch is imported only then
-(``_load_torch``), so an engine on the default model never imports it. One
+fuses, else :class:`~tserve.gpu._model_runner.ModelRunner`: which one, and
+loading it, is ``_engine_load.py``'s (torch is imported only for the second,
+so an engine on the default model never imports it). One
 :meth:`EngineCore.step` is one forward pass over every scheduled request.
 Everything about ONE request — invalid parameters, token ids out of the
 vocabulary, a prompt that can never fit, an error while sampling it — ends
@@ -30,25 +30,17 @@ times out, ends that request alone with ERROR.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
-from tserve.gpu._gguf_file import GgufFile, sampling_metadata
+from tserve.gpu._engine_load import Progress, load_engine_model
 from tserve.gpu._kv import BlockManager, kv_budget_blocks, kv_token_bytes
-from tserve.gpu._models import (
-    DEFAULT_MODEL_NAME,
-    ModelLoadError,
-    converted_gguf_dir,
-    default_cache_root,
-    default_gguf,
-)
 from tserve.gpu._sampler import Sampler
 from tserve.gpu._sampling_defaults import read_sampling_defaults
 from tserve.gpu._scheduler import Scheduler
@@ -66,37 +58,9 @@ from tserve.validity import generation_problem
 __all__ = ["EngineCore"]
 
 
-Progress = Callable[[str], None]
-
 # A step with nothing to run but grammars compiling waits this long (s) for
 # one, instead of spinning; new frames wait at most this long for the loop.
 _IDLE_COMPILE_WAIT = 0.005
-
-
-class _Runner(Protocol):
-    """What the engine needs of a runner (ModelRunner, NativeRunner)."""
-
-    @property
-    def num_blocks(self) -> int: ...
-
-    def execute(self, chunks: list[ScheduledChunk]) -> Any: ...
-
-
-@dataclasses.dataclass
-class _Loaded:
-    """A model loaded for one of the runners, before its KV pool is sized."""
-
-    config: Any  # a transformers config or a GgufConfig: read alike
-    model_path: Path  # the directory of its tokenizer files
-    name_path: Path  # its name in EngineReady (unless the default model)
-    tokenizer: object | None  # a transformers tokenizer, or None: the files'
-    eos_token_ids: tuple[int, ...]
-    gguf_sampling: dict[str, Any]  # a GGUF file's general.sampling.*
-    defaults_dir: Path  # where a generation_config.json would be
-    device: str
-    kv_dtype: str  # a --kv-cache-dtype name, "auto" resolved
-    kv_itemsize: int
-    runner: Callable[[int], _Runner]  # given the KV pool's blocks
 
 
 class EngineCore(CoreBookkeeping[Sequence]):
@@ -106,33 +70,16 @@ class EngineCore(CoreBookkeeping[Sequence]):
 
     def __init__(self, config: EngineConfig, progress: Progress = print) -> None:
         super().__init__()
-        default = config.model == "default"
-        path = default_gguf() if default else Path(config.model).expanduser()
-        cache = Path(config.cache_dir) if config.cache_dir else default_cache_root()
-        is_default = default or _is_default_gguf(path)
-        as_is = path.suffix == ".gguf" and path.is_file() and not config.dequantize
-        native, file = _choose_runner(config, path, progress) if as_is else (False, None)
-        if native:
-            assert file is not None
-            loaded = _load_native(config, file, cache, progress)
-        else:
-            loaded = _load_torch(
-                config, path, cache, progress, default=default, as_is=as_is, file=file
-            )
-        converted = not as_is and path.suffix == ".gguf" and path.is_file()
-        if converted and config.generation_config == "auto" and not is_default:
-            # Its conversion keeps none of its sampling metadata; the
-            # bundled file states none (its card's values apply).
-            loaded.gguf_sampling = sampling_metadata(path)
+        loaded = load_engine_model(config, progress)
         model_config = loaded.config
         self.model_path = loaded.model_path
         self.eos_token_ids = loaded.eos_token_ids
-        self.model_name = "SmolLM2-135M-Instruct" if default else loaded.name_path.name
+        self.model_name = loaded.model_name
         self.sampling_defaults = read_sampling_defaults(
             config.generation_config,
             model_dir=loaded.defaults_dir,
             gguf_metadata=loaded.gguf_sampling,
-            default_model=is_default,
+            default_model=loaded.bundled,
         )
         progress(self.sampling_defaults.describe())
         self.vocab_size = int(model_config.vocab_size)
@@ -389,174 +336,6 @@ class EngineCore(CoreBookkeeping[Sequence]):
         return RequestOutput(seq.request_id, new, seq.finish_reason, logprobs, seq.error)
 
 
-def _choose_runner(
-    config: EngineConfig, path: Path, progress: Progress
-) -> tuple[bool, GgufFile | None]:
-    """Whether the native runner serves GGUF file ``path`` (the engine then
-    imports no torch), and the file where it was read to decide; the reason
-    said when not. Raises ValueError where ``gguf_runner`` "native" was asked
-    for and cannot be."""
-    from tserve.gpu._native import native_problem
-
-    file = None
-    problem = _native_config_problem(config)
-    if problem is None:
-        file = GgufFile(path, has_kernels=True)
-        problem = native_problem(file)
-        if problem is None:
-            return True, file
-    if config.gguf_runner == "native":
-        raise ValueError(f"--gguf-runner native cannot serve {path.name}: {problem}")
-    progress(f"{path.name} runs on torch's forward pass, not the native runner: {problem}")
-    return False, file
-
-
-def _native_config_problem(config: EngineConfig) -> str | None:
-    """What in ``config`` keeps a GGUF file off the native runner, or None."""
-    if config.gguf_runner == "torch":
-        return "--gguf-runner torch"
-    if config.device not in ("auto", "cpu") or config.dtype not in ("auto", "float32"):
-        return f"it runs on CPU in float32, not {config.device} {config.dtype}"
-    if config.device == "auto" and _cuda_possible():
-        return "a CUDA device may be present (--device cpu serves it natively)"
-    if config.model_impl == "hf":
-        return "--model-impl hf"
-    return None
-
-
-def _cuda_possible() -> bool:
-    """Whether this machine may have a CUDA device (an NVIDIA driver's device
-    files), told without importing torch."""
-    return any(Path("/dev").glob("nvidia[0-9]*"))
-
-
-def _load_native(config: EngineConfig, file: GgufFile, cache: Path, progress: Progress) -> _Loaded:
-    """``file`` on the native runner: numpy and the C kernels, no torch."""
-    from tserve.gpu._library import set_threads
-    from tserve.gpu._native import KV_STORAGE, NativeModel, NativeRunner
-
-    progress(f"loading {file.path} as it is, on cpu, on the native runner (no torch)")
-    activations = config.gguf_activations
-    model = NativeModel(file, cache_dir=cache, progress=progress, activations=activations)
-    set_threads(model.quant.library, config.threads)
-    kv_dtype = "fp32" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-
-    def runner(num_blocks: int) -> _Runner:
-        return NativeRunner(
-            model, num_blocks=num_blocks, block_size=config.block_size, kv_dtype=kv_dtype
-        )
-
-    return _Loaded(
-        config=model.config,
-        model_path=model.tokenizer_dir.resolve(),
-        name_path=file.path,
-        tokenizer=None,  # llguidance reads the tokenizer.json there
-        eos_token_ids=_eos_ids(model.config, None),
-        gguf_sampling=model.sampling,
-        defaults_dir=file.path.parent,
-        device="cpu",
-        kv_dtype=kv_dtype,
-        kv_itemsize=np.dtype(KV_STORAGE[kv_dtype]).itemsize,
-        runner=runner,
-    )
-
-
-def _load_torch(
-    config: EngineConfig,
-    path: Path,
-    cache: Path,
-    progress: Progress,
-    *,
-    default: bool,
-    as_is: bool,
-    file: GgufFile | None,
-) -> _Loaded:
-    """``path`` on torch's forward pass (the only place the engine imports torch):
-    a GGUF file as it is (CPU fp32; ``file``: it, read already), a GGUF file's
-    fp32 conversion, or a model directory."""
-    import torch
-
-    from tserve.gpu._gguf import load_gguf
-    from tserve.gpu._model_runner import (
-        KV_CACHE_DTYPES,
-        ModelRunner,
-        resolve_device,
-        resolve_kv_dtype,
-        runs_gguf,
-    )
-    from tserve.gpu._models import load_model
-    from tserve.gpu._quant import quant_kernels
-
-    torch.set_num_threads(max(1, config.threads))
-    device, dtype = resolve_device(config)
-    model: Any
-    if as_is:
-        if not runs_gguf(device, dtype):
-            raise ValueError(
-                f"{path.name} runs as it is on CPU in float32; on {device} ({dtype}) "
-                "serve it with --dequantize"
-            )
-        progress(f"loading {path} as it is, on {device}, on torch's forward pass")
-        gguf = load_gguf(
-            path,
-            kernels=quant_kernels(),
-            cache_dir=cache,
-            progress=progress,
-            activations=config.gguf_activations,
-            file=file,
-        )
-        model, model_config, tokenizer = gguf.model, gguf.config, None
-        model_path, sampling = gguf.tokenizer_dir.resolve(), gguf.sampling
-        defaults_dir = path.parent
-        eos = _eos_ids(model_config, None)
-    else:
-        defaults_dir = path
-        if path.suffix == ".gguf" and path.is_file():
-            defaults_dir = path.parent
-            name = DEFAULT_MODEL_NAME if default else None
-            path = converted_gguf_dir(path, cache, name=name, progress=progress)
-        progress(f"loading {path} on {device} ({dtype})")
-        model, tokenizer = load_model(path, device=device, dtype=dtype)
-        model_config, model_path, sampling = model.config, path.resolve(), {}
-        eos = _eos_ids(model, tokenizer)
-    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
-    kv_name = next(name for name, d in KV_CACHE_DTYPES.items() if d == kv_dtype)
-
-    def runner(num_blocks: int) -> _Runner:
-        return ModelRunner(
-            model,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            device=device,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            cpu_gemm=config.cpu_gemm,
-            model_impl=config.model_impl,
-        )
-
-    return _Loaded(
-        config=model_config,
-        model_path=model_path,
-        name_path=path,
-        tokenizer=tokenizer,
-        eos_token_ids=eos,
-        gguf_sampling=sampling,
-        defaults_dir=defaults_dir,
-        device=str(device),
-        kv_dtype=kv_name,
-        kv_itemsize=kv_dtype.itemsize,
-        runner=runner,
-    )
-
-
-def _is_default_gguf(path: Path) -> bool:
-    """Whether ``path`` is the bundled default model's file (named by its path)."""
-    try:
-        return path.suffix == ".gguf" and path.resolve() == default_gguf().resolve()
-    except ModelLoadError:  # the package is not installed: it cannot be
-        return False
-
-
 def _tokenizer_json(tokenizer: object, model_dir: Path) -> str:
     """The text of the model's ``tokenizer.json`` as its loaded tokenizer has it
     (the config's added tokens included), for llguidance; the file's when the
@@ -566,19 +345,3 @@ def _tokenizer_json(tokenizer: object, model_dir: Path) -> str:
         return str(backend.to_str())
     path = model_dir / "tokenizer.json"
     return path.read_text(encoding="utf-8") if path.is_file() else "{}"
-
-
-def _eos_ids(model: object, tokenizer: object) -> tuple[int, ...]:
-    """EOS ids of a model (its generation config and config) or of a config, and the tokenizer's."""
-    ids: set[int] = set()
-    sources = (getattr(model, "generation_config", None), getattr(model, "config", model))
-    for source in sources:
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list | tuple):
-            ids.update(int(e) for e in eos)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    return tuple(sorted(ids))

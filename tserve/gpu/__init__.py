@@ -22,6 +22,9 @@ Modules:
   fault; the tokenizer files sent to an API process on another host.
 * ``_engine.py`` — :class:`EngineCore`, generation: scheduler + model runner +
   sampler, one forward pass per step.
+* ``_engine_load.py`` — loading the model a config names: which runner
+  serves it (native or torch's forward pass) and why, EOS ids, sampling
+  metadata.
 * ``_embed_core.py`` — :class:`EmbedCore`, embeddings: batched encoder passes,
   mean pooling.
 * ``_echo_core.py`` — :class:`EchoCore`, no model: paced tokens echoing the

@@ -24,7 +24,7 @@ import zmq
 
 from tests.guards import HANG_GUARD
 from tserve import protocol as p
-from tserve.gpu._core import FORWARD_FAULT_ENV
+from tserve.gpu._core import FORWARD_FAULT_ENV, STALL_FAULT_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -253,11 +253,11 @@ class _Orphanable:
     """An engine started by a launcher process of its own, so that a test can
     kill the engine's parent; ``orphan()`` does, and waits for the engine to go."""
 
-    def __init__(self, address: str, config: p.EngineConfig) -> None:
+    def __init__(self, address: str, config: p.EngineConfig, **env: str) -> None:
         self.launcher = subprocess.Popen(
             [sys.executable, "-c", _LAUNCHER, *_engine_argv(address, config, parent_pid=None)],
             cwd=REPO_ROOT,
-            env=_env(),
+            env=_env(**env),
             stdout=subprocess.PIPE,
         )
         assert self.launcher.stdout is not None
@@ -342,3 +342,84 @@ def test_a_model_that_fails_to_load_sends_engine_dead(
         assert isinstance(message, p.EngineDead), message
         assert "failed to start" in message.reason and "no-such-model" in message.reason
         assert proc.wait(HANG_GUARD) == 1
+
+
+# ------------------------------------------------------------------------- liveness in a step
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + HANG_GUARD
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.01)
+
+
+def test_a_long_step_that_progresses_keeps_heartbeating(
+    tmp_path: Path, tiny_model_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """Step 2 is held for as long as the test likes while it makes progress:
+    only the pulse thread can speak meanwhile, and it does, every interval; then
+    the step ends and the request runs to its end."""
+    stall = f"2:progress:{tmp_path}"
+    with _engine(tmp_path, _config(tiny_model_dir), **{STALL_FAULT_ENV: stall}) as (proc, address):
+        api = _Peer(ctx, address)
+        api.hello()
+        api.send(p.EngineInput(adds=[p.AddRequest("r", [1, 2, 3], _params(8))]))
+        _wait_for(tmp_path / "held")
+        tokens: list[int] = []
+        finish: list[p.FinishReason] = []
+
+        def read() -> p.Message:
+            message = api.recv()
+            if isinstance(message, p.StepOutputs):
+                for output in message.outputs:
+                    tokens.extend(output.token_ids)
+                    finish.extend([output.finish_reason] if output.finish_reason else [])
+            return message
+
+        while not isinstance(read(), p.Heartbeat):
+            pass  # what step 1 sent before step 2 began
+        for _ in range(5):  # 5 more intervals of the held step, each with its heartbeat
+            assert isinstance(read(), p.Heartbeat)
+        (tmp_path / "release").touch()
+        while not finish:
+            read()
+        assert (finish, len(tokens)) == ([p.FinishReason.LENGTH], 8)
+        assert proc.poll() is None
+
+
+def test_a_wedged_step_falls_silent(
+    tmp_path: Path, tiny_model_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """A step that never returns and never progresses sends nothing: the engine
+    goes silent, which is what the API process takes for its death."""
+    stall = f"2:wedge:{tmp_path}"
+    with _engine(tmp_path, _config(tiny_model_dir), **{STALL_FAULT_ENV: stall}) as (proc, address):
+        api = _Peer(ctx, address)
+        api.hello()
+        api.send(p.EngineInput(adds=[p.AddRequest("r", [1, 2, 3], _params(8))]))
+        _wait_for(tmp_path / "held")
+        # What step 1 queued may still arrive; after it, silence (20 intervals).
+        while api.sock.poll(2000, zmq.POLLIN):
+            message = p.decode(api.sock.recv())
+            assert isinstance(message, p.StepOutputs | p.Heartbeat), message
+        assert proc.poll() is None  # alive, and silent
+
+
+def test_killing_the_parent_during_a_wedged_step_makes_the_engine_exit(
+    tmp_path: Path, tiny_model_dir: Path, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """The main thread never comes back from its step; the pulse thread sees the
+    API process gone and ends the engine: no orphan keeps the device."""
+    address = f"ipc://{tmp_path}/engine.sock"
+    engine = _Orphanable(
+        address, _config(tiny_model_dir), **{STALL_FAULT_ENV: f"2:wedge:{tmp_path}"}
+    )
+    try:
+        api = _Peer(ctx, address)
+        assert api.hello().pid == engine.engine_pid
+        api.send(p.EngineInput(adds=[p.AddRequest("r", [1, 2, 3], _params(50))]))
+        _wait_for(tmp_path / "held")
+        engine.orphan("in a wedged step")
+    finally:
+        engine.close()

@@ -32,6 +32,13 @@ step that runs the model (counting from 1) raises :class:`ForwardFault`
 instead, so tests can show that a fatal error reaches every API process as
 ``EngineDead``. It is unset in production and nothing that arrives over HTTP
 or the wire can set it.
+
+A second hook, ``TSERVE_TEST_FAULT_STALL`` = ``N:MODE:DIR``, holds the N-th
+step that runs the model inside the step, after creating ``DIR/held``: with
+MODE ``progress`` the held step keeps advancing :meth:`Core.progress` until
+``DIR/release`` exists (a long step that works); with MODE ``wedge`` it never
+returns and never progresses (a kernel that never returns). Tests use it to
+show what ``_pulse.py`` promises.
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ from __future__ import annotations
 import abc
 import logging
 import os
-from collections.abc import Collection, Iterable
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Final, Generic, Protocol, TypeVar
 
@@ -59,6 +68,7 @@ from tserve.protocol import (
 
 __all__ = [
     "FORWARD_FAULT_ENV",
+    "STALL_FAULT_ENV",
     "Core",
     "CoreBookkeeping",
     "ForwardFault",
@@ -71,6 +81,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORWARD_FAULT_ENV: Final = "TSERVE_TEST_FAULT_FORWARD"
+STALL_FAULT_ENV: Final = "TSERVE_TEST_FAULT_STALL"
 
 PeerOutput = tuple[bytes, RequestOutput]
 """An output and the peer (API process) it goes to."""
@@ -108,6 +119,11 @@ class Core(Protocol):
 
     def stats(self) -> EngineStats:
         """A snapshot of the load, sent with every frame."""
+
+    def progress(self) -> int:
+        """A counter that grows while a step works: once as a step that runs the
+        model begins, and with each layer its forward pass finishes. Safe to read
+        from another thread while ``step`` runs (``_pulse.py``)."""
 
     def ready_info(self) -> EngineReady:
         """What an API process learns in answer to its Hello."""
@@ -161,6 +177,8 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
         self._steps = 0
         self._aborts_received = 0
         self._fault_step = _fault_step_from_env()
+        self._stall = _Stall.from_env()
+        self._stall_progress = 0  # what a held step (the stall hook) counted
 
     # -- what a core provides -------------------------------------------------------
 
@@ -196,6 +214,10 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
 
     def close(self) -> None:
         """No threads of its own (a core that has some overrides this)."""
+
+    def progress(self) -> int:
+        """Steps that ran the model (a core whose forward pass counts its layers adds them)."""
+        return self._steps + self._stall_progress
 
     def ready_info(self) -> EngineReady:
         """What an API process learns in answer to its Hello."""
@@ -249,6 +271,11 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
         self._steps += 1
         if self._steps == self._fault_step:
             raise ForwardFault(f"injected forward fault at step {self._steps}")
+        if self._stall is not None and self._steps == self._stall.step:
+            self._stall.hold(self._count_stalled)
+
+    def _count_stalled(self) -> None:
+        self._stall_progress += 1
 
 
 class PeerKeyedBookkeeping(CoreBookkeeping[R]):
@@ -298,6 +325,34 @@ def tokenizer_bundle(directory: Path) -> TokenizerBundle:
         names += [f"{CHAT_TEMPLATES_DIR}/{path.name}" for path in sorted(templates.glob("*.jinja"))]
     allowed = (name for name in names if tokenizer_file_allowed(name))
     return TokenizerBundle({name: (directory / name).read_bytes() for name in allowed})
+
+
+class _Stall:
+    """The test-only stall hook (module docstring): which step, how, and where."""
+
+    POLL = 0.01  # s between looks at DIR/release; progress moves this often
+
+    def __init__(self, step: int, mode: str, directory: Path) -> None:
+        self.step, self.mode, self.directory = step, mode, directory
+
+    @classmethod
+    def from_env(cls) -> _Stall | None:
+        value = os.environ.get(STALL_FAULT_ENV)
+        if not value:
+            return None
+        step, mode, directory = value.split(":", 2)
+        if mode not in ("progress", "wedge"):
+            raise ValueError(f"{STALL_FAULT_ENV}: mode must be progress or wedge, got {mode!r}")
+        return cls(int(step), mode, Path(directory))
+
+    def hold(self, progressed: Callable[[], None]) -> None:
+        """Block the step as the mode says; ``progressed`` counts its progress."""
+        (self.directory / "held").touch()
+        if self.mode == "wedge":
+            threading.Event().wait()  # never set: a call that never returns
+        while not (self.directory / "release").exists():
+            time.sleep(self.POLL)
+            progressed()
 
 
 def _fault_step_from_env() -> int | None:

@@ -13,6 +13,10 @@ Plain blocking pyzmq; no trio, anyio or quart. The main loop, in steps:
    blocking on a slow peer (the :class:`Outbox` coalesces). A peer found gone
    (EHOSTUNREACH) has its requests aborted.
 
+While a step runs (2.-5.), the :class:`~tserve.gpu._pulse.Pulse` thread
+sends the Heartbeats, for as long as the step makes progress (``_pulse.py``):
+a long step is not a silent engine, a step that stops progressing is.
+
 A tick is the heartbeat interval, or half of it for ``tserve engine``, whose
 heartbeats also probe whether a peer is still there (``_bind.py``).
 
@@ -22,7 +26,8 @@ for ``tserve engine``, by SIGTERM/SIGINT: its live requests are aborted and
 each peer gets the outputs it was owed and then EngineDead saying why, so
 that its live requests fail with that reason (its API servers run on). It
 also exits 0 when the API process that started it is gone (``_lifeline.py``:
-checked every iteration, and while the model loads). Any exception out of
+checked every iteration, while the model loads, and by the pulse thread
+during a step). Any exception out of
 the batch (the model, the device) is fatal: every peer gets EngineDead with
 the reason and the process exits 1. Errors that concern one request never
 get here; the core ends that request alone.
@@ -45,6 +50,7 @@ from tserve.gpu._core import Core, tokenizer_bundle
 from tserve.gpu._heap import keep_freed_heap, trim_heap
 from tserve.gpu._lifeline import Lifeline, ParentLifeline, SignalLifeline, Stopped
 from tserve.gpu._outbox import Outbox
+from tserve.gpu._pulse import Pulse
 from tserve.protocol import (
     EngineConfig,
     EngineDead,
@@ -141,6 +147,19 @@ def _build_core(config: EngineConfig) -> Core:
 def _serve(
     core: Core, sock: zmq.Socket[bytes], outbox: Outbox, tick: float, lifeline: Lifeline
 ) -> int:
+    orphaned = None if lifeline.standalone else lifeline.stop_reason
+    with Pulse(outbox, core.progress, tick, orphaned) as pulse:  # holds the socket but in steps
+        return _loop(core, sock, outbox, tick, lifeline, pulse)
+
+
+def _loop(
+    core: Core,
+    sock: zmq.Socket[bytes],
+    outbox: Outbox,
+    tick: float,
+    lifeline: Lifeline,
+    pulse: Pulse,
+) -> int:
     try:
         while True:
             idle = min(tick, BACKLOG_RETRY) if outbox.pending else tick
@@ -152,7 +171,10 @@ def _serve(
                     return 0
                 raise _Stop(reason)
             if core.has_work:
-                for peer, output in core.step():  # 2-5
+                with pulse.stepping(core.stats()):  # the pulse speaks while it runs
+                    outputs = core.step()  # 2-5
+                _forget_peers(core, pulse.take_gone())
+                for peer, output in outputs:
                     outbox.queue(peer, output)
             if outbox.pending:  # 6
                 _forget_peers(core, outbox.flush(core.stats()))

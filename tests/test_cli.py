@@ -98,7 +98,7 @@ def test_model_impl_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyP
 
 
 def test_metrics_port_from_the_flag_or_the_environment_and_apart_from_the_port(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert parse_args([]).metrics_port is None
     monkeypatch.setenv("TSERVE_METRICS_PORT", "9090")
@@ -107,8 +107,28 @@ def test_metrics_port_from_the_flag_or_the_environment_and_apart_from_the_port(
     assert _server_config(args).publish_stats  # every API process writes its stats file
     assert not _server_config(parse_args(["--metrics-port", "0"])).reuse_port
     for bad in (["--port", "9090"], ["--metrics-port", "70000"]):
-        with pytest.raises(SystemExit, match="--metrics-port"):
+        with pytest.raises(SystemExit) as info:
             _server_config(parse_args(bad))
+        assert info.value.code == 2
+        assert "--metrics-port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--api-processes", "0"], "--api-processes"),
+        (["--stall-timeout", "0"], "--stall-timeout"),
+        (["--api-key", " "], "--api-key"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], named: str) -> None:
+    """As the module says: exit status 2 for bad arguments, before anything starts."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tserve", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr
 
 
 def test_kv_cache_dtype_and_byte_budget_from_the_flags_or_the_environment(

@@ -58,15 +58,15 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
     names = tuple(n.strip() for n in (args.served_model_name or "").split(",") if n.strip())
     if args.api_processes < 1:
-        raise SystemExit("--api-processes must be at least 1")
+        _usage_error("serve", "--api-processes must be at least 1")
     if args.api_key is not None and not args.api_key.strip():
-        raise SystemExit("--api-key (or TSERVE_API_KEY) is empty: give a key, or unset it")
+        _usage_error("serve", "--api-key (or TSERVE_API_KEY) is empty: give a key, or unset it")
     if args.stall_timeout <= 0:
-        raise SystemExit("--stall-timeout must be positive")
+        _usage_error("serve", "--stall-timeout must be positive")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        raise SystemExit("--metrics-port must be a port number (0: any free port)")
+        _usage_error("serve", "--metrics-port must be a port number (0: any free port)")
     if args.metrics_port and args.metrics_port == args.port:
-        raise SystemExit("--metrics-port must differ from --port")
+        _usage_error("serve", "--metrics-port must differ from --port")
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     return ServerConfig(
         host=args.host,

@@ -144,6 +144,28 @@ def test_sdk_errors(server: Server) -> None:
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
+def test_prompt_tokens_total_counts_each_prompt_once_as_usage_does(server: Server) -> None:
+    """With ``n`` choices per prompt the prompt is counted once, in the response's
+    usage and in ``vllm:prompt_tokens_total`` alike, streamed or not."""
+    client = sync_client(server)
+    args = {"model": "tiny", "prompt": ["Hello there", "abc"], "n": 3, "max_tokens": 2}
+    for stream in (False, True):
+        before = server.metric("vllm:prompt_tokens_total")
+        if stream:
+            chunks = list(
+                client.completions.create(  # type: ignore[call-overload]
+                    **args, stream=True, stream_options={"include_usage": True}
+                )
+            )
+            usage = chunks[-1].usage
+        else:
+            usage = client.completions.create(**args).usage  # type: ignore[call-overload]
+        assert usage is not None
+        server.wait_for_metric("tserve_http_generations_in_flight", 0)
+        counted = server.metric("vllm:prompt_tokens_total") - before
+        assert counted == usage.prompt_tokens > 0, stream
+
+
 # -- HTTP details ----------------------------------------------------------------------
 
 

@@ -121,6 +121,18 @@ def test_a_record_counts_tokens_successes_and_latencies_under_vllm_names() -> No
     assert requests == [({"route": "/v1/completions", "status": "200"}, 1.0)]
 
 
+def test_a_record_counts_each_prompt_once_whatever_its_choices() -> None:
+    m = metrics(EngineStats())
+    record = RequestRecord(m, "/v1/completions", "r1", log_line=False)
+    record.choices_per_prompt = 3
+    for index in range(6):  # two prompts, three choices each; every choice reports 5 + 4
+        record.delta(index, _finished("length", 4))
+    record.done(200)
+    found = render(m)
+    assert found["vllm:prompt_tokens_total"] == [({"model_name": "smol"}, 10.0)]
+    assert found["vllm:generation_tokens_total"] == [({"model_name": "smol"}, 24.0)]
+
+
 def test_a_request_that_never_finished_a_choice_has_no_e2e_latency() -> None:
     m = metrics(EngineStats())
     RequestRecord(m, "/v1/models", "r2", log_line=False).done(200)

@@ -191,6 +191,7 @@ class Generation:
         choices: Sequence[Choice],
     ) -> Response:
         """Collect ``streams`` into one JSON body, or stream them as SSE."""
+        record.choices_per_prompt = req.n
         if not req.stream:
             await collect(streams, choices, record)
             return json_response(envelope.response(choices, total_usage(choices, req.n)))

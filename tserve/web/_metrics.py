@@ -263,6 +263,9 @@ class RequestRecord:
         self.route = route
         self.request_id = request_id
         self.streaming = False  # the response body, not the handler, calls done()
+        # Choices per prompt (``n``): choice i * n is the first of its prompt's,
+        # whose usage alone counts that prompt, as the response's usage does.
+        self.choices_per_prompt = 1
         self._metrics = metrics
         self._log_line = log_line
         self._start = time.perf_counter()
@@ -276,7 +279,8 @@ class RequestRecord:
         """Observe one delta of choice ``index`` (TTFT, inter-token latency, tokens, finish)."""
         m = self._metrics.model
         if delta.usage is not None:
-            self._prompt_tokens += delta.usage.prompt_tokens
+            if index % self.choices_per_prompt == 0:
+                self._prompt_tokens += delta.usage.prompt_tokens
             self._completion_tokens += delta.usage.completion_tokens
         if delta.finish_reason is not None:
             self._finished += 1

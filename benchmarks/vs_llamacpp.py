@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/vs_llamacpp.py [--gguf PATH] [--rounds 2]
         [--llama-server PATH | --peer-cache DIR] [--levels 1:8,4:32,16:48,64:128]
+        [--long-prompts 512,2048,7500 [--long-threads 1,2]]
 
 Both servers serve the same file (default: the default model's own GGUF,
 SmolLM2-135M-Instruct Q4_1, as ``python -m tserve`` serves it): tserve at
@@ -29,6 +30,10 @@ requests), in ``--rounds`` alternating rounds. In the same run it measures:
   serve``) and of ``llama-server``, after load and after the workload.
 
 Prints and writes ``results/vs_llamacpp-TIME.json``, ``.md`` and ``.png``.
+
+With ``--long-prompts``, it measures instead the time to first token of one
+prompt of each length, on each ``--long-threads`` count, tserve with
+``--threads T`` beside ``llama-server -t T -tb T`` (``_long_prompts.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._bandwidth import read_bandwidth  # noqa: E402
+from benchmarks._long_prompts import long_prompt_rounds  # noqa: E402
 from benchmarks._memory import engine_child, process_memory  # noqa: E402
 from benchmarks._sidebyside import Peer, Rounds, Workload, run_rounds, write_results  # noqa: E402
 from benchmarks.compare import OFFLINE  # noqa: E402
@@ -163,6 +170,36 @@ def _servers(gguf: Path, exe: Path, ctx: int) -> tuple[list[Peer], list[tuple[st
     return servers, [(ours.name, peer.name), (ours_one.name, peer_one.name)]
 
 
+def _long_servers(
+    gguf: Path, exe: Path, threads: Sequence[int], ctx: int
+) -> list[tuple[int, Peer, Peer]]:
+    """tserve with ``--threads T`` and llama-server with ``-t T -tb T``, one slot of ``ctx``."""
+
+    def tserve(t: int) -> Peer:
+        def command(port: int) -> list[str]:
+            return [
+                sys.executable, "-m", "tserve", "serve", str(gguf), "--served-model-name",
+                str(gguf), "--port", str(port), "--threads", str(t),
+            ]  # fmt: skip
+
+        return Peer(f"tserve --threads {t}", command, OFFLINE)
+
+    def llama(t: int) -> Peer:
+        def command(port: int) -> list[str]:
+            return [
+                str(exe), "-m", str(gguf), "--alias", str(gguf), "-np", "1", "-c", str(ctx),
+                "--host", "127.0.0.1", "--port", str(port), "-t", str(t), "-tb", str(t),
+            ]  # fmt: skip
+
+        return Peer(f"llama.cpp -t {t}", command, {}, start_timeout=120.0)
+
+    return [(t, tserve(t), llama(t)) for t in threads]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
 def _bandwidth_notes(
     rounds: Rounds, weights: int, bandwidth: list[dict[str, Any]]
 ) -> tuple[list[str], dict[str, Any]]:
@@ -219,6 +256,10 @@ def main() -> int:
     p.add_argument("--level-duration", type=float, default=150.0, help="seconds per level at most")
     p.add_argument("--ctx-size", type=int, default=16384, help="llama-server's -c (all streams)")
     p.add_argument("--bandwidth-mib", type=int, default=512, help="read_bandwidth.c's buffer")
+    p.add_argument(
+        "--long-prompts", type=_ints, default=None, help="only the TTFT of prompts this long"
+    )
+    p.add_argument("--long-threads", type=_ints, default=[1, 2], help="thread counts to compare")
     args = p.parse_args()
     from tserve.gpu._gguf_file import tokenizer_dir
     from tserve.gpu._models import default_cache_root, default_gguf
@@ -228,6 +269,11 @@ def main() -> int:
     if args.ctx_size < need:
         raise SystemExit(f"--ctx-size {args.ctx_size} holds fewer than {need} tokens")
     exe = args.llama_server or ensure_llama_server(args.peer_cache)
+    if args.long_prompts:
+        ctx = max(args.long_prompts) + 16
+        long_servers = _long_servers(gguf, exe, args.long_threads, ctx)
+        long_prompt_rounds(long_servers, str(gguf), args.long_prompts, args.rounds)
+        return 0
     tokenizer = tokenizer_dir(gguf, default_cache_root(), print)
     weights = decode_bytes(gguf)
     bandwidth = [read_bandwidth(args.bandwidth_mib)]

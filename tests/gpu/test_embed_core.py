@@ -115,6 +115,14 @@ def test_batched_vectors_match_transformers_and_one_at_a_time(
         torch.testing.assert_close(got, reference[i], atol=1e-5, rtol=0)
 
 
+def test_progress_counts_each_encoder_layer_of_a_step(core: EmbedCore, tokenizer: Any) -> None:
+    """What the pulse thread reads while a forward pass runs: every layer moves it."""
+    layers = core.model.config.num_hidden_layers
+    before = core.progress()
+    run(core, [ids_of(tokenizer, "one step")], prefix="progress")
+    assert core.progress() - before == 1 + layers  # the step begun, then each layer
+
+
 def test_paraphrases_are_closer_than_unrelated_sentences(core: EmbedCore, tokenizer: Any) -> None:
     out = run(core, [ids_of(tokenizer, s) for s in (*PARAPHRASES, UNRELATED)])
     a, b, c = (vector(out[f"r{i}"]) for i in range(3))

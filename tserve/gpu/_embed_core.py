@@ -23,8 +23,9 @@ Rules:
   finds a request still waiting. Only an exception out of the forward pass
   (the batch as a whole) escapes ``step()``: the process treats it as fatal.
 
-The test-only forward fault of ``_core.py`` (``TSERVE_TEST_FAULT_FORWARD``)
-applies here too.
+The test-only faults of ``_core.py`` apply here too. Its progress (what the
+engine's pulse thread reads during a step, ``_pulse.py``) counts each encoder
+layer a forward pass finishes.
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ class EmbedCore(PeerKeyedBookkeeping[_Waiting]):
         progress(f"loading the encoder {path} on {device} ({dtype})")
         self.model = load_encoder(path, device=device, dtype=dtype)
         tune_linears(self.model, config.cpu_gemm)  # on CPU: the library measured fastest
+        self._layers_done = 0  # encoder layers finished by forward passes: progress()
+        for stack in self.model.modules():
+            if isinstance(stack, torch.nn.ModuleList):
+                for layer in stack:
+                    layer.register_forward_hook(self._layer_done)
         self.model_path = path.resolve()
         model_config = self.model.config
         self.vocab_size = int(model_config.vocab_size)
@@ -104,6 +110,13 @@ class EmbedCore(PeerKeyedBookkeeping[_Waiting]):
             f"embedding engine ready: {self.model_name}, {self.embedding_dim} dimensions, "
             f"inputs up to {self.max_model_len} tokens"
         )
+
+    def progress(self) -> int:
+        """Steps begun and encoder layers finished (read by the pulse thread)."""
+        return super().progress() + self._layers_done
+
+    def _layer_done(self, *_: object) -> None:
+        self._layers_done += 1
 
     # -- requests in ---------------------------------------------------------------
 

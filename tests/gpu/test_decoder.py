@@ -223,7 +223,8 @@ def test_a_model_with_a_dense_product_gets_no_fused_decoder() -> None:
 
 def test_the_runner_runs_short_steps_fused_and_long_ones_op_by_op() -> None:
     """A prompt longer than a fused step, then decodes; the same prompt in short
-    chunks: the same logits, up to float rounding."""
+    chunks: the same logits, up to float rounding. Either way every step, op by
+    op or fused, adds one to the runner's progress per layer."""
     prompt = [(i * 37 + 11) % VOCAB for i in range(MAX_FUSED_TOKENS + 6)]
     results = []
     for chunk in (len(prompt), 5):
@@ -244,5 +245,7 @@ def test_the_runner_runs_short_steps_fused_and_long_ones_op_by_op() -> None:
         assert isinstance(runner.model, PagedLlama) and runner.model.decoder is not None
         for p in range(len(prompt), len(prompt) + 4):
             rows.append(runner.execute([ScheduledChunk(seq, p, [p % VOCAB], True)]))
+        steps = -(-len(prompt) // chunk) + 4
+        assert runner.progress[0] == steps * len(model.layers)
         results.append(torch.cat(rows))
     torch.testing.assert_close(results[0], results[1], atol=1e-4, rtol=1e-4)

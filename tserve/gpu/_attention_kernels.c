@@ -26,8 +26,9 @@
  * AVX2: 16 of 8; portable: SSE2's 16 of 4).
  *
  * Threads: the work items (a query tile x a KV head, or a decode token) are
- * shared among the library's OpenMP threads (omp_get_max_threads), the
- * longest-context items first; a step with little attention runs on the caller.
+ * shared among the library's OpenMP threads (omp_get_max_threads), most work
+ * first; a step of fewer than MIN_SHARED_KEYS query-head x key pairs runs on
+ * the caller.
  */
 #include "_kernels.h"
 #include "_quant_common.h"
@@ -61,7 +62,8 @@ typedef struct {
     int64_t max_len;           /* the most keys any token attends to */
 } step;
 
-/* A query tile of one KV head (tokens >= 2 in its block), or a decode (kv_head < 0). */
+/* A query tile of one KV head (tokens >= 2 in its block), or a decode (kv_head < 0);
+ * work: its query-head x key pairs. */
 typedef struct {
     int64_t first, tokens, kv_head, work;
 } item;
@@ -221,7 +223,12 @@ static void attend_one(const step *c, const buffers *b, int64_t t) {
                         c->out + t * c->attn_width, b->scores, c->kv_type);
 }
 
-/* The step's work items, longest context first; NULL when memory cannot be had. */
+static int more_work_first(const void *a, const void *b) {
+    int64_t x = ((const item *)a)->work, y = ((const item *)b)->work;
+    return (x < y) - (x > y);
+}
+
+/* The step's work items, most work first; NULL when memory cannot be had. */
 static item *work_items(const step *c, int64_t tokens, int64_t *count) {
     item *items = malloc((size_t)(tokens * c->kv_heads) * sizeof(item));
     if (!items) return NULL;
@@ -242,12 +249,7 @@ static item *work_items(const step *c, int64_t tokens, int64_t *count) {
                 items[n++] = (item){first, size, g, keys * size * c->group};
         }
     }
-    for (int64_t i = 1; i < n; i++) /* insertion sort by work, descending: few items */
-        for (int64_t j = i; j > 0 && items[j].work > items[j - 1].work; j--) {
-            item swap = items[j];
-            items[j] = items[j - 1];
-            items[j - 1] = swap;
-        }
+    qsort(items, (size_t)n, sizeof(item), more_work_first);
     *count = n;
     return items;
 }

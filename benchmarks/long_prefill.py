@@ -71,13 +71,19 @@ def _ttft(core: Any, prompt: list[int], tag: str) -> dict[str, float]:
     return {"ttft": time.perf_counter() - start, "cpu": time.process_time() - cpu}
 
 
+def _decoder_tokens(prompt: int) -> int:
+    """Tokens a decoder asks for: more than the steps a ``prompt``-token prefill takes."""
+    return prompt // 16 + 64
+
+
 def _beside_decoders(
     core: Any, prompt: list[int], decoders: int, vocab: int, rng: random.Random, tag: str
 ) -> dict[str, float]:
     """Decode-only steps, then the steps that prefill ``prompt`` beside them, each
     timed in the process's CPU time (on one thread, what a machine to itself takes)."""
-    for i in range(decoders):
-        _add(core, f"{tag}-d{i}", [rng.randrange(vocab) for _ in range(16)], 100_000)
+    for i in range(decoders):  # enough tokens to outlast the prefill (>= 48 prompt tokens a step)
+        own = [rng.randrange(vocab) for _ in range(16)]
+        _add(core, f"{tag}-d{i}", own, _decoder_tokens(len(prompt)))
     for _ in range(4):  # the decoders' prompts, then a few decodes
         core.step()
     before = []
@@ -129,7 +135,8 @@ def main() -> int:
     rng = random.Random(0)
     runs: list[dict[str, Any]] = []
     for threads in [int(t) for t in args.threads.split(",")]:
-        core = _core(gguf, threads, args.batch_tokens, max(prompts) + 64 * (args.decoders + 1))
+        decoder_kv = args.decoders * (16 + _decoder_tokens(max(prompts)))
+        core = _core(gguf, threads, args.batch_tokens, max(prompts) + decoder_kv + 64)
         vocab = core.vocab_size
         _ttft(core, [rng.randrange(vocab) for _ in range(64)], "warm-up")
         for length in prompts:

@@ -15,9 +15,14 @@ setup(
                 "tserve/gpu/_cpu_kernels.c",
                 "tserve/gpu/_quant_kernels.c",
                 "tserve/gpu/_kquant_kernels.c",
+                "tserve/gpu/_attention_kernels.c",
                 "tserve/gpu/_decoder_kernels.c",
             ],
-            depends=["tserve/gpu/_kernels.h", "tserve/gpu/_quant_common.h"],
+            depends=[
+                "tserve/gpu/_kernels.h",
+                "tserve/gpu/_quant_common.h",
+                "tserve/gpu/_attention_tile.h",
+            ],
             extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
             # torch's own OpenMP runtime (the same libgomp.so.1) once torch is imported
             extra_link_args=["-fopenmp"],

@@ -5,8 +5,8 @@ One model serves both sides: :meth:`PagedLlama.forward` runs a step built
 with token tables on its fused decoder (bound to one pool) and any other
 step op by op (over the step's own pool), so the two pools see the same
 weights. Decodes over the same pool contents give the same logits bit for
-bit (the same kernels in the same order); prefill chunks attend token by
-token here and through SDPA there, so they agree up to float rounding.
+bit (the same kernels in the same order); prefill chunks attend as causal
+blocks here and through SDPA there, so they agree up to float rounding.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tserve.gpu._quant import FORMATS, Activations, QuantizedLinear, QuantizedWe
 from tserve.gpu._sequence import ScheduledChunk, Sequence
 from tserve.protocol import SamplingParams
 
-BLOCK_SIZE, NUM_BLOCKS, VOCAB, POSITIONS = 4, 24, 100, 96
+BLOCK_SIZE, NUM_BLOCKS, VOCAB, POSITIONS = 4, 24, 100, MAX_FUSED_TOKENS + 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +199,7 @@ def test_chunked_prefill_and_decodes_match_the_forward_pass(
 def _bound(activations: Activations, kv_dtype: torch.dtype) -> float:
     """The largest difference of two logits of a step, relative to the largest logit.
 
-    Attention token by token here and through SDPA (or torch's ops) there sum
+    Attention in causal blocks here and through SDPA (or torch's ops) there sum
     in other orders: about 1e-7 of a logit. Where that moves a K/V value across
     a rounding boundary of the pool's dtype, or an activation across one of its
     8-bit rounding, the step of that rounding enters the logits (measured: up
@@ -223,15 +223,18 @@ def test_a_model_with_a_dense_product_gets_no_fused_decoder() -> None:
 
 def test_the_runner_runs_short_steps_fused_and_long_ones_op_by_op() -> None:
     """A prompt longer than a fused step, then decodes; the same prompt in short
-    chunks: the same logits, up to float rounding."""
+    chunks: the same logits, up to float rounding. Either way every step, op by
+    op or fused, adds one to the runner's progress per layer."""
     prompt = [(i * 37 + 11) % VOCAB for i in range(MAX_FUSED_TOKENS + 6)]
     results = []
     for chunk in (len(prompt), 5):
         # fp32 activations: a tuned product may take the long prompt through an
         # fp32 copy of its weight, which rounds alike only for fp32 activations.
-        runner = ModelRunner(_model("Q4_0", "fp32", SMALL[0]), num_blocks=32, block_size=BLOCK_SIZE)
+        blocks = POSITIONS // BLOCK_SIZE
+        model = _model("Q4_0", "fp32", SMALL[0])
+        runner = ModelRunner(model, num_blocks=blocks, block_size=BLOCK_SIZE)
         seq = Sequence("s", prompt, SamplingParams())
-        seq.block_table = list(range(32))[::-1]
+        seq.block_table = list(range(blocks))[::-1]
         rows = []
         for start in range(0, len(prompt), chunk):
             piece = prompt[start : start + chunk]
@@ -242,5 +245,7 @@ def test_the_runner_runs_short_steps_fused_and_long_ones_op_by_op() -> None:
         assert isinstance(runner.model, PagedLlama) and runner.model.decoder is not None
         for p in range(len(prompt), len(prompt) + 4):
             rows.append(runner.execute([ScheduledChunk(seq, p, [p % VOCAB], True)]))
+        steps = -(-len(prompt) // chunk) + 4
+        assert runner.progress[0] == steps * len(model.layers)
         results.append(torch.cat(rows))
     torch.testing.assert_close(results[0], results[1], atol=1e-4, rtol=1e-4)

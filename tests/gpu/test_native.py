@@ -3,10 +3,10 @@ on the same GGUF file.
 
 Both run a short step on the same kernels in the same order (the fused
 decoder, the final norm, the head's product), so their logits agree bit for
-bit; a step longer than one fused call splits into several there, token by
-token attention making the split exact, while the torch path runs it op by
-op (SDPA, and dequantized weights where a product is tuned to): those agree
-up to float rounding.
+bit; a step longer than one fused call splits into several there, the split
+changing no bit of attention, while the torch path runs it op by op (SDPA,
+and dequantized weights where a product is tuned to): those agree up to
+float rounding.
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 96
 
 
 def _runners(
-    path: Path, tmp_path: Path, activations: Activations, kv: str
+    path: Path,
+    tmp_path: Path,
+    activations: Activations,
+    kv: str,
+    max_tokens: int = MAX_FUSED_TOKENS,
 ) -> tuple[NativeRunner, ModelRunner]:
     file = GgufFile(path, has_kernels=True)
     native = NativeModel(file, cache_dir=tmp_path, progress=lambda _: None, activations=activations)
@@ -48,7 +52,9 @@ def _runners(
         activations=activations,
     )
     return (
-        NativeRunner(native, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_dtype=kv),
+        NativeRunner(
+            native, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_dtype=kv, max_tokens=max_tokens
+        ),
         ModelRunner(
             loaded.model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_dtype=KV_DTYPES[kv]
         ),
@@ -114,13 +120,15 @@ def test_a_k_quant_file_of_one_format_per_product_runs_natively(
 def test_a_step_longer_than_a_fused_call_splits_and_matches_the_torch_path(
     smollm2_tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """A 200-token prompt in one step: four fused calls here. Against the torch
-    path fed the same prompt in 8-token steps (each on its fused decoder): bit
-    for bit; against its own 200-token step (op by op): up to float rounding."""
+    """A 200-token prompt in one step: four fused calls of at most 64 tokens here.
+    Against the torch path fed the same prompt in 8-token steps (each on its
+    fused decoder): bit for bit (a prefill attends as one causal block, whose
+    rows do not depend on the split); against its own 200-token step (op by
+    op): up to float rounding."""
     path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
-    native, chunked = _runners(path, tmp_path, "fp32", "fp32")
+    native, chunked = _runners(path, tmp_path, "fp32", "fp32", max_tokens=64)
     whole = _runners(path, tmp_path, "fp32", "fp32")[1]
-    assert 3 * native.max_tokens < 200 and native.max_tokens == MAX_FUSED_TOKENS
+    assert 3 * native.max_tokens < 200
     prompt = [(i * 13 + 5) % 512 for i in range(200)]
     decodes = [7, 99, 300]
     results = []
@@ -259,3 +267,24 @@ def test_an_engine_on_the_default_model_never_imports_torch(tmp_path: Path) -> N
     assert any("on the native runner (no torch)" in line for line in lines)
     assert "tokens 16" in lines
     assert lines[-1] == "imported []"
+
+
+def test_progress_counts_every_layer_of_every_call_on_both_runners(
+    smollm2_tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A 200-token prefill in fused calls of at most 64 tokens adds one per layer
+    per call (four calls) on the native runner; on the torch path a fused step
+    and an op-by-op one each add one per layer."""
+    path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
+    native, torch_runner = _runners(path, tmp_path, "fp32", "fp32", max_tokens=64)
+    layers = native.model.config.num_hidden_layers
+    prompt = [(i * 13 + 5) % 512 for i in range(200)]
+    for runner, calls in ((native, 4), (torch_runner, 1)):
+        seq = Sequence("s", prompt, SamplingParams())
+        seq.block_table = list(range(NUM_BLOCKS))[::-1]
+        assert runner.progress.shape == (1,) and runner.progress.dtype == np.int64
+        before = int(runner.progress[0])
+        runner.execute([ScheduledChunk(seq, 0, prompt, True)])
+        assert runner.progress[0] == before + calls * layers
+        runner.execute([ScheduledChunk(seq, 200, [7], True)])  # a decode: one fused call
+        assert runner.progress[0] == before + (calls + 1) * layers

@@ -142,7 +142,7 @@ class AttentionGroup:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenTables:
-    """Each token's sequence's blocks, for attention run token by token (token
+    """Each token's sequence's blocks, for the fused step's attention (token
     ``t`` at position ``p`` over keys ``0..p`` of its sequence; on CPU)."""
 
     tables: torch.Tensor  # [chunks, width] long: each chunk's sequence's blocks, padding -> 0
@@ -154,7 +154,7 @@ class StepMetadata:
     """Everything attention needs for one step; built once, used by every layer.
 
     Either ``groups`` (padded batches for :func:`attend_groups`) or, for a step
-    that attends token by token, ``token_tables`` (``groups`` then empty).
+    that runs on the fused decoder, ``token_tables`` (``groups`` then empty).
     """
 
     pool: KVPool

@@ -17,9 +17,10 @@ the output head after it stay on the forward pass.
 :class:`~tserve.gpu._quant.QuantizedLinear` (a GGUF file's, all of one
 format per product); the model runner decides whether a model gets one
 and, step by step, whether a step is short enough for it
-(:attr:`FusedDecoder.max_tokens`: attention runs token by token there, so
-long prefill chunks stay on the forward pass and its SDPA, and so do row
-counts at which a product is tuned to dequantize).
+(:attr:`FusedDecoder.max_tokens`: at most
+:data:`~tserve.gpu._decoder_abi.MAX_FUSED_TOKENS`, fewer where a product is
+tuned to dequantize at more rows; longer steps stay on the forward pass and
+its SDPA).
 """
 
 from __future__ import annotations
@@ -90,12 +91,13 @@ def _vector(t: torch.Tensor) -> int | None:
     return t.data_ptr() if t.dtype == torch.float32 and t.is_contiguous() else None
 
 
-def fused_decoder(model: PagedLlama, pool: KVPool) -> FusedDecoder | None:
+def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDecoder | None:
     """A :class:`FusedDecoder` over ``model`` (on CPU, fp32) and ``pool``, or None
     where a layer has a product that is no :class:`QuantizedLinear` (a dense or
     a mixed-format one) or the compiled kernels are absent. Call after the
     products are tuned: their :attr:`~QuantizedLinear.kernel_rows` bound
-    :attr:`FusedDecoder.max_tokens`."""
+    :attr:`FusedDecoder.max_tokens`. ``progress``: the address of an int64
+    counter that grows by one per layer run (0: none), outliving the decoder."""
     library, kernels = kernel_library(), quant_kernels()
     rope = [_vector(model.rope_cos), _vector(model.rope_sin)]
     if library is None or kernels is None or pool.k.dtype not in KV_TYPES or None in rope:
@@ -129,5 +131,5 @@ def fused_decoder(model: PagedLlama, pool: KVPool) -> FusedDecoder | None:
         kv_type=KV_TYPES[pool.k.dtype],
         isa=kernels.best_isa,
     )
-    step = decoder_step(library, layers, shape, max_tokens)
+    step = decoder_step(library, layers, shape, max_tokens, progress)
     return None if step is None else FusedDecoder(step)

@@ -31,12 +31,13 @@ __all__ = [
     "LayerPointers",
     "Product",
     "add_rms_norm",
+    "attend",
     "decoder_step",
     "product_route",
     "run_product",
 ]
 
-MAX_FUSED_TOKENS: Final = 64
+MAX_FUSED_TOKENS: Final = 512
 """The most tokens a fused step takes: past it a prefill chunk's token-by-token
 attention costs more than the Python it saves (SmolLM2 Q4_1, one core, a
 prompt from position 0: 0.96x the forward pass's time at 64 tokens, 1.02x at 128)."""
@@ -98,6 +99,7 @@ class _Decoder(ctypes.Structure):
         ("scale", _F32),
         ("kv_type", _I32),
         ("isa", _I32),
+        ("progress", _PTR),
     )
 
 
@@ -156,14 +158,37 @@ def add_rms_norm(library: ctypes.CDLL) -> Any:
     )
 
 
+@functools.cache
+def attend(library: ctypes.CDLL) -> Any:
+    """``tserve_attend(isa, qkv, qkv_stride, tokens, positions, tables, width,
+    token_rows, k_pool, v_pool, num_slots, block_size, heads, kv_heads,
+    head_dim, scale, kv_type, out)``: a fused step's attention, as each layer
+    runs it (``_attention_kernels.c``). Token ``t``'s Q heads are the first
+    ``heads * head_dim`` floats of row ``t`` of ``qkv``; it attends over keys
+    ``0..positions[t]`` of the sequence whose blocks are row ``token_rows[t]``
+    of ``tables``, in the pools ``[kv_heads, num_slots, head_dim]`` of
+    ``kv_type``; ``out [tokens, heads * head_dim]``. Returns nonzero when its
+    scratch cannot be had."""
+    i64, ptr, c_int = _I64, _PTR, ctypes.c_int
+    return declare(
+        library.tserve_attend,
+        c_int, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, _F32,
+        c_int, ptr,
+        restype=c_int,
+    )  # fmt: skip
+
+
 class DecoderStep:
     """A model's layers and KV pool as ``_decoder_kernels.c`` reads them.
 
-    Holds raw pointers into its builder's weights and pool: both must outlive
-    it. Not safe to call from two threads at once (the pool is written).
+    Holds raw pointers into its builder's weights, pool and progress counter:
+    all must outlive it. Not safe to call from two threads at once (the pool
+    is written); the counter may be read from any thread meanwhile.
     """
 
-    def __init__(self, library: ctypes.CDLL, decoder: _Decoder, layers: Any, max_tokens: int):
+    def __init__(
+        self, library: ctypes.CDLL, decoder: _Decoder, layers: Any, max_tokens: int
+    ) -> None:
         self._step = _functions(library)[0]
         self._decoder = decoder
         self._layers = layers  # referenced by decoder.layers: kept alive here
@@ -197,10 +222,13 @@ def decoder_step(
     layers: Sequence[LayerPointers],
     shape: DecoderShape,
     max_tokens: int = MAX_FUSED_TOKENS,
+    progress: int = 0,
 ) -> DecoderStep | None:
     """A :class:`DecoderStep` over ``layers`` of ``shape``, or None where the
     layers differ in their products' shapes (the kernel sizes its scratch by
-    the first) or ``max_tokens`` < 1."""
+    the first) or ``max_tokens`` < 1. ``progress``: the address of an int64
+    that every call adds one to after each layer (0: none); it must outlive
+    the step."""
     shapes = {tuple((p.n, p.k) for p in (x.qkv, x.o, x.gate_up, x.down)) for x in layers}
     if len(shapes) != 1 or max_tokens < 1:
         return None
@@ -210,7 +238,9 @@ def decoder_step(
             setattr(entry, field.name, getattr(layer, field.name))
     scale = shape.head_dim**-0.5
     fields = dataclasses.asdict(shape)
-    decoder = _Decoder(layers=entries, num_layers=len(layers), scale=scale, **fields)
+    decoder = _Decoder(
+        layers=entries, num_layers=len(layers), scale=scale, progress=progress or None, **fields
+    )
     return DecoderStep(library, decoder, entries, max_tokens)
 
 

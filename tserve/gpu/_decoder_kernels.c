@@ -10,15 +10,17 @@
  * point (_kernels.h), so a decode step gives the logits the forward pass
  * does, bit for bit.
  *
- * Attention runs token by token over the pool: every token of the step has
- * its K/V written before any attends, so token t at position p attends to
- * keys 0..p of its sequence where they lie (paged_decode over p + 1 keys).
- * That is a decode's attention and a prefill chunk's causal one alike, so a
- * step may mix them; a chunk's cost grows with its length squared, which is
- * why the caller keeps long chunks on the forward pass (its SDPA).
+ * Attention runs over the pool (tserve_attend, _attention_kernels.c): every
+ * token of the step has its K/V written before any attends, so token t at
+ * position p attends to keys 0..p of its sequence where they lie; a prefill
+ * chunk's tokens attend as one causal block, a decode alone. A step may mix
+ * them, and how a prefill splits into calls changes no value.
+ *
+ * Progress: `progress` (when not NULL) grows by one after every layer, a
+ * relaxed atomic add, for a watcher on another thread to see the step live.
  *
  * Threads: the products split their rows among OpenMP threads as they do
- * alone; everything else runs on the caller.
+ * alone, attention its query tiles; everything else runs on the caller.
  */
 #include "_kernels.h"
 
@@ -54,6 +56,7 @@ typedef struct {
     int64_t num_slots, block_size;
     float eps, scale;
     int32_t kv_type, isa;
+    int64_t *progress; /* NULL, or a counter that grows by one per layer run */
 } tserve_decoder;
 
 /* y = x W^T for `m` rows. Returns 0, or -1 when scratch cannot be had. */
@@ -68,8 +71,7 @@ static int product(const tserve_product *w, int isa, const float *x, int64_t m, 
 
 /* Scratch of one step, carved from one allocation. */
 typedef struct {
-    float *x, *qkv, *attn, *out, *gate_up, *act, *silu, *scores;
-    int64_t *lens;
+    float *x, *qkv, *attn, *out, *gate_up, *act, *silu;
     void *block;
 } scratch;
 
@@ -77,25 +79,20 @@ typedef struct {
 
 static int64_t aligned_floats(int64_t n) { return (n + ALIGN / 4 - 1) / (ALIGN / 4) * (ALIGN / 4); }
 
-static int scratch_alloc(const tserve_decoder *model, int64_t tokens, int64_t max_len,
-                         scratch *s) {
+static int scratch_alloc(const tserve_decoder *model, int64_t tokens, scratch *s) {
     const tserve_layer *first = model->layers;
     int64_t inter = first->down.k, attn_width = model->heads * model->head_dim;
-    int64_t group = model->heads / model->kv_heads;
     int64_t floats[] = {
         tokens * model->hidden, tokens * first->qkv.n, tokens * attn_width,
         tokens * model->hidden, tokens * first->gate_up.n, tokens * inter, inter,
-        group * max_len,
     };
-    int64_t total = aligned_floats(2 * tokens); /* the int64 lens first */
+    int64_t total = 0;
     for (size_t i = 0; i < sizeof floats / sizeof floats[0]; i++)
         total += aligned_floats(floats[i]);
     s->block = aligned_alloc(ALIGN, (size_t)total * sizeof(float));
     if (!s->block) return -1;
-    s->lens = s->block;
-    float **parts[] = {&s->x, &s->qkv, &s->attn, &s->out, &s->gate_up, &s->act, &s->silu,
-                       &s->scores};
-    float *next = (float *)s->block + aligned_floats(2 * tokens);
+    float **parts[] = {&s->x, &s->qkv, &s->attn, &s->out, &s->gate_up, &s->act, &s->silu};
+    float *next = s->block;
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
         *parts[i] = next;
         next += aligned_floats(floats[i]);
@@ -103,17 +100,15 @@ static int scratch_alloc(const tserve_decoder *model, int64_t tokens, int64_t ma
     return 0;
 }
 
-/* Attention of every token over its sequence's keys 0..position, into s->attn. */
-static void attend(const tserve_decoder *model, const tserve_layer *layer, int64_t tokens,
-                   const int64_t *tables, int64_t width, const int64_t *token_rows,
-                   const scratch *s) {
-    int64_t qkv_width = layer->qkv.n, attn_width = model->heads * model->head_dim;
-    for (int64_t t = 0; t < tokens; t++)
-        tserve_paged_decode(s->qkv + t * qkv_width, qkv_width, layer->k_pool, layer->v_pool,
-                            model->num_slots, tables + token_rows[t] * width, width,
-                            s->lens + t, model->block_size, 1, model->heads, model->kv_heads,
-                            model->head_dim, model->scale, s->attn + t * attn_width, s->scores,
-                            model->kv_type);
+/* Attention of every token over its sequence's keys 0..position, into s->attn.
+ * Returns 0, or -1 when scratch cannot be had. */
+static int attend(const tserve_decoder *model, const tserve_layer *layer, int64_t tokens,
+                  const int64_t *positions, const int64_t *tables, int64_t width,
+                  const int64_t *token_rows, const scratch *s) {
+    return tserve_attend(model->isa, s->qkv, layer->qkv.n, tokens, positions, tables, width,
+                         token_rows, layer->k_pool, layer->v_pool, model->num_slots,
+                         model->block_size, model->heads, model->kv_heads, model->head_dim,
+                         model->scale, model->kv_type, s->attn);
 }
 
 /* Every layer over `tokens` packed tokens. residual [tokens, hidden]: their
@@ -125,12 +120,8 @@ static void attend(const tserve_decoder *model, const tserve_layer *layer, int64
 int tserve_decoder_step(const tserve_decoder *model, float *residual, int64_t tokens,
                         const int64_t *positions, const int64_t *slots, const int64_t *tables,
                         int64_t width, const int64_t *token_rows) {
-    int64_t max_len = 0;
-    for (int64_t t = 0; t < tokens; t++)
-        if (positions[t] >= max_len) max_len = positions[t] + 1;
     scratch s;
-    if (scratch_alloc(model, tokens, max_len, &s)) return -1;
-    for (int64_t t = 0; t < tokens; t++) s.lens[t] = positions[t] + 1;
+    if (scratch_alloc(model, tokens, &s)) return -1;
     int isa = model->isa, failed = 0;
     int64_t hidden = model->hidden;
     for (int64_t i = 0; i < model->num_layers && !failed; i++) {
@@ -141,12 +132,13 @@ int tserve_decoder_step(const tserve_decoder *model, float *residual, int64_t to
         tserve_rope_store(s.qkv, tokens, layer->qkv.n, model->heads, model->kv_heads,
                           model->head_dim, positions, model->rope_cos, model->rope_sin, slots,
                           layer->k_pool, layer->v_pool, model->num_slots, model->kv_type);
-        attend(model, layer, tokens, tables, width, token_rows, &s);
+        failed |= attend(model, layer, tokens, positions, tables, width, token_rows, &s);
         failed |= product(&layer->o, isa, s.attn, tokens, s.out);
         tserve_add_rms_norm(residual, s.out, layer->mlp_norm, s.x, tokens, hidden, model->eps, 1);
         failed |= product(&layer->gate_up, isa, s.x, tokens, s.gate_up);
         tserve_silu_mul(s.gate_up, tokens, layer->down.k, s.act, s.silu);
         failed |= product(&layer->down, isa, s.act, tokens, s.out);
+        if (model->progress) __atomic_fetch_add(model->progress, 1, __ATOMIC_RELAXED);
     }
     for (int64_t j = 0; j < tokens * hidden && !failed; j++) residual[j] += s.out[j];
     free(s.block);

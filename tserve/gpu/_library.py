@@ -1,17 +1,18 @@
 """The compiled kernels (``tserve/gpu/_kernels*.so``), loaded once with ctypes; no torch.
 
 ``setup.py`` compiles ``_cpu_kernels.c``, ``_quant_kernels.c``,
-``_kquant_kernels.c`` and ``_decoder_kernels.c`` into one shared library when
-the package is installed (an editable install builds it in place): no torch
+``_kquant_kernels.c``, ``_attention_kernels.c`` and ``_decoder_kernels.c`` into
+one shared library when the package is installed (an editable install builds
+it in place): no torch
 headers, no Python extension ABI, no compiler on the serving machine. Both
 the torch forward pass and the native runner (:mod:`tserve.gpu._native`)
 reach it through :func:`kernel_library`.
 
 **Threads.** The products split their output rows among OpenMP threads
-(libgomp). With torch imported it is torch's own runtime, so
-``torch.set_num_threads`` sets the count; without torch :func:`set_threads`
-sets the same count on the same runtime (``omp_set_num_threads``). Either
-way it is the engine's ``--threads``.
+(libgomp), the fused step's attention its query tiles. With torch imported
+it is torch's own runtime, so ``torch.set_num_threads`` sets the count;
+without torch :func:`set_threads` sets the same count on the same runtime
+(``omp_set_num_threads``). Either way it is the engine's ``--threads``.
 """
 
 from __future__ import annotations

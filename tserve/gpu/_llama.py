@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -219,7 +220,8 @@ class PagedLlama(torch.nn.Module):
     embedding, output head, norms and o/down projections, so tied weights
     stay tied, and makes fused copies of its Q/K/V and gate/up weights) and
     the :class:`StepOps` it runs with (``ops``; the runner may replace it
-    before the first step), and :attr:`decoder`, which the runner may set.
+    before the first step), and :attr:`decoder` and :attr:`progress`, which
+    the runner may set.
     For inference only.
     """
 
@@ -256,6 +258,9 @@ class PagedLlama(torch.nn.Module):
         self.decoder: Callable[[torch.Tensor, torch.Tensor, StepMetadata], None] | None = None
         """Every layer of a step in one call, in place on the embeddings (the runner's
         :class:`~tserve.gpu._decoder.FusedDecoder`, or None: one op at a time)."""
+        self.progress: np.ndarray | None = None
+        """An int64 ``[1]`` counter the layer loop adds one to after each layer
+        (the runner's, which its fused decoder counts on too), or None."""
 
     @classmethod
     def from_hf(cls, model: Any, ops: StepOps = TORCH_OPS) -> PagedLlama:
@@ -343,6 +348,8 @@ class PagedLlama(torch.nn.Module):
             hidden = layer.o(out.reshape(tokens, heads * dim))
             x = ops.add_rms_norm(residual, hidden, layer.mlp_norm, self.eps)
             hidden = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if self.progress is not None:
+                self.progress[0] += 1  # one writer (this thread); an aligned 8-byte store
         assert hidden is not None, "a decoder has at least one layer"
         return hidden
 

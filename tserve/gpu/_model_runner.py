@@ -33,6 +33,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Final
 
+import numpy as np
 import torch
 
 from tserve.gpu._attention import (
@@ -178,6 +179,14 @@ class ModelRunner:
         # None: decided at the first step, over the model's modules as they are then).
         fuses = kernels is not None and isinstance(self.model, PagedLlama)
         self._fused_tokens: int | None = None if fuses else 0
+        self.progress = np.zeros(1, dtype=np.int64)
+        """Layers run so far (int64 ``[1]``), read from any thread: it grows while
+        :meth:`execute` works, by one per layer on tserve's forward pass (fused
+        or not), by the model's layer count after each step on a Hugging Face
+        model's modules."""
+        if isinstance(self.model, PagedLlama):
+            self.model.progress = self.progress
+        self._num_layers = layers
 
     @property
     def num_blocks(self) -> int:
@@ -224,13 +233,15 @@ class ModelRunner:
                 use_cache=False,
                 tserve_step=step,
             )
+            self.progress[0] += self._num_layers
             return out.logits[0].float()  # type: ignore[no-any-return]
 
     def _fuse(self) -> int:
         """Hands the model a fused decoder where its layers allow one: the most
         tokens a step may have to run on it (0: none)."""
         assert isinstance(self.model, PagedLlama)
-        self.model.decoder = decoder = fused_decoder(self.model, self.pool)
+        progress = int(self.progress.ctypes.data)
+        self.model.decoder = decoder = fused_decoder(self.model, self.pool, progress)
         return 0 if decoder is None else decoder.max_tokens
 
 

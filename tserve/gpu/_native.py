@@ -13,10 +13,10 @@ they lie in the mapping otherwise, norms and the RoPE table), and
    table's rows);
 2. every layer by :class:`~tserve.gpu._decoder_abi.DecoderStep` over the
    step's tokens in schedule order, in calls of at most
-   :data:`~tserve.gpu._decoder_abi.MAX_FUSED_TOKENS` tokens: attention runs
-   token by token over the pool through per-token block tables, so a later
-   call attends to the K/V an earlier one wrote, and splitting changes no
-   value;
+   :data:`~tserve.gpu._decoder_abi.MAX_FUSED_TOKENS` tokens: attention reads
+   the pool through per-token block tables, so a later call attends to the
+   K/V an earlier one wrote (a piece of one token attends as a decode does,
+   any longer piece exactly as within the whole);
 3. the final RMSNorm and the output head on the sampled rows only.
 
 Each is the kernel the torch forward pass runs on CPU (the fused decoder,
@@ -200,11 +200,19 @@ class NativeModel:
 class NativeRunner:
     """Executes scheduled chunks over :class:`NativeModel` with a paged KV pool of
     ``num_blocks * block_size`` slots in ``kv_dtype`` (``fp32``, ``fp16``,
-    ``bf16``); the pool's pages are taken only as K/V is written.
-    Owns the pool. Not thread-safe: one owner calls it."""
+    ``bf16``); the pool's pages are taken only as K/V is written. A step runs
+    in fused calls of at most ``max_tokens`` tokens.
+    Owns the pool. Not thread-safe: one owner calls it; :attr:`progress` may be
+    read from any thread."""
 
     def __init__(
-        self, model: NativeModel, *, num_blocks: int, block_size: int, kv_dtype: str = "fp32"
+        self,
+        model: NativeModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: str = "fp32",
+        max_tokens: int = MAX_FUSED_TOKENS,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -238,9 +246,14 @@ class NativeRunner:
             kv_type=KV_CODES[kv_dtype],
             isa=model.quant.best_isa,
         )
-        step = decoder_step(library, layers, shape_, MAX_FUSED_TOKENS)
+        self.progress = np.zeros(1, dtype=np.int64)
+        """Layers run so far (int64 ``[1]``): the C code adds one after each layer
+        of each fused call, so it grows while :meth:`execute` works."""
+        step = decoder_step(library, layers, shape_, max_tokens, _address(self.progress))
         if step is None:
-            raise ModelLoadError("the model's layers differ in their products' shapes")
+            raise ModelLoadError(
+                f"the model's layers differ in their products' shapes (max_tokens {max_tokens})"
+            )
         self._step: DecoderStep = step
 
     @property

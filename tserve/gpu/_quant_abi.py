@@ -5,7 +5,8 @@ runner (:mod:`tserve.gpu._native`) need of ``_quant_kernels.c`` and
 ``_kquant_kernels.c``, declared once: the format table (``_FORMAT_TABLE``:
 a format's GGML id, block size and bytes, whether it has an int8 kernel and
 a packed layout), which instructions run (AVX2 + FMA + F16C where the CPU
-has them, else portable C, said once in the log), the block formats'
+has them, else portable C, said once in the log; at most what
+``TSERVE_MAX_ISA`` names), the block formats'
 products, dequantizing rows (an embedding's lookup) and packing a weight
 for the int8 kernel at load. The K-quants' products are declared by
 :mod:`tserve.gpu._quant` alone; the native runner reaches them through
@@ -21,6 +22,7 @@ import ctypes
 import dataclasses
 import functools
 import logging
+import os
 from typing import Final, Literal
 
 import numpy as np
@@ -31,6 +33,7 @@ __all__ = [
     "BLOCK_FORMATS",
     "FORMATS",
     "K_FORMATS",
+    "MAX_ISA_ENV",
     "Activations",
     "Isa",
     "QuantLibrary",
@@ -87,7 +90,13 @@ _ISA_NAMES: Final = (
 
 Isa = Literal[0, 1, 2]
 """0: portable C; 1: AVX2 + FMA + F16C; 2: AVX-512 F/BW/VL + VNNI for the block
-formats' int8 products, AVX2 for the rest."""
+formats' int8 products and the fused step's attention, AVX2 for the rest."""
+
+MAX_ISA_ENV: Final = "TSERVE_MAX_ISA"
+"""An environment variable that caps :attr:`QuantLibrary.best_isa` at a variant
+("portable", "avx2"), as a CPU without the rest would run; read once, when
+the kernels load (benchmarks; the tests pass an ``isa`` instead)."""
+_ISA_CAPS: Final = {"portable": 0, "avx2": 1, "avx512": 2}
 
 
 def format_spec(fmt: int) -> _Format:
@@ -122,7 +131,10 @@ class QuantLibrary:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
         library.tserve_quant_isa.restype = _INT
-        best = library.tserve_quant_isa()
+        cap = os.environ.get(MAX_ISA_ENV, "avx512")
+        if cap not in _ISA_CAPS:
+            raise ValueError(f"{MAX_ISA_ENV}={cap!r}: one of {', '.join(_ISA_CAPS)}")
+        best = min(library.tserve_quant_isa(), _ISA_CAPS[cap])
         self.best_isa: Isa = best if best in (1, 2) else 0
         i64, ptr, c_int = _I64, _PTR, _INT
         self.linear = declare(library.tserve_qlinear, c_int, c_int, ptr, i64, i64, ptr, i64, ptr)

@@ -1,4 +1,5 @@
-/* What the quantized kernels of _quant_kernels.c and _kquant_kernels.c share:
+/* What the quantized kernels of _quant_kernels.c and _kquant_kernels.c share
+ * (and _attention_kernels.c, for the ISA codes, fp16 bits and AVX2 attribute):
  * the instruction-set codes, the bound below which a product runs on one
  * thread, the tile and chunk of x rows, the switch that makes a tile's row
  * count a constant, fp16 bits to float, an unaligned u16 load, and (on

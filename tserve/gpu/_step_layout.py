@@ -87,7 +87,7 @@ def token_tables(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(tables [chunks, width], rows [T])``: chunk ``i``'s sequence's blocks as
     row ``i`` (covering its keys through this step), and each token's row, for
-    attention run token by token."""
+    the fused step's attention."""
     kv_lens = [c.start + len(c.token_ids) for c in chunks]
     tables = block_tables(range(len(chunks)), chunks, kv_lens, block_size)
     counts = [offsets[i + 1] - offsets[i] for i in range(len(chunks))]

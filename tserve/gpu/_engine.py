@@ -300,6 +300,10 @@ class EngineCore(CoreBookkeeping[Sequence]):
             prefix_cache_hits=self.blocks.prefix_cache_hits,
         )
 
+    def progress(self) -> int:
+        """Steps begun and layers the runner finished (read by the pulse thread)."""
+        return super().progress() + int(self.runner.progress[0])
+
     def _kv_tokens_total(self) -> int:
         return self.blocks.tokens_total
 

@@ -40,6 +40,9 @@ class Runner(Protocol):
     @property
     def num_blocks(self) -> int: ...
 
+    # int64 [1]: grows with each layer ``execute`` finishes; read from another thread.
+    progress: np.ndarray
+
     def execute(self, chunks: list[ScheduledChunk]) -> Any: ...
 
 

@@ -17,6 +17,8 @@ Modules:
 * ``_lifeline.py`` — why an engine stops on its own: its parent gone (started
   by an API process) or SIGTERM/SIGINT (``tserve engine``), also mid-load.
 * ``_outbox.py`` — per-peer output that never blocks a step (coalesces at HWM).
+* ``_pulse.py`` — the heartbeats while a step runs, from a thread, only while
+  the step makes progress; an orphaned engine ends even mid-step.
 * ``_core.py`` — the :class:`Core` protocol the loop drives, and the
   bookkeeping every core shares: aborts, counters, the test-only forward
   fault; the tokenizer files sent to an API process on another host.

@@ -122,7 +122,8 @@ def assert_same(expected: Output, actual: Output, what: str) -> None:
         assert math.isclose(lp_a, lp_e, abs_tol=LOGPROB_NOISE), what
         assert [t for t, _ in top_a] == [t for t, _ in top_e], what
         assert all(
-            math.isclose(a, e, abs_tol=LOGPROB_NOISE) for (_, a), (_, e) in zip(top_a, top_e, strict=True)
+            math.isclose(a, e, abs_tol=LOGPROB_NOISE)
+            for (_, a), (_, e) in zip(top_a, top_e, strict=True)
         ), what
 
 

@@ -132,6 +132,15 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "while requests decode, a step that also runs prompt tokens may cost at most this "
         "many times a decode-only step (0: no bound, --max-num-batched-tokens every step)",
     )
+    _option(
+        eng,
+        "--grammar-mask-budget",
+        float,
+        d.grammar_mask_budget * 1000,
+        "milliseconds one token's grammar mask may take: a structured output whose masks "
+        "take longer for 8 tokens in a row ends with an error (a late mask delays only "
+        "its own request)",
+    )
     _option(eng, "--max-model-len", int, None, "context length (default: the model's)")
     _option(eng, "--threads", int, d.threads, "torch CPU threads")
     _option(eng, "--device", str, d.device, "auto, cpu or cuda[:N]")
@@ -218,6 +227,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_slowdown": args.max_decode_slowdown,
+        "grammar_mask_budget": args.grammar_mask_budget / 1000,
         "max_model_len": args.max_model_len,
         "threads": args.threads,
         "device": args.device,

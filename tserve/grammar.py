@@ -51,6 +51,7 @@ __all__ = [
     "grammar_text",
     "lark_json",
     "llg_tokenizer",
+    "start_problem",
 ]
 
 NUMBER_BOUND: Final = 10**18
@@ -144,7 +145,8 @@ def constraint_problem(
     """Why ``constraint`` cannot be honoured (param "constraint", llguidance's
     message), or None. With ``tokenizer`` the check also covers what needs the
     vocabulary (special tokens named in a Lark grammar). Blocking: it compiles
-    the grammar's lexer (milliseconds; longer for very large grammars)."""
+    the grammar's lexer, and with ``tokenizer`` the whole grammar and its first
+    mask (:func:`start_problem`): milliseconds, longer for very large grammars."""
     if isinstance(constraint, Choice):
         if not constraint.choices:
             return Problem("constraint", "choice: at least one choice is required")
@@ -157,7 +159,49 @@ def constraint_problem(
     message = llguidance.LLMatcher.validate_grammar(text, tokenizer)
     if message:
         return Problem("constraint", f"{_kind(constraint)}: {message.strip()}")
+    if tokenizer is not None:
+        problem = start_problem(llguidance.LLMatcher(tokenizer, text, log_level=0), tokenizer)
+        if problem is not None:
+            return Problem("constraint", f"{_kind(constraint)}: {problem}")
     return None
+
+
+def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> str | None:
+    """Why a freshly compiled ``matcher`` can write no useful output, or None.
+
+    It follows the tokens the grammar forces from its start (llguidance's
+    fast-forward tokens: ``{"k":`` for an object with one required key) and
+    computes the mask after them. The grammar accepts no string when it
+    fails on the way or allows no token there but an EOS without being
+    complete (``{"$ref": "#"}``, a ``$defs`` cycle without a base case, an
+    empty character class); it accepts only the empty string when nothing is
+    forced and only EOS is allowed. ``matcher`` is consumed (use a copy).
+    Blocking: one mask and the forced tokens' parse (milliseconds; at most
+    llguidance's item limit for a grammar that forces forever).
+    """
+    if matcher.is_error():
+        return f"the grammar does not compile: {matcher.get_error().strip()}"
+    forced = matcher.compute_ff_tokens()
+    where = repr(tokenizer.decode_str(forced)[:80]) if forced else "its start"
+    if (forced and not matcher.consume_tokens(forced)) or matcher.is_error():
+        return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
+    allowed = matcher.compute_logit_bias()  # a dead end puts the matcher in its error state
+    eos_allowed = sum(1 for t in set(tokenizer.eos_tokens) if t < len(allowed) and allowed[t])
+    others_allowed = len(allowed) - allowed.count(0) > eos_allowed
+    if matcher.is_error() and not others_allowed and not matcher.is_accepting():
+        return f"the grammar accepts no string: no token can follow {where}"
+    if matcher.is_error():
+        return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
+    if others_allowed or forced:
+        return None
+    if not matcher.is_accepting():
+        return f"the grammar accepts no string: no token can follow {where}"
+    return "the grammar accepts only the empty string"
+
+
+def first_line(message: str) -> str:
+    """The first line of one of llguidance's messages (they can hold a state dump)."""
+    return message.strip().splitlines()[0] if message.strip() else "no reason given"
 
 
 def _kind(constraint: Constraint) -> str:

@@ -187,8 +187,10 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     entry per token in ``token_ids``. ``error`` is set only with
     ``FinishReason.ERROR``. ``embedding`` is set only by an embedding engine,
     in its one output per request (``FinishReason.STOP``, no token ids): the
-    vector as little-endian float32 (4 bytes per dimension). Trailing and
-    defaulted, so frames from before it still decode.
+    vector as little-endian float32 (4 bytes per dimension). ``error_param``
+    names the part of the request an error is about (``"constraint"``: its
+    grammar), or None. Trailing and defaulted, so frames from before them
+    still decode.
     """
 
     request_id: str
@@ -197,6 +199,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     embedding: bytes | None = None
+    error_param: str | None = None
 
 
 class OutputMerge:
@@ -205,7 +208,7 @@ class OutputMerge:
     THE rule for merging deltas, used wherever they wait for a slow reader so
     that waiting coalesces instead of queueing (the engine's outbox, the API
     process's mailboxes): token ids and logprobs are concatenated in order;
-    the finish reason, error and embedding are those of the output with a
+    the finish reason, error (and its param) and embedding are those of the output with a
     finish reason (the last one: only it carries an error or an embedding).
     O(1) per token: a lone output is kept as it is, and a second one starts
     lists that later ones extend in place. Synchronous; not shared between
@@ -268,6 +271,7 @@ class OutputMerge:
                 self._logprobs,
                 last.error,
                 last.embedding,
+                last.error_param,
             )
         self._token_ids = self._logprobs = self._last = None
         return merged

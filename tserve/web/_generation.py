@@ -18,7 +18,14 @@ import msgspec
 import trio
 from quart import Response
 
-from tserve.nursery import LLM, EngineDeadError, InvalidRequest, RequestStream, ShuttingDown
+from tserve.nursery import (
+    LLM,
+    EngineDeadError,
+    InvalidRequest,
+    RequestFailed,
+    RequestStream,
+    ShuttingDown,
+)
 from tserve.validity import tokens_problem
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import RequestRecord
@@ -75,18 +82,15 @@ class Generation:
         model = self._models.resolve(req.model)
         self._precheck(req.n)
         plan = self._tool_plan(req)
-        field = req.constraint_field or (plan.request.field if plan is not None else None)
         run = partial(self._chat, record, req, model, plan)
-        return await self._named(field, self._in_flight.abortable(run))
+        return await self._named(_field(req, plan), self._in_flight.abortable(run))
 
     @staticmethod
     async def _named(field: str | None, response: Awaitable[Response]) -> Response:
         """``response``, a problem the nursery found with the constraint named by ``field``."""
         try:
             return await response
-        except InvalidRequest as exc:
-            if field is None:
-                raise
+        except (InvalidRequest, RequestFailed) as exc:
             raise rename_constraint_error(exc, field) from None
 
     def _tool_plan(self, req: ChatRequest) -> ToolPlan | None:
@@ -122,7 +126,7 @@ class Generation:
             for i in range(len(streams))
         ]
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, COMPLETION)
-        return await self._respond(record, req, envelope, streams, choices)
+        return await self._respond(record, req, envelope, streams, choices, req.constraint_field)
 
     async def _chat(
         self, record: RequestRecord, req: ChatRequest, model: str, plan: ToolPlan | None
@@ -135,7 +139,7 @@ class Generation:
             for i in range(len(streams))
         ]
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, CHAT)
-        return await self._respond(record, req, envelope, streams, choices)
+        return await self._respond(record, req, envelope, streams, choices, _field(req, plan))
 
     async def _start_completion(self, req: CompletionRequest) -> list[RequestStream]:
         """Admit ``n`` streams per prompt; a prompt used ``n > 1`` times is tokenized once."""
@@ -189,8 +193,10 @@ class Generation:
         envelope: Envelope,
         streams: list[RequestStream],
         choices: Sequence[Choice],
+        field: str | None,
     ) -> Response:
-        """Collect ``streams`` into one JSON body, or stream them as SSE."""
+        """Collect ``streams`` into one JSON body, or stream them as SSE; ``field``
+        names a constraint error in the stream's error event."""
         record.choices_per_prompt = req.n
         if not req.stream:
             await collect(streams, choices, record)
@@ -210,7 +216,13 @@ class Generation:
             record=record,
             budget=self._buffers,
             on_close=self._in_flight.body_closed,
+            name_error=partial(rename_constraint_error, field=field),
         )
         self._in_flight.add_body(body)
         record.streaming = True
         return Response(body, content_type="text/event-stream", headers=dict(_SSE_HEADERS))
+
+
+def _field(req: ChatRequest, plan: ToolPlan | None) -> str | None:
+    """The field a chat request's constraint came from: its own, or its tools'."""
+    return req.constraint_field or (plan.request.field if plan is not None else None)

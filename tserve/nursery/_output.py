@@ -10,8 +10,8 @@ for each output:
 
 1. ``FinishReason.ERROR``: the outcome is RequestFailed with the engine's
    reason and ``param``; when the engine names a part of the request (its
-   ``constraint``) before any token was handed out, InvalidRequest instead
-   (the request, not the engine, is at fault, and nothing was generated).
+   ``constraint``) and generated no token for it (in this output or before),
+   InvalidRequest instead (the request, not the engine, is at fault).
 2. ``FinishReason.ABORT`` on a request with a deadline: we did not abort it
    (we would not be reading it), so the engine's copy of the deadline
    expired first (``_deadline.py``): the outcome is RequestTimeout.
@@ -117,7 +117,6 @@ class OutputMapper:
 
     def push(self, output: RequestOutput) -> Outcome:
         """The meaning of the request's next output (rules 1-5)."""
-        handed_out = self._num_tokens
         self._num_tokens += len(output.token_ids)
         finish = output.finish_reason
         error = None
@@ -128,7 +127,7 @@ class OutputMapper:
                 failed="the engine failed this request",
                 timed_out=self._deadline_message,
             )
-        if isinstance(error, RequestFailed) and error.param is not None and not handed_out:
+        if isinstance(error, RequestFailed) and error.param is not None and not self._num_tokens:
             error = InvalidRequest(str(error), param=error.param)
         if error is not None:
             failed = isinstance(error, (RequestFailed, InvalidRequest))

@@ -26,6 +26,7 @@ from tserve.nursery import (
     RequestStream,
     ShuttingDown,
 )
+from tserve.sampling import JsonSchema
 from tserve.validity import tokens_problem
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import RequestRecord
@@ -83,7 +84,27 @@ class Generation:
         self._precheck(req.n)
         plan = self._tool_plan(req)
         run = partial(self._chat, record, req, model, plan)
-        return await self._named(_field(req, plan), self._in_flight.abortable(run))
+        field = _field(req, plan)
+        try:
+            return await self._named(field, self._in_flight.abortable(run))
+        except InvalidRequest as exc:
+            if plan is None or field != plan.request.field or exc.param != field:
+                raise
+            raise InvalidRequest(str(exc), param=await self._tool_field(plan, field)) from None
+
+    async def _tool_field(self, plan: ToolPlan, field: str) -> str:
+        """``tools[i].function.parameters`` of the first enforced tool whose own
+        parameters cannot be honoured, else ``field``. A checkpoint (each check's
+        verdict is cached)."""
+        choice = plan.request.choice
+        for i, (name, parameters) in enumerate(plan.request.parameters.items()):
+            if choice not in ("required", name):
+                continue
+            try:
+                await self._llm.constraints.check(JsonSchema(parameters))
+            except InvalidRequest:
+                return f"tools[{i}].function.parameters"
+        return field
 
     @staticmethod
     async def _named(field: str | None, response: Awaitable[Response]) -> Response:

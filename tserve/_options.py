@@ -134,6 +134,14 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
     )
     _option(
         eng,
+        "--grammar-compile-timeout",
+        float,
+        d.grammar_compile_timeout,
+        "seconds a structured output's grammar may take to compile: a request whose grammar "
+        "is not compiled by then fails with a 400 naming its field, before any token",
+    )
+    _option(
+        eng,
         "--grammar-mask-budget",
         float,
         d.grammar_mask_budget * 1000,
@@ -227,6 +235,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_slowdown": args.max_decode_slowdown,
+        "grammar_compile_timeout": args.grammar_compile_timeout,
         "grammar_mask_budget": args.grammar_mask_budget / 1000,
         "max_model_len": args.max_model_len,
         "threads": args.threads,

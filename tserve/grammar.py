@@ -156,14 +156,14 @@ def constraint_problem(
         text = grammar_text(constraint)
     except (ValueError, RecursionError) as exc:
         return Problem("constraint", f"{_kind(constraint)}: {exc}")
-    message = llguidance.LLMatcher.validate_grammar(text, tokenizer)
-    if message:
-        return Problem("constraint", f"{_kind(constraint)}: {message.strip()}")
-    if tokenizer is not None:
-        problem = start_problem(llguidance.LLMatcher(tokenizer, text, log_level=0), tokenizer)
-        if problem is not None:
-            return Problem("constraint", f"{_kind(constraint)}: {problem}")
-    return None
+    if tokenizer is None:
+        message = llguidance.LLMatcher.validate_grammar(text)
+        return Problem("constraint", f"{_kind(constraint)}: {message.strip()}") if message else None
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)  # one compile: it validates too
+    if matcher.is_error():
+        return Problem("constraint", f"{_kind(constraint)}: {matcher.get_error().strip()}")
+    problem = start_problem(matcher, tokenizer)
+    return None if problem is None else Problem("constraint", f"{_kind(constraint)}: {problem}")
 
 
 def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> str | None:

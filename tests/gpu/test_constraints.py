@@ -249,6 +249,7 @@ def test_a_grammar_not_compiled_in_time_ends_its_request(tiny_model_dir: Path) -
         late = outputs["late"]
         assert late.finish_reason is FinishReason.ERROR
         assert late.error == "the grammar did not compile within 5 s"
+        assert (late.error_param, late.token_ids) == ("constraint", [])
         assert outputs["plain"].finish_reason is None and outputs["plain"].token_ids
     finally:
         release.set()

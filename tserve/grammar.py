@@ -166,37 +166,45 @@ def constraint_problem(
     return None if problem is None else Problem("constraint", f"{_kind(constraint)}: {problem}")
 
 
+FORCED_WALK: Final = 8
+"""Forced tokens :func:`start_problem` follows from a grammar's start, at most."""
+
+
 def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> str | None:
     """Why a freshly compiled ``matcher`` can write no useful output, or None.
 
-    It follows the tokens the grammar forces from its start (llguidance's
-    fast-forward tokens: ``{"k":`` for an object with one required key) and
-    computes the mask after them. The grammar accepts no string when it
-    fails on the way or allows no token there but an EOS without being
-    complete (``{"$ref": "#"}``, a ``$defs`` cycle without a base case, an
-    empty character class); it accepts only the empty string when nothing is
-    forced and only EOS is allowed. ``matcher`` is consumed (use a copy).
-    Blocking: one mask and the forced tokens' parse (milliseconds; at most
-    llguidance's item limit for a grammar that forces forever).
+    It follows the tokens the grammar forces from its start (a mask that
+    allows one token and no EOS: ``{"k":`` for an object with one required
+    key), up to :data:`FORCED_WALK` of them. The grammar accepts no string
+    when it fails on the way, or allows no token there but an EOS without
+    being complete (``{"$ref": "#"}``, a ``$defs`` cycle without a base case,
+    an empty character class); it accepts only the empty string when EOS is
+    all its start allows. ``matcher`` is consumed (use a copy). Blocking: a
+    mask per forced token (llguidance releases the GIL while it computes one;
+    bounded by its own limits).
     """
-    if matcher.is_error():
-        return f"the grammar does not compile: {matcher.get_error().strip()}"
-    forced = matcher.compute_ff_tokens()
-    where = repr(tokenizer.decode_str(forced)[:80]) if forced else "its start"
-    if (forced and not matcher.consume_tokens(forced)) or matcher.is_error():
-        return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
-    allowed = matcher.compute_logit_bias()  # a dead end puts the matcher in its error state
-    eos_allowed = sum(1 for t in set(tokenizer.eos_tokens) if t < len(allowed) and allowed[t])
-    others_allowed = len(allowed) - allowed.count(0) > eos_allowed
-    if matcher.is_error() and not others_allowed and not matcher.is_accepting():
-        return f"the grammar accepts no string: no token can follow {where}"
-    if matcher.is_error():
-        return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
-    if others_allowed or forced:
-        return None
-    if not matcher.is_accepting():
-        return f"the grammar accepts no string: no token can follow {where}"
-    return "the grammar accepts only the empty string"
+    eos = set(tokenizer.eos_tokens)
+    forced: list[int] = []
+    for _ in range(FORCED_WALK + 1):
+        where = repr(tokenizer.decode_str(forced)[:80]) if forced else "its start"
+        allowed = matcher.compute_logit_bias()  # a dead end puts the matcher in its error state
+        eos_allowed = sum(1 for t in eos if t < len(allowed) and allowed[t])
+        others = len(allowed) - allowed.count(0) - eos_allowed
+        if matcher.is_error() and not others and not matcher.is_accepting():
+            return f"the grammar accepts no string: no token can follow {where}"
+        if matcher.is_error():
+            return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
+        if not others:  # EOS alone: the end, or a special token the grammar names
+            if forced or not matcher.is_accepting():
+                return None
+            return "the grammar accepts only the empty string"
+        if others > 1 or eos_allowed or len(forced) == FORCED_WALK:
+            return None
+        token = next(i for i, b in enumerate(allowed) if b and i not in eos)
+        if not matcher.consume_token(token):
+            return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
+        forced.append(token)
+    return None
 
 
 def first_line(message: str) -> str:

@@ -90,14 +90,28 @@ def test_a_grammar_that_can_write_nothing_is_a_400_naming_its_field(
     assert ok.status_code == 200
 
 
-def test_a_failed_grammar_fails_the_same_way_again(server: Server) -> None:
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        (
+            {"structured_outputs": {"regex": "((a{100}){100}){100}"}},
+            "structured_outputs.regex",
+            "too many expressions constructed",
+        ),
+        ({"response_format": schema_format({"$ref": "#"})}, "response_format", "accepts no string"),
+    ],
+)
+def test_a_failed_grammar_fails_the_same_way_again(
+    server: Server, fields: dict[str, Any], param: str, words: str
+) -> None:
     """The verdict on a grammar is remembered with its error: the identical
     request gets the identical 400, never a success the second time."""
-    body = {"model": "tiny", "messages": ASK, "max_tokens": 8}
-    body["response_format"] = schema_format({"$ref": "#"})
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 8, **fields}
     replies = [server.client.post("/v1/chat/completions", json=body) for _ in range(3)]
     assert [r.status_code for r in replies] == [400, 400, 400]
     assert replies[0].json() == replies[1].json() == replies[2].json()
+    error = replies[0].json()["error"]
+    assert error["param"] == param and words in error["message"]
 
 
 @pytest.mark.parametrize(

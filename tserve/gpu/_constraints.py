@@ -173,6 +173,8 @@ class GrammarCompiler:
         or can write nothing (``tserve.grammar.start_problem``, on a copy)."""
         try:
             matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            if matcher.is_error():
+                return f"the grammar does not compile: {matcher.get_error().strip()}"
             problem = start_problem(matcher.deep_copy(), self.tokenizer)
         except Exception as exc:  # llguidance's or the tokenizer's error, whatever its type
             return f"{type(exc).__name__}: {exc}"

@@ -64,6 +64,7 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 
+from tserve._host import lower_thread_priority
 from tserve.gpu._heap import trim_heap
 from tserve.gpu._sequence import Sequence as Seq
 from tserve.grammar import first_line, grammar_text, llg_tokenizer, start_problem
@@ -108,7 +109,9 @@ class GrammarCompiler:
         if cache_size < 1:
             raise ValueError(f"grammar_cache_size must be >= 1, got {cache_size}")
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tserve-grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tserve-grammar", initializer=lower_thread_priority
+        )
         self._tokenizer = self._pool.submit(
             llg_tokenizer, tokenizer_json, vocab_size=vocab_size, eos_token_ids=eos_token_ids
         )
@@ -237,11 +240,12 @@ class Constraints:
         self._waiting: dict[str, _Waiting] = {}
         # Every constrained request in the scheduler. Bound: the same.
         self._matchers: dict[str, _Row] = {}
-        # Masks are computed here (llguidance releases the GIL). Bound: one
-        # queued or running mask per constrained row; at least two threads,
-        # so that one slow grammar does not queue the others' masks behind it.
+        # Masks are computed here (llguidance releases the GIL), at a lower
+        # priority than the forward pass. Bound: one queued or running mask per
+        # constrained row; at least two threads, so that one slow grammar does
+        # not queue the others' masks behind it.
         self._mask_threads = concurrent.futures.ThreadPoolExecutor(
-            max(2, threads), thread_name_prefix="tserve-masks"
+            max(2, threads), thread_name_prefix="tserve-masks", initializer=lower_thread_priority
         )
         pattern = os.environ.get(MASK_FAULT_ENV)
         self._fault = re.compile(pattern) if pattern else None

@@ -3,7 +3,9 @@
 :func:`grammar_text` turns a :data:`~tserve.sampling.Constraint` into the text
 llguidance compiles (a JSON document naming a JSON Schema, a Lark grammar or a
 regex). :func:`constraint_problem` checks a constraint without the model (the
-API process, before a request reaches the engine); :func:`llg_tokenizer`
+API process, before a request reaches the engine), and with the model's
+tokenizer also that it can write something (:func:`start_problem`, which the
+engine's compile applies too); :func:`llg_tokenizer`
 builds llguidance's view of a model's vocabulary straight from its
 ``tokenizer.json`` text, so neither process needs torch or transformers for
 it. Imports only the standard library, llguidance and :mod:`tserve.sampling`.
@@ -44,10 +46,12 @@ from tserve.validity import Problem
 
 __all__ = [
     "ANY_JSON_OBJECT",
+    "FORCED_WALK",
     "JSON_OPTIONS",
     "NUMBER_BOUND",
     "bounded_schema",
     "constraint_problem",
+    "first_line",
     "grammar_text",
     "lark_json",
     "llg_tokenizer",

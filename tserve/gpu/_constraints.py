@@ -240,12 +240,13 @@ class Constraints:
         self._waiting: dict[str, _Waiting] = {}
         # Every constrained request in the scheduler. Bound: the same.
         self._matchers: dict[str, _Row] = {}
-        # Masks are computed here (llguidance releases the GIL), at a lower
-        # priority than the forward pass. Bound: one queued or running mask per
-        # constrained row; at least two threads, so that one slow grammar does
-        # not queue the others' masks behind it.
+        # Masks are computed here (llguidance releases the GIL), at the
+        # process's priority: a constrained row's pace depends on them (the
+        # budget ends a grammar whose masks stay slow). Bound: one queued or
+        # running mask per constrained row; at least two threads, so that one
+        # slow grammar does not queue the others' masks behind it.
         self._mask_threads = concurrent.futures.ThreadPoolExecutor(
-            max(2, threads), thread_name_prefix="tserve-masks", initializer=lower_thread_priority
+            max(2, threads), thread_name_prefix="tserve-masks"
         )
         pattern = os.environ.get(MASK_FAULT_ENV)
         self._fault = re.compile(pattern) if pattern else None

@@ -259,10 +259,12 @@ def is_default_gguf(path: Path) -> bool:
 
 
 def _eos_ids(model: object, tokenizer: object) -> tuple[int, ...]:
-    """EOS ids of a model (its generation config and config) or of a config, and the tokenizer's."""
+    """EOS ids of a model (its generation config and config) or of a config (a
+    GGUF file's: every id that ends a generation), and the tokenizer's."""
     ids: set[int] = set()
     sources = (getattr(model, "generation_config", None), getattr(model, "config", model))
     for source in sources:
+        ids.update(getattr(source, "end_of_generation_ids", ()))
         eos = getattr(source, "eos_token_id", None)
         if isinstance(eos, int):
             ids.add(eos)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu.cores import small_core
+from tests.gpu.gguf_files import write_gguf
 from tests.gpu.tiny_vocabs import (
     GEMMA3_TEMPLATE,
     PIECES,
@@ -186,3 +188,15 @@ def test_gemma_template_renders_its_turns(tmp_path: Path) -> None:
     assert prompt[:2] == [vocab.id("<bos>"), vocab.id("<start_of_turn>")]
     assert prompt.count(vocab.id("<end_of_turn>")) == 3
     assert prompt.count(vocab.id("<bos>")) == 1
+
+
+@pytest.mark.parametrize("dequantize", [False, True], ids=["as-is", "dequantized"])
+def test_the_engine_ends_generation_at_the_files_end_of_turn(
+    tmp_path: Path, tiny_model_dir: Path, dequantize: bool
+) -> None:
+    """Served as it is or through its fp32 conversion (whose tokenizer knows
+    only EOS), a file's end-of-turn marker is one of the engine's EOS ids."""
+    vocab = sentencepiece_vocab(PIECES, size=512)
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "tiny.gguf", "Q8_0", vocab=vocab.write)
+    core = small_core(path, cache_dir=str(tmp_path / "cache"), dequantize=dequantize)
+    assert set(core.eos_token_ids) == {vocab.id("<eos>"), vocab.id("<end_of_turn>")}

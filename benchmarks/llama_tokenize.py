@@ -38,18 +38,22 @@ TEXTS: tuple[str, ...] = (
     "I'm sure they've said it's fine, wouldn't you?",
     "Crème brûlée, naïve café, façade; Ångström über Straße.",
     "Ελληνικά και русский текст",
-    "日本語のテキストと中文文本\uff0c还有한국어 문장。"  # a full-width comma,
+    "日本語のテキストと中文文本\uff0c还有한국어 문장。",  # a full-width comma
     "emoji: 🦙🚀 👩‍💻 ❤️ 🇫🇷",
     "def f(x):\n    return  x  *  2\n\n\n\tif x:\t\tpass   \n",
     "3.14159 12345678 1,000,000 and 007",
     "مرحبا بالعالم، كيف حالك؟",
     "line one\nline two\r\nline three\n\n\nend",
     "   leading and trailing spaces   ",
+    "a" + " " * 20 + "b\t\t\t\tc \n \n d",
+    "I'LL SAY IT'S w048 7tuijk 1st 2nd 3rd",
+    "नमस्ते दुनिया, สวัสดีชาวโลก",
     "<|im_start|>user\nhi<|im_end|> <start_of_turn>model\nyes<end_of_turn>",
     "",
 )
 """English, accents, Greek and Cyrillic, CJK, emoji, code with runs of
-whitespace, digits, Arabic, newlines, and the chat markup of two vocabularies."""
+whitespace, digits, Arabic, newlines, Devanagari and Thai, and the chat
+markup of two vocabularies."""
 
 
 def _free_port() -> int:

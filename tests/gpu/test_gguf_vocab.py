@@ -94,6 +94,21 @@ def test_space_prefix_opens_each_run_of_text(tmp_path: Path) -> None:
     assert tokenizer.decode([world, world]) == "world world"
 
 
+@pytest.mark.parametrize("name", ["Phi 3 Mini", "Phi-3 Mini 4k Instruct"])
+def test_phi3_tokens_take_the_whitespace_after_them(tmp_path: Path, name: str) -> None:
+    """As llama.cpp reads a file named Phi-3: an added token takes the
+    whitespace after it (not <unk>, <s>, <|endoftext|>); other files keep it."""
+    vocab = sentencepiece_vocab(PIECES)
+    vocab.metadata["general.name"] = name
+    tokenizer = file_tokenizer(tmp_path, vocab)
+    eot, space, hello = (vocab.id(t) for t in ("<end_of_turn>", "▁", "hello"))
+    stripped = "phi-3" in name.lower()
+    assert tokenizer.encode("<end_of_turn>  hello") == (
+        [eot, hello] if stripped else [eot, space, space, hello]
+    )
+    assert tokenizer.encode("<unk> hello") == [vocab.id("<unk>"), space, hello]
+
+
 def test_bos_and_eos_as_the_file_says(tmp_path: Path) -> None:
     vocab = sentencepiece_vocab(PIECES)
     vocab.metadata["tokenizer.ggml.add_bos_token"] = False

@@ -416,6 +416,7 @@ def read_vocab(path: Path) -> GgufVocab:
 
 def _vocab(meta: _Metadata) -> GgufVocab:
     try:
-        return GgufVocab.from_metadata(meta.with_prefix("tokenizer."))
+        keys = meta.with_prefix("tokenizer.")
+        return GgufVocab.from_metadata({**keys, "general.name": meta.get("general.name")})
     except VocabError as exc:
         raise ModelLoadError(f"{meta._path.name}: {exc}") from exc

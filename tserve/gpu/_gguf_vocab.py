@@ -17,7 +17,8 @@ models ship; any other is refused with one line:
 Token types (``tokenizer.ggml.token_type``) decide what is matched in the
 text before the model's pieces: control tokens as special tokens (skipped
 when decoding), user-defined ones as plain added tokens, both matched on the
-raw text. With ``add_special_tokens`` the pipeline adds BOS and EOS as
+raw text (in Phi-3's files with the whitespace after them, as llama.cpp
+matches them there). With ``add_special_tokens`` the pipeline adds BOS and EOS as
 ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say (llama.cpp's
 defaults where the file is silent), so its ids equal llama.cpp's
 ``/tokenize`` with ``add_special``.
@@ -82,6 +83,9 @@ _END_OF_GENERATION_TEXTS: Final = frozenset(
         "[e~[",
     }
 )
+
+# The added tokens of a Phi-3 file that keep the whitespace after them.
+_KEEP_SPACE_AFTER: Final = frozenset({"<unk>", "<s>", "<|endoftext|>"})
 
 # llama.cpp's splitting expressions (llama-vocab.cpp, llm_tokenizer_bpe), applied
 # one after the other, each match and each gap between matches a piece.
@@ -157,10 +161,14 @@ class GgufVocab:
     eot_id: int | None = None
     eom_id: int | None = None
     chat_template: str | None = None
+    # Phi-3's files (by general.name, as llama.cpp tells them): whitespace
+    # after a special or user-defined token is part of it (not <unk>, <s>,
+    # <|endoftext|>).
+    rstrip_added: bool = False
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> GgufVocab:
-        """From ``tokenizer.*`` keys (full key -> value), with llama.cpp's
+        """From ``tokenizer.*`` keys and ``general.name`` (full key -> value), with llama.cpp's
         defaults for the ones a file leaves out. Raises VocabError for a
         vocabulary kind or pre-tokenizer it does not know."""
         model = meta.get("tokenizer.ggml.model")
@@ -187,6 +195,7 @@ class GgufVocab:
             return int(value) if value is not None and 0 <= int(value) < n else None
 
         template = meta.get("tokenizer.chat_template")
+        name = str(meta.get("general.name") or "").lower()
         return cls(
             model=model,
             tokens=tokens,
@@ -205,6 +214,7 @@ class GgufVocab:
             eot_id=token_id("eot_token_id"),
             eom_id=token_id("eom_token_id"),
             chat_template=template if isinstance(template, str) else None,
+            rstrip_added="phi-3" in name or "phi3" in name,
         )
 
 
@@ -321,7 +331,8 @@ def _added_tokens(vocab: GgufVocab) -> list[AddedToken]:
     for text, kind in zip(vocab.tokens, vocab.token_types, strict=True):
         if kind in (_CONTROL, _UNKNOWN, _USER_DEFINED):
             special = kind != _USER_DEFINED
-            added.append(AddedToken(text, special=special, normalized=False))
+            rstrip = vocab.rstrip_added and text not in _KEEP_SPACE_AFTER
+            added.append(AddedToken(text, special=special, normalized=False, rstrip=rstrip))
     return added
 
 

@@ -5,12 +5,14 @@
 starts ``llama-server -m FILE.gguf -t 1`` on a free loopback port, asks its
 ``/tokenize`` (``add_special``, special tokens parsed, as its completions do)
 for each text of :data:`TEXTS`, and writes ``{"file", "sha256", "texts",
-"ids"}`` to OUT.json. The tests compare tserve's tokenizer, built from the
-same file's metadata, with these ids (``tests/gpu/data/``). Regenerate with:
+"ids"}`` to OUT.json; with ``--chats``, also ``"chats"``: each of
+:data:`CHATS` with its prompt by the file's chat template (``/apply-template``).
+The tests compare tserve's tokenizer, built from the same file's metadata,
+with these ids (``tests/gpu/data/``). Regenerate with:
 
     python -m benchmarks.llama_tokenize --llama-server .../llama-server \\
         "$(python -c 'from tserve.gpu._models import default_gguf; print(default_gguf())')" \\
-        tests/gpu/data/smollm2_tokenize.json
+        tests/gpu/data/smollm2_tokenize.json --chats
     python -m benchmarks.llama_tokenize --llama-server .../llama-server \\
         gemma-3-270m-q4_k_m.gguf tests/gpu/data/gemma3_tokenize.json
 
@@ -29,7 +31,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["TEXTS", "main", "tokenize_all"]
+__all__ = ["CHATS", "TEXTS", "main", "tokenize_all"]
 
 TEXTS: tuple[str, ...] = (
     "Hello world",
@@ -56,6 +58,18 @@ whitespace, digits, Arabic, newlines, Devanagari and Thai, and the chat
 markup of two vocabularies."""
 
 
+CHATS: tuple[list[dict[str, str]], ...] = (
+    [{"role": "user", "content": "Hi there"}],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Crème brûlée? 日本語 🦙"},
+        {"role": "assistant", "content": "Yes.\n\nAnd  no."},
+        {"role": "user", "content": "  Why?  "},
+    ],
+)
+"""Conversations whose prompts (the assistant's turn opened) ``--chats`` records."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,8 +85,12 @@ def _post(url: str, body: object) -> object:
         return json.loads(response.read())
 
 
-def tokenize_all(server: Path, gguf: Path, texts: tuple[str, ...]) -> list[list[int]]:
-    """llama-server's ids of each text (``add_special``). Blocks while it loads."""
+def tokenize_all(
+    server: Path, gguf: Path, texts: tuple[str, ...], chats: tuple[list[dict[str, str]], ...]
+) -> tuple[list[list[int]], list[str]]:
+    """llama-server's ids of each text (``add_special``), and the prompt text of
+    each chat by the file's chat template (``/apply-template``). Blocks while
+    it loads."""
     port = _free_port()
     command = [str(server), "-m", str(gguf), "--port", str(port), "-t", "1", "-c", "512"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -95,7 +113,12 @@ def tokenize_all(server: Path, gguf: Path, texts: tuple[str, ...]) -> list[list[
             answer = _post(f"{url}/tokenize", {"content": text, "add_special": True})
             assert isinstance(answer, dict)
             ids.append([int(t) for t in answer["tokens"]])
-        return ids
+        prompts = []
+        for chat in chats:
+            answer = _post(f"{url}/apply-template", {"messages": chat})
+            assert isinstance(answer, dict)
+            prompts.append(str(answer["prompt"]))
+        return ids, prompts
     finally:
         process.terminate()
         process.wait()
@@ -106,10 +129,21 @@ def main() -> int:
     p.add_argument("--llama-server", type=Path, required=True)
     p.add_argument("gguf", type=Path)
     p.add_argument("out", type=Path)
+    p.add_argument("--chats", action="store_true", help="record CHATS' prompts too")
     args = p.parse_args()
     digest = hashlib.sha256(args.gguf.read_bytes()).hexdigest()
-    ids = tokenize_all(args.llama_server, args.gguf, TEXTS)
-    record = {"file": args.gguf.name, "sha256": digest, "texts": list(TEXTS), "ids": ids}
+    chats = CHATS if args.chats else ()
+    ids, prompts = tokenize_all(args.llama_server, args.gguf, TEXTS, chats)
+    record: dict[str, object] = {
+        "file": args.gguf.name,
+        "sha256": digest,
+        "texts": list(TEXTS),
+        "ids": ids,
+    }
+    if chats:
+        record["chats"] = [
+            {"messages": c, "prompt": t} for c, t in zip(chats, prompts, strict=True)
+        ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, ensure_ascii=False, indent=1) + "\n")
     print(f"{args.out}: {len(TEXTS)} texts, {sum(map(len, ids))} ids")

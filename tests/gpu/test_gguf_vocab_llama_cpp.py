@@ -2,7 +2,8 @@
 
 SmolLM2's byte-level BPE (pre "smollm") and Gemma 3's SentencePiece give the
 ids llama.cpp's ``/tokenize`` gave (``add_special``) for a fixed multilingual
-text set: ``tests/gpu/data/*_tokenize.json``, recorded by
+text set, and SmolLM2's chat template the prompts of llama.cpp's
+``/apply-template``: ``tests/gpu/data/*_tokenize.json``, recorded by
 ``benchmarks/llama_tokenize.py`` (its docstring has the commands).
 """
 
@@ -36,10 +37,15 @@ def _check_against_llama_cpp(tokenizer: ModelTokenizer, record: dict[str, Any]) 
 
 
 def test_smollm2_ids_equal_llama_cpp(tmp_path: Path) -> None:
-    """The bundled file (byte-level BPE, pre "smollm")."""
+    """The bundled file (byte-level BPE, pre "smollm"), and the prompts its
+    chat template makes."""
     path = default_gguf()
     tokenizer = load_model_tokenizer(tokenizer_dir(path, tmp_path, lambda _: None))
-    _check_against_llama_cpp(tokenizer, _recorded("smollm2", path))
+    record = _recorded("smollm2", path)
+    _check_against_llama_cpp(tokenizer, record)
+    assert len(record["chats"]) >= 2
+    for chat in record["chats"]:  # its chat template, as llama.cpp renders it
+        assert tokenizer.render_chat(chat["messages"], add_generation_prompt=True) == chat["prompt"]
     assert end_of_generation_ids(read_vocab(path)) == (0, 2)  # <|endoftext|>, <|im_end|>
 
 

@@ -126,6 +126,7 @@ MERGES = ["1 2", "12 3", "4 5", "h e", "l l", "he ll", "hell o", "Ġ w", "o r", 
     ("pre", "digits"),
     [
         ("qwen2", ["1", "2", "3", "4", "5"]),  # one digit a piece
+        ("qwen35", ["1", "2", "3", "4", "5"]),
         ("smollm", ["1", "2", "3", "4", "5"]),
         ("llama-bpe", ["123", "45"]),  # runs of up to three
         ("gpt-2", ["123", "45"]),  # the whole run, then merges

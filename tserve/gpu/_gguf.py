@@ -16,7 +16,7 @@ its tensors, metadata, tokenizer) and builds a
 * the RoPE table is :func:`~tserve.gpu._gguf_file.rope_tables`'s: serving a
   file imports no transformers (about 120 MB of the engine's memory).
 
-Blocks (file IO; the first load of a file's tokenizer takes a few seconds).
+Blocks (file IO; the first load of a file's tokenizer builds it, for seconds).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def load_gguf(
         vocab_size=config.vocab_size,
     )
     file.release_unused((t.data_ptr(), t.data_ptr() + t.nbytes) for t in _held_tensors(model))
-    tokenizer = tokenizer_dir(path, cache_dir, progress)
+    tokenizer = tokenizer_dir(path, cache_dir, progress, file.vocab)
     return GgufModel(path, config, tokenizer, model, file.formats, file.sampling)
 
 

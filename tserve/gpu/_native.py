@@ -160,7 +160,7 @@ class NativeModel:
             if self._embed_fmt == F32:
                 self._embed_rows = self._held[-1].view(np.float32)
         file.release_unused((_address(a), _address(a) + a.nbytes) for a in self._held)
-        self.tokenizer_dir = tokenizer_dir(file.path, cache_dir, progress)
+        self.tokenizer_dir = tokenizer_dir(file.path, cache_dir, progress, file.vocab)
 
     def _hold(self, a: np.ndarray) -> np.ndarray:
         held = np.ascontiguousarray(a)

@@ -237,11 +237,11 @@ def test_the_engine_serves_a_k_quant_file_as_its_fp32_conversion_would(
 
 
 def test_a_format_without_a_kernel_is_an_error_naming_the_tensor(
-    tiny_model_dir: Path, tmp_path: Path
+    wide_model_dir: Path, tmp_path: Path
 ) -> None:
-    formats = {"blk.1.ffn_down.weight": "Q5_0"}
-    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "q5.gguf", "Q8_0", formats=formats)
-    with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_down\.weight' is Q5_0.*--dequantize"):
+    formats = {"blk.1.attn_q.weight": "TQ1_0"}  # ternary: no kernel
+    path = write_gguf(wide_model_dir, tmp_path / "gguf" / "tq.gguf", "Q8_0", formats=formats)
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.attn_q\.weight' is TQ1_0.*--dequantize"):
         _load(path, tmp_path)
 
 

@@ -287,7 +287,7 @@ def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dic
         if name != "F32" and name not in FORMATS:
             raise ModelLoadError(
                 f"{path.name}: tensor {tensor.name!r} is {name}, which tserve has no kernel "
-                f"for (it runs F32, {', '.join(FORMATS)}); --dequantize serves the file as fp32"
+                f"for (it runs {', '.join(FORMATS)}); --dequantize serves the file as fp32"
             )
         if name != "F32" and not has_kernels:
             raise ModelLoadError(

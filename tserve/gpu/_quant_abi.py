@@ -67,10 +67,13 @@ class _Format:
 _FORMAT_TABLE: Final = {
     f.code: f
     for f in (
+        _Format("F32", 0, 1, 4, int8=False, packs=False),
         _Format("F16", 1, 1, 2, int8=False, packs=False),
         _Format("BF16", 30, 1, 2, int8=False, packs=False),
         _Format("Q4_0", 2, 32, 18, int8=True, packs=True),
         _Format("Q4_1", 3, 32, 20, int8=True, packs=True),
+        _Format("Q5_0", 6, 32, 22, int8=True, packs=True),
+        _Format("Q5_1", 7, 32, 24, int8=True, packs=True),
         _Format("Q8_0", 8, 32, 34, int8=True, packs=True),
         _Format("Q4_K", 12, 256, 144, int8=True, packs=False),
         _Format("Q5_K", 13, 256, 176, int8=True, packs=False),

@@ -192,18 +192,21 @@ class GgufFile:
             rows = rows.reshape(out, -1)
         return int(tensor.tensor_type), rows
 
-    def joined(
+    def parts(
         self, names: Sequence[str], permute_heads: Sequence[int | None] | None = None
-    ) -> tuple[int, np.ndarray] | None:
+    ) -> list[tuple[int, np.ndarray]]:
         """``(format, rows)`` of one weight whose outputs are ``names``' outputs,
-        concatenated (a copy when more than one), or None where they differ in
-        format."""
+        concatenated: neighbours of one format joined (a copy when more than
+        one), one part per run of a format, in order."""
         heads = permute_heads or [None] * len(names)
-        parts = [self.rows(name, h) for name, h in zip(names, heads, strict=True)]
-        if len({fmt for fmt, _ in parts}) > 1:
-            return None
-        rows = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
-        return parts[0][0], rows
+        runs: list[tuple[int, list[np.ndarray]]] = []
+        for name, h in zip(names, heads, strict=True):
+            fmt, rows = self.rows(name, h)
+            if runs and runs[-1][0] == fmt:
+                runs[-1][1].append(rows)
+            else:
+                runs.append((fmt, [rows]))
+        return [(fmt, rows[0] if len(rows) == 1 else np.concatenate(rows)) for fmt, rows in runs]
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D weight (a norm's) in fp32: a view of the file where it is F32."""

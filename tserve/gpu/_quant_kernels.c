@@ -867,12 +867,6 @@ static panel_fn fast_panel(int isa, int fmt) {
 
 /* ------------------------------------------------------------------ entry points */
 
-/* Whether tserve_qlinear runs `fmt`; tserve_qlinear_packed runs those that have a
- * packed layout (tserve_packed_bytes > 0). */
-int tserve_quant_format_supported(int fmt) {
-    return is_block_format(fmt) || fmt == F16 || fmt == BF16 || fmt == F32;
-}
-
 /* y[M, n] = x W^T for fp32 x [M, k] and W [n, k] in `fmt` (the file's layout). */
 void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
                     int64_t m, float *y) {

@@ -13,6 +13,9 @@ too; their products and their int8 scheme: test_kquant.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,6 +60,17 @@ def test_the_best_variant_is_the_one_the_cpu_flags_allow(kernels: QuantKernels) 
     avx2 = {"avx2", "fma", "f16c"} <= flags
     vnni = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
     assert kernels.best_isa == (2 if vnni else 1 if avx2 else 0)
+
+
+@pytest.mark.parametrize(("cap", "isa"), [("avx2", 1), ("portable", 0)])
+def test_max_isa_caps_the_variant_that_runs(kernels: QuantKernels, cap: str, isa: int) -> None:
+    """``TSERVE_MAX_ISA``, read when the kernels load (a fresh interpreter here)."""
+    code = "from tserve.gpu._quant_abi import quant_library as q; print(q().best_isa)"
+    env = {**os.environ, "TSERVE_MAX_ISA": cap}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert int(done.stdout) == min(isa, kernels.best_isa)
 
 
 def _k(fmt: str, blocks: int) -> int:

@@ -42,9 +42,9 @@ loads ``F32`` weights as plain fp32 linear layers; the fused decoder runs
 them on this module's ``F32`` kernel.
 
 **Instructions.** AVX2 + FMA + F16C where the CPU has them (chosen at run
-time), else portable C, said once in the log; the block formats' int8
-products run AVX-512 VNNI where the CPU has it (``TSERVE_MAX_ISA=avx2``
-caps them at AVX2).
+time), else portable C, said once in the log; the block formats' products
+(int8 and fp32) run AVX-512 (VNNI) where the CPU has it
+(``TSERVE_MAX_ISA=avx2`` caps them at AVX2).
 
 **Threads.** A product's output rows are split among torch's threads
 (``torch.set_num_threads``, the engine's ``--threads``), in torch's own

@@ -22,7 +22,8 @@
  *   scales are one vector load (layout at panel_block_bytes).
  *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one, the
- * int8 panels an AVX-512 VNNI one too; the caller picks by `isa`
+ * int8 panels an AVX-512 VNNI one too and the block formats' fp32 products
+ * an AVX-512 one; the caller picks by `isa`
  * (tserve_quant_isa() says the best this CPU runs; a kernel without a variant
  * for it runs the next one down).
  * Output rows are split among OpenMP threads: torch's own runtime (the same
@@ -822,22 +823,98 @@ PANEL_KERNEL(AVX512, vnni, Q5_0)
 PANEL_KERNEL(AVX512, vnni, Q5_1)
 PANEL_KERNEL(AVX512, vnni, Q8_0)
 
+/* ------------------------------------------------------------------ AVX-512, fp32 activations
+ *
+ * The block formats' fp32 products with 512-bit registers: a block's 32
+ * weights widen to two registers of 16 floats (bytes straight to int32), and
+ * each x row meets them in two FMAs; the same products as the AVX2 kernels',
+ * summed in another order. */
+
+/* A block's 32 weights as 2 x 16 floats (dequantized in registers). */
+AVX512 INLINE void block_floats_avx512(int fmt, const uint8_t *blk, __m512 w[2]) {
+    float dw = _cvtsh_ss(load_u16(blk));
+    __m512 d = _mm512_set1_ps(dw);
+    if (fmt == Q8_0) {
+        for (int h = 0; h < 2; h++) {
+            __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h));
+            w[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+        }
+        return;
+    }
+    __m512 m = _mm512_set1_ps(has_min(fmt) ? _cvtsh_ss(load_u16(blk + 2)) : -zero_point(fmt) * dw);
+    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + nibbles_at(fmt)));
+    __m128i low = _mm_set1_epi8(0x0f);
+    __m128i q[2] = {_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low)};
+    if (is_q5(fmt)) {
+        uint32_t qh;
+        memcpy(&qh, blk + nibbles_at(fmt) - 4, sizeof qh);
+        q[0] = _mm_or_si128(q[0], fifth_bits_avx2(qh, 0));
+        q[1] = _mm_or_si128(q[1], fifth_bits_avx2(qh, 1));
+    }
+    for (int h = 0; h < 2; h++)
+        w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[h])), d, m);
+}
+
+/* One W row (block format) against `rows` fp32 rows: two accumulators per row. */
+AVX512 INLINE void tile_blocks_f32_avx512(int fmt, const uint8_t *wrow, int64_t k, int rows,
+                                          const float *x, float *y, int64_t y_stride) {
+    int64_t nb = k / BLOCK, unit = unit_bytes(fmt);
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 w[2];
+        prefetch_ahead(wrow + b * unit, unit);
+        block_floats_avx512(fmt, wrow + b * unit, w);
+        for (int r = 0; r < rows; r++) {
+            const float *xb = x + r * k + b * BLOCK;
+            acc[r][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        y[r * y_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+#define AVX512_TILE(R) tile_blocks_f32_avx512(FORMAT, wrow, k, R, x, y, y_stride)
+
+#define AVX512_ROW(FMT)                                                                       \
+    AVX512 static void row_avx512_##FMT(const uint8_t *wrow, int64_t k, int rows,             \
+                                        const float *x, float *y, int64_t y_stride) {         \
+        enum { FORMAT = FMT };                                                                \
+        BY_TILE_ROWS(rows, AVX512_TILE)                                                       \
+    }
+
+AVX512_ROW(Q4_0)
+AVX512_ROW(Q4_1)
+AVX512_ROW(Q5_0)
+AVX512_ROW(Q5_1)
+AVX512_ROW(Q8_0)
+
 #endif
 
-/* The AVX2 kernel of `fmt` (NULL: none; always, off x86-64). */
-static row_fn avx2_row(int fmt) {
+/* The fp32 kernel `isa` runs for `fmt` (NULL: the portable one): AVX-512 for
+ * the block formats, AVX2 for the float formats (and below AVX-512). */
+static row_fn fast_row(int isa, int fmt) {
 #if defined(__x86_64__)
-    switch (fmt) {
-    case Q4_0: return row_avx2_Q4_0;
-    case Q4_1: return row_avx2_Q4_1;
-    case Q5_0: return row_avx2_Q5_0;
-    case Q5_1: return row_avx2_Q5_1;
-    case Q8_0: return row_avx2_Q8_0;
-    case F16: return row_avx2_F16;
-    case BF16: return row_avx2_BF16;
-    case F32: return row_avx2_F32;
-    }
+    if (isa == ISA_AVX512_VNNI) switch (fmt) {
+        case Q4_0: return row_avx512_Q4_0;
+        case Q4_1: return row_avx512_Q4_1;
+        case Q5_0: return row_avx512_Q5_0;
+        case Q5_1: return row_avx512_Q5_1;
+        case Q8_0: return row_avx512_Q8_0;
+        }
+    if (isa >= ISA_AVX2) switch (fmt) {
+        case Q4_0: return row_avx2_Q4_0;
+        case Q4_1: return row_avx2_Q4_1;
+        case Q5_0: return row_avx2_Q5_0;
+        case Q5_1: return row_avx2_Q5_1;
+        case Q8_0: return row_avx2_Q8_0;
+        case F16: return row_avx2_F16;
+        case BF16: return row_avx2_BF16;
+        case F32: return row_avx2_F32;
+        }
 #endif
+    (void)isa;
     (void)fmt;
     return 0;
 }
@@ -871,7 +948,7 @@ static panel_fn fast_panel(int isa, int fmt) {
 void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
                     int64_t m, float *y) {
     int64_t stride = row_bytes(fmt, k);
-    row_fn fast = isa >= ISA_AVX2 ? avx2_row(fmt) : 0;
+    row_fn fast = fast_row(isa, fmt);
     int threads = threads_for(n * (k / BLOCK) * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {

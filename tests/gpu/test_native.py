@@ -186,11 +186,13 @@ _MIXES: dict[str, tuple[str, str, dict[str, str]]] = {
         {"blk.0.ffn_down.weight": "Q8_0", "blk.1.ffn_down.weight": "Q8_0"},
     ),
     "Q8_0": ("smollm2", "Q8_0", {}),
+    "Q8_0+F32 head": ("smollm2", "Q8_0", {"token_embd.weight": "F32"}),
     "Q5_1": ("smollm2", "Q5_1", {"blk.1.attn_q.weight": "Q5_0"}),
     "Q5_1+F32+F16": (
         "smollm2",
         "Q5_1",
         {
+            "token_embd.weight": "F16",  # and the tied head
             "blk.0.attn_output.weight": "F32",
             "blk.1.attn_v.weight": "F32",  # qkv: Q5_1, F32
             "blk.1.ffn_up.weight": "F16",  # gate_up: Q5_1, F16

@@ -26,6 +26,12 @@
 #define MIN_SHARED_WORK 4096 /* blocks of 32 weights x rows below which one thread does it all */
 #define TILE_ROWS 4          /* rows of x against one pass over a few hundred bytes of W */
 #define CHUNK_ROWS 64        /* rows of x kept hot per pass over W */
+/* Rows of W a thread takes at a time in a shared product (a multiple of every
+ * panel's rows). Shares go to whichever thread is free (OpenMP dynamic), so a
+ * thread the OS preempts on a busy machine delays the product by one share, not
+ * by its whole static half; each output is still computed by the same code in
+ * the same order, so the result does not depend on which thread ran it. */
+#define SHARE_ROWS 32
 
 /* CALL(R) for a tile of `rows` rows (1..TILE_ROWS), R a constant in each branch, so
  * that each instance's inner loops are specialised for it. */

@@ -953,7 +953,7 @@ void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, co
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, SHARE_ROWS)
         for (int64_t j = 0; j < n; j++) {
             const uint8_t *wrow = w + j * stride;
             for (int64_t r = m0; r < m1; r += TILE_ROWS) {
@@ -991,7 +991,7 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
             tserve_quantize_q8(isa, x + r * k, 1, k, xq + r * k, xd + r * nb, xs + r * nb);
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, SHARE_ROWS / PANEL)
             for (int64_t p = 0; p < panels; p++) {
                 const uint8_t *panel = packed + p * panel_bytes;
                 int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;

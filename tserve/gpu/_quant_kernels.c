@@ -66,7 +66,7 @@ static int is_block_format(int fmt) {
 /* The 4-bit block formats and their 5-bit kin: quants unsigned, w = d * q + offset. */
 static int is_q5(int fmt) { return fmt == Q5_0 || fmt == Q5_1; }
 static int has_min(int fmt) { return fmt == Q4_1 || fmt == Q5_1; } /* offset: a stored m */
-static float zero_point(int fmt) { return is_q5(fmt) ? 16.0f : 8.0f; } /* else -zp * d */
+static float zero_point(int fmt) { return is_q5(fmt) ? 16.0f : 8.0f; } /* no m: -zp * d */
 
 /* Where a block's 16 nibble bytes start (Q5's 4 bytes of fifth bits lie just before). */
 static int64_t nibbles_at(int fmt) {

@@ -236,7 +236,10 @@ def test_every_mix_of_quantized_formats_runs_natively_as_the_torch_path_s_fused_
     path, _ = _mix_file(mix, smollm2_tiny_dir, mix_model_dir, tmp_path)
     assert native_problem(GgufFile(path, has_kernels=True)) is None
     native, torch_runner = _runners(path, tmp_path, activations, "fp32")
-    for chunks in _mixed_steps():
+    steps = _mixed_steps()
+    last = steps[-1][0]
+    steps.append([ScheduledChunk(last.seq, last.start + 1, [5], True)])  # one row alone
+    for chunks in steps:
         assert np.array_equal(native.execute(chunks), torch_runner.execute(chunks).numpy())
     assert torch_runner.model.decoder is not None  # the torch path fused its steps too
 

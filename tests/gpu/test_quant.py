@@ -119,7 +119,7 @@ def test_the_packed_layout_keeps_every_row(kernels: QuantKernels, fmt: str) -> N
     torch.testing.assert_close(kernels.dequantize(packed, rows), dense[rows], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", *kquant_blocks.FORMATS])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_0", "Q5_1", *kquant_blocks.FORMATS])
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_product_shared_among_threads_is_the_same(

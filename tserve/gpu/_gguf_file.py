@@ -4,7 +4,7 @@ as a config, its tokenizer's directory; no torch.
 :class:`GgufFile` maps the file (``gguf.GGUFReader``, copy-on-write, so
 nothing is written back), checks its architecture (``llama``: Llama,
 SmolLM, Mistral-style files) and that every tensor is in a format tserve
-multiplies by (F32, or one of :data:`~tserve.gpu._quant_abi.FORMATS`; any
+multiplies by (one of :data:`~tserve.gpu._quant_abi.FORMATS`; any
 other is a :class:`~tserve.gpu._models.ModelLoadError` naming the tensor
 and its format: ``--dequantize`` serves the file through the fp32 conversion
 instead), and reads its metadata into a :class:`GgufConfig`. Weights come

@@ -125,9 +125,12 @@ def write_gguf(
     return out
 
 
-def build_wide_model(tokenizer_dir: Path, out: Path) -> Path:
-    """A tiny random Llama whose every weight row is whole K-quant super-blocks
-    (hidden size 256, MLP 512, untied head), with ``tokenizer_dir``'s tokenizer."""
+def build_wide_model(
+    tokenizer_dir: Path, out: Path, *, intermediate: int = 2 * kquant_blocks.SUPER
+) -> Path:
+    """A tiny random Llama whose hidden rows are whole K-quant super-blocks
+    (hidden size 256, untied head; its MLP ``intermediate`` wide, by default 512,
+    so the down weight's rows are too), with ``tokenizer_dir``'s tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -135,7 +138,7 @@ def build_wide_model(tokenizer_dir: Path, out: Path) -> Path:
     config = LlamaConfig(
         vocab_size=tokenizer["vocab_size"],
         hidden_size=kquant_blocks.SUPER,
-        intermediate_size=2 * kquant_blocks.SUPER,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

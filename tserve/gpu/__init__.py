@@ -1,5 +1,5 @@
 """The engine process: plain blocking pyzmq, no trio; torch only where the
-model needs it (a GGUF file whose every layer fuses runs on ``_native.py``
+model needs it (a GGUF file served as it is on CPU runs on ``_native.py``
 without it: ``_engine.py`` and every module that path imports import no
 torch at module level). Imports only
 :mod:`tserve.protocol` (and :mod:`tserve.validity`, :mod:`tserve.grammar`)

@@ -1,8 +1,8 @@
 """Loading the model an :class:`~tserve.protocol.EngineConfig` names, for one of the runners.
 
 :func:`load_engine_model` decides which runner serves it: the native runner
-(numpy and the C kernels, no torch) for a GGUF file served as it is on CPU
-whose every layer fuses, unless ``--gguf-runner`` or the device says
+(numpy and the C kernels, no torch) for a GGUF file served as it is on CPU,
+in whatever mix of formats, unless ``--gguf-runner`` or the device says
 otherwise (the load log says which and why); else torch's forward pass
 (``_load_torch``, the only place the engine imports torch). It blocks while
 it reads, converts or packs the weights; the KV pool is sized later, by the

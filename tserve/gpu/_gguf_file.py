@@ -4,7 +4,7 @@ as a config, its tokenizer's directory; no torch.
 :class:`GgufFile` maps the file (``gguf.GGUFReader``, copy-on-write, so
 nothing is written back), checks its architecture (``llama``: Llama,
 SmolLM, Mistral-style files) and that every tensor is in a format tserve
-multiplies by (F32, or one of :data:`~tserve.gpu._quant_abi.FORMATS`; any
+multiplies by (one of :data:`~tserve.gpu._quant_abi.FORMATS`; any
 other is a :class:`~tserve.gpu._models.ModelLoadError` naming the tensor
 and its format: ``--dequantize`` serves the file through the fp32 conversion
 instead), and reads its metadata into a :class:`GgufConfig`. Weights come
@@ -208,18 +208,21 @@ class GgufFile:
             rows = rows.reshape(out, -1)
         return int(tensor.tensor_type), rows
 
-    def joined(
+    def parts(
         self, names: Sequence[str], permute_heads: Sequence[int | None] | None = None
-    ) -> tuple[int, np.ndarray] | None:
+    ) -> list[tuple[int, np.ndarray]]:
         """``(format, rows)`` of one weight whose outputs are ``names``' outputs,
-        concatenated (a copy when more than one), or None where they differ in
-        format."""
+        concatenated: neighbours of one format joined (a copy when more than
+        one), one part per run of a format, in order."""
         heads = permute_heads or [None] * len(names)
-        parts = [self.rows(name, h) for name, h in zip(names, heads, strict=True)]
-        if len({fmt for fmt, _ in parts}) > 1:
-            return None
-        rows = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
-        return parts[0][0], rows
+        runs: list[tuple[int, list[np.ndarray]]] = []
+        for name, h in zip(names, heads, strict=True):
+            fmt, rows = self.rows(name, h)
+            if runs and runs[-1][0] == fmt:
+                runs[-1][1].append(rows)
+            else:
+                runs.append((fmt, [rows]))
+        return [(fmt, rows[0] if len(rows) == 1 else np.concatenate(rows)) for fmt, rows in runs]
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D weight (a norm's) in fp32: a view of the file where it is F32."""
@@ -303,7 +306,7 @@ def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dic
         if name != "F32" and name not in FORMATS:
             raise ModelLoadError(
                 f"{path.name}: tensor {tensor.name!r} is {name}, which tserve has no kernel "
-                f"for (it runs F32, {', '.join(FORMATS)}); --dequantize serves the file as fp32"
+                f"for (it runs {', '.join(FORMATS)}); --dequantize serves the file as fp32"
             )
         if name != "F32" and not has_kernels:
             raise ModelLoadError(

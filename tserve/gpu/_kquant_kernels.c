@@ -428,9 +428,6 @@ static row_int8_fn avx2_row_int8(int fmt) {
 
 /* ------------------------------------------------------------------ entry */
 
-/* Whether tserve_klinear, tserve_klinear_int8 and tserve_kdequantize run `fmt`. */
-int tserve_kquant_format_supported(int fmt) { return super_bytes(fmt) != 0; }
-
 /* Rows `rows` (or 0..n_rows-1 when NULL) of W [*, k] (k a multiple of 256) as fp32
  * into out [n_rows, k]. */
 void tserve_kdequantize(int isa, int fmt, const uint8_t *w, int64_t k, const int64_t *rows,

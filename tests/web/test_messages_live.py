@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.web.conftest import API_KEY, Server
+from tests.web.conftest import API_KEY, Server, keyed_server
 from tests.web.test_faults import PACED, StartServer, wait_for_a_started_stream
 from tests.web.test_live import _until_aborted
 
@@ -164,7 +165,7 @@ def test_forced_tool_use_then_a_tool_result_round_trip(server: Server, choice: A
     client = sdk(server)
     question: Any = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.messages.create(
-        model="tiny", max_tokens=64, tools=[WEATHER], tool_choice=choice, messages=question
+        model="tiny", max_tokens=200, tools=[WEATHER], tool_choice=choice, messages=question
     )
     uses = [b for b in first.content if b.type == "tool_use"]
     assert first.stop_reason == "tool_use" and uses, first
@@ -193,7 +194,7 @@ def test_streamed_tool_use_input_arrives_as_json_deltas(server: Server) -> None:
     choice: Any = {"type": "tool", "name": "get_weather"}
     body = {
         "model": "tiny",
-        "max_tokens": 64,
+        "max_tokens": 200,
         "tools": [WEATHER],
         "tool_choice": choice,
         "messages": [{"role": "user", "content": "Weather?"}],
@@ -228,14 +229,53 @@ def test_count_tokens_is_the_prompt_the_engine_sees(server: Server) -> None:
         assert count.input_tokens == message.usage.input_tokens > 0
 
 
+def labelled(server: Server, name: str, labels: str) -> float:
+    """The value of ``name{labels}`` on one scrape (0 before its first count)."""
+    prefix = f"{name}{{{labels}}} "
+    lines = server.client.get("/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+
+
+def test_metrics_count_messages_like_chat(server: Server) -> None:
+    route = 'route="/v1/messages",status="200"'
+    before = labelled(server, "tserve_http_requests_total", route)
+    prompt, generated = (
+        server.metric("vllm:prompt_tokens_total"),
+        server.metric("vllm:generation_tokens_total"),
+    )
+    message = sdk(server).messages.create(model="tiny", max_tokens=4, messages=HELLO)
+    events = stream_events(server, {"model": "tiny", "max_tokens": 4, "messages": HELLO})
+    server.wait_for_metric("tserve_http_generations_in_flight", 0)  # the body counted it
+    assert labelled(server, "tserve_http_requests_total", route) == before + 2
+    streamed = events[-2][1]["usage"]["output_tokens"]
+    assert server.metric("vllm:prompt_tokens_total") == prompt + 2 * message.usage.input_tokens
+    assert server.metric("vllm:generation_tokens_total") == (
+        generated + message.usage.output_tokens + streamed
+    )
+
+
 def test_max_tokens_past_the_context_is_cut_to_what_is_left(server: Server) -> None:
-    message = sdk(server).messages.create(model="tiny", max_tokens=64000, messages=HELLO)
-    assert message.usage.input_tokens + message.usage.output_tokens <= 512
+    body = {"model": "tiny", "max_tokens": 64000, "messages": HELLO}
+    message = server.client.post("/v1/messages", json=body).json()
+    assert message["usage"]["input_tokens"] + message["usage"]["output_tokens"] <= 512
 
 
-def test_claude_code_request_replays_as_a_well_formed_stream(server: Server) -> None:
-    """Claude Code's first request of ``claude -p "say hi"`` (its long texts cut to fit
-    the tiny model's 512 positions; every field and block shape as it sent them)."""
+@pytest.fixture(scope="module")
+def long_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny model with 2,048 positions (its rotary positions have no table to
+    outgrow), for a request the size of Claude Code's smallest."""
+    directory = tmp_path_factory.mktemp("long") / "model"
+    shutil.copytree(tiny_model_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    log = tmp_path_factory.mktemp("long-server") / "server.log"
+    with keyed_server(directory, log=log) as srv:
+        yield srv
+
+
+def test_claude_code_request_replays_as_a_well_formed_stream(long_server: Server) -> None:
+    """Claude Code's first request of ``claude -p "say hi"``, its long texts cut and
+    22 of its 24 tools left out; every field and block shape as it sent them."""
     body = json.loads(REPLAY.read_text())
     body["model"] = "tiny"
     headers = {
@@ -244,11 +284,16 @@ def test_claude_code_request_replays_as_a_well_formed_stream(server: Server) -> 
         "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
         "Authorization": "",
     }
-    with server.client.stream("POST", "/v1/messages?beta=true", json=body, headers=headers) as r:
+    path = "/v1/messages?beta=true"
+    with long_server.client.stream("POST", path, json=body, headers=headers) as r:
         assert r.status_code == 200, r.read()
         events = events_of(r)
     check_order([name for name, _ in events])
     assert events[-2][1]["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+    counted = long_server.client.post(
+        "/v1/messages/count_tokens", json=body, headers=headers
+    ).json()
+    assert counted["input_tokens"] == events[0][1]["message"]["usage"]["input_tokens"]
 
 
 # -- raw HTTP: errors in Anthropic's shape, naming the field ------------------------

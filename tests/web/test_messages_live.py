@@ -40,7 +40,10 @@ WEATHER: Any = {
 }
 HELLO: Any = [{"role": "user", "content": "Hello there"}]
 GREEDY = {"temperature": 0}  # this SDK types no temperature (newer models take none)
-REPLAY = Path(__file__).parent / "claude_code_request.json"
+# Claude Code 2.1.197's first request of `claude -p "say hi"`: with its 24 tools (long
+# texts cut to fit the test model, 22 tools left out), and exactly as it sent it with
+# `--tools "" --system-prompt "You are terse."`.
+REPLAYS = [Path(__file__).parent / f"claude_code_request{s}.json" for s in ("", "_no_tools")]
 
 
 @pytest.fixture(autouse=True)
@@ -273,10 +276,12 @@ def long_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield srv
 
 
-def test_claude_code_request_replays_as_a_well_formed_stream(long_server: Server) -> None:
-    """Claude Code's first request of ``claude -p "say hi"``, its long texts cut and
-    22 of its 24 tools left out; every field and block shape as it sent them."""
-    body = json.loads(REPLAY.read_text())
+@pytest.mark.parametrize("replay", REPLAYS, ids=lambda p: p.stem)
+def test_claude_code_request_replays_as_a_well_formed_stream(
+    long_server: Server, replay: Path
+) -> None:
+    """Every field and block shape as Claude Code sent them (see REPLAYS)."""
+    body = json.loads(replay.read_text())
     body["model"] = "tiny"
     headers = {
         "x-api-key": API_KEY,

@@ -99,6 +99,20 @@ def test_bad_fields_are_named(body: dict[str, Any], param: str) -> None:
     assert info.value.param is not None and info.value.param.startswith(param)
 
 
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+def test_tool_result_content_nested_deeply_is_a_400(depth: int) -> None:
+    block = '{"type":"tool_result","tool_use_id":"t","content":[' * depth + "]}" * depth
+    raw = '{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[' + block + "]}]}"
+    with pytest.raises(InvalidRequest):
+        parse_messages(raw.encode())
+
+
+def test_too_many_stop_sequences_are_refused() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse(messages=[{"role": "user", "content": "x"}], stop_sequences=["a"] * 17)
+    assert info.value.param == "stop_sequences"
+
+
 def test_a_tool_result_answers_only_the_message_before() -> None:
     late = [*CONVERSATION[:2], {"role": "user", "content": "x"}, CONVERSATION[2]]
     with pytest.raises(InvalidRequest) as info:

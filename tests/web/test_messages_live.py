@@ -372,6 +372,14 @@ def test_errors_of_model_auth_and_count_tokens_in_anthropic_shape(server: Server
         )
     count = server.client.post("/v1/messages/count_tokens", json={"model": "tiny"})
     assert "'messages'" in anthropic_error(count, 400, "invalid_request_error")
+    too_long = {**body, "messages": [{"role": "user", "content": "word " * 2000}]}
+    assert "'messages'" in anthropic_error(
+        server.client.post("/v1/messages", json=too_long), 400, "invalid_request_error"
+    )
+    form = server.client.post("/v1/messages", content=b"x", headers={"Content-Type": "text/plain"})
+    anthropic_error(form, 415, "invalid_request_error")
+    huge = server.client.post("/v1/messages", json={**body, "system": "x" * (5 << 20)})
+    anthropic_error(huge, 413, "request_too_large")
 
 
 def test_hang_up_mid_stream_aborts_the_engine_request(server: Server) -> None:

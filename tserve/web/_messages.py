@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from quart import Response
 
+from tserve.nursery import InvalidRequest
 from tserve.web._generation import Generation
 from tserve.web._message_events import MessageOutput
 from tserve.web._message_requests import parse_count_tokens, parse_messages
@@ -31,7 +32,12 @@ class Messages:
 
     async def create(self, record: RequestRecord) -> Response:
         req = parse_messages(await read_body())
-        return await self._generation.run_chat(record, req, _output)
+        try:
+            return await self._generation.run_chat(record, req, _output)
+        except InvalidRequest as exc:
+            if exc.param != "prompt":
+                raise
+            raise InvalidRequest(str(exc), param="messages") from None  # the prompt's field here
 
     async def count_tokens(self, record: RequestRecord) -> Response:
         req = parse_count_tokens(await read_body())

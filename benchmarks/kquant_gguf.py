@@ -4,14 +4,16 @@ requantized (a benchmark input; llama.cpp's ``llama-quantize`` writes real ones)
 Run: ``python -m benchmarks.kquant_gguf OUT.gguf [--gguf IN.gguf] [--mix Q4_K_M]
 [--ggml-lib PATH/libggml-base.so]``
 
-Every 2-D weight whose row length is a multiple of 256 is dequantized and
-quantized again in the ``--mix``: ``Q4_K``, ``Q5_K``, ``Q6_K`` (all of them
-in it), or ``Q4_K_M`` / ``Q5_K_M`` as llama.cpp mixes them (Q6_K for the
-output head and for ``attn_v`` / ``ffn_down`` of its "more bits" layers, the
-rest Q4_K or Q5_K). Other tensors, and the metadata, are copied as they are
-(llama.cpp would instead give a row of 576, SmolLM2's, a Q5_0 or Q8_0 fallback).
-The quantizer is ggml's own (``ggml_quantize_chunk``) with ``--ggml-lib``,
-else the tests' plain min/max fit (``tests/gpu/kquant_blocks.py``).
+Every 2-D weight is dequantized and quantized again in the ``--mix``:
+``Q4_K``, ``Q5_K``, ``Q6_K`` (all of them in it), or ``Q4_K_M`` /
+``Q5_K_M`` as llama.cpp mixes them (Q6_K for the output head, a tied
+embedding, and ``attn_v`` / ``ffn_down`` of its "more bits" layers, the rest
+Q4_K or Q5_K); a weight whose rows are not whole super-blocks (SmolLM2's
+576) takes llama.cpp's fallback instead (Q4_K: Q5_0, Q5_K: Q5_1, Q6_K:
+Q8_0). Norms, and the metadata, are copied as they are. The K-quantizer is
+ggml's own (``ggml_quantize_chunk``) with ``--ggml-lib``, else the tests'
+plain min/max fit (``tests/gpu/kquant_blocks.py``); the fallbacks are
+``gguf``'s.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from tests.gpu import kquant_blocks
 from tserve.gpu._models import default_gguf
 
 _MIXES = ("Q4_K_M", "Q5_K_M", *kquant_blocks.FORMATS)
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+"""llama.cpp's format for a weight whose rows are not whole super-blocks."""
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -35,11 +39,11 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def _target(name: str, mix: str, layers: int) -> str:
+def _target(name: str, mix: str, layers: int, tied: bool) -> str:
     if mix in kquant_blocks.FORMATS:
         return mix
     base = "Q4_K" if mix == "Q4_K_M" else "Q5_K"
-    if name == "output.weight":
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
         return "Q6_K"
     match = re.fullmatch(r"blk\.(\d+)\.(attn_v|ffn_down)\.weight", name)
     if match and _more_bits(int(match[1]), layers):
@@ -94,15 +98,19 @@ def main() -> int:
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
     counts: dict[str, int] = {}
+    tied = not any(tensor.name == "output.weight" for tensor in reader.tensors)
     for tensor in reader.tensors:
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
         k = int(tensor.shape[0])
-        if len(tensor.shape) == 2 and k % kquant_blocks.SUPER == 0:
-            fmt = _target(tensor.name, args.mix, layers)
+        if len(tensor.shape) == 2:
+            fmt = _target(tensor.name, args.mix, layers, tied)
             values = gguf.quants.dequantize(tensor.data, qtype).reshape(-1, k)
-            writer.add_tensor(
-                tensor.name, quantize(values, fmt), raw_dtype=gguf.GGMLQuantizationType[fmt]
-            )
+            if k % kquant_blocks.SUPER:
+                fmt = _FALLBACK[fmt]
+                data = gguf.quants.quantize(values, gguf.GGMLQuantizationType[fmt])
+            else:
+                data = quantize(values, fmt)
+            writer.add_tensor(tensor.name, data, raw_dtype=gguf.GGMLQuantizationType[fmt])
         else:
             fmt = qtype.name
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=qtype)

@@ -1,4 +1,4 @@
-"""The K-quant products' speed beside the Q4_1 kernel's, on the same weight shape.
+"""Every quantized format's product speed beside the Q4_1 kernel's, on the same weight shape.
 
 Run: ``python -m benchmarks.kquant_kernels [--n 1536] [--k 1536] [--rows 1 4 16 64]
 [--repeats 9]``
@@ -6,11 +6,12 @@ Run: ``python -m benchmarks.kquant_kernels [--n 1536] [--k 1536] [--rows 1 4 16 
 One thread. For each row count, one product per format and activation
 treatment (fp32; ``int8``, 8 bits per block of 32) in turn, ``--repeats``
 rounds (alternating within a round, so a shared machine's drift falls on all
-of them), the best time of each; prints each one's time and its ratio to
-Q4_1's with the same activations (below 1: faster), writes JSON under
-``results/``.
-Weights: Q4_1 and Q8_0 from ``gguf``'s quantizers, K-quants random
-super-blocks in ggml's layout (``tests/gpu/kquant_blocks.py``).
+of them), the best time of each; prints each one's time, the weight bytes it
+read per second (GB/s) and its ratio to Q4_1's time with the same
+activations (below 1: faster), writes JSON under ``results/``. The
+instructions are the CPU's best (``TSERVE_MAX_ISA=avx2`` caps them at AVX2).
+Weights: the 32-weight block formats from ``gguf``'s quantizers, K-quants
+random super-blocks in ggml's layout (``tests/gpu/kquant_blocks.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.gpu import kquant_blocks
 from tserve.gpu._quant import FORMATS, QuantizedLinear, QuantizedWeight, quant_kernels
 
 _MODES = ("fp32", "int8")
+_BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 def _weights(n: int, k: int) -> dict[str, QuantizedWeight]:
@@ -35,7 +37,7 @@ def _weights(n: int, k: int) -> dict[str, QuantizedWeight]:
     rng = np.random.default_rng(0)
     values = rng.standard_normal((n, k), dtype=np.float32)
     weights = {}
-    for fmt in ("Q4_1", "Q8_0"):
+    for fmt in _BLOCK_FORMATS:
         data = gguf.quants.quantize(values, gguf.GGMLQuantizationType[fmt])
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
         weights[fmt] = QuantizedWeight(FORMATS[fmt], torch.from_numpy(raw), n, k)
@@ -43,6 +45,11 @@ def _weights(n: int, k: int) -> dict[str, QuantizedWeight]:
         raw = kquant_blocks.random_rows(fmt, n, k, rng)
         weights[fmt] = QuantizedWeight(FORMATS[fmt], torch.from_numpy(raw), n, k)
     return weights
+
+
+def _bytes(weights: dict[str, QuantizedWeight], name: str) -> int:
+    """The weight bytes a product named ``name`` ("FMT mode") reads."""
+    return weights[name.split()[0]].data.numel()
 
 
 def main() -> int:
@@ -80,7 +87,8 @@ def main() -> int:
         for mode in _MODES:
             base = best[f"Q4_1 {mode}"]
             cells = (
-                f"{name.split()[0]} {s * 1e3:.3f} ms ({s / base:.2f})"
+                f"{name.split()[0]} {s * 1e3:.3f} ms {_bytes(weights, name) / s / 1e9:.1f} GB/s "
+                f"({s / base:.2f})"
                 for name, s in best.items()
                 if name.endswith(mode)
             )

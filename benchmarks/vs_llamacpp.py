@@ -196,6 +196,17 @@ def _long_servers(
     return [(t, tserve(t), llama(t)) for t in threads]
 
 
+def _cpu_model() -> str:
+    """The CPU's model name and whether it has AVX-512 VNNI, from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), "unknown")  # fmt: skip
+    return name + (", AVX-512 VNNI" if "avx512_vnni" in info else ", no AVX-512 VNNI")
+
+
 def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
@@ -272,7 +283,12 @@ def main() -> int:
     if args.long_prompts:
         ctx = max(args.long_prompts) + 16
         long_servers = _long_servers(gguf, exe, args.long_threads, ctx)
-        long_prompt_rounds(long_servers, str(gguf), args.long_prompts, args.rounds)
+        setup = {
+            "llama-server": str(exe),
+            "tserve kernels": os.environ.get("TSERVE_MAX_ISA") or "the CPU's best",
+            "CPU": _cpu_model(),
+        }
+        long_prompt_rounds(long_servers, str(gguf), args.long_prompts, args.rounds, setup)
         return 0
     tokenizer = tokenizer_dir(gguf, default_cache_root(), print)
     weights = decode_bytes(gguf)

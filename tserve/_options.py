@@ -209,8 +209,8 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         str,
         d.gguf_runner,
         "what runs a GGUF file served as it is on CPU: 'auto' (the native runner, which "
-        "imports no torch, where every layer fuses; torch's forward pass otherwise), "
-        "'native' or 'torch'",
+        "imports no torch and runs any mix of the file's formats, on CPU in float32; "
+        "torch's forward pass otherwise), 'native' or 'torch'",
         choices=("auto", "native", "torch"),
     )
     _option(eng, "--cache-dir", str, None, "where converted models are cached")

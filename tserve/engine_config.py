@@ -31,7 +31,8 @@ GgufActivations: TypeAlias = Literal["int8", "fp32"]
 
 GgufRunner: TypeAlias = Literal["auto", "native", "torch"]
 """What runs a GGUF file served as it is on CPU: the native runner (no torch,
-``tserve.gpu._native``) where every layer fuses, else torch's forward pass; or one."""
+``tserve.gpu._native``) on CPU in float32, in any mix of formats, else
+torch's forward pass; or one."""
 
 KvCacheDtype: TypeAlias = Literal["auto", "fp32", "fp16", "bf16"]
 """What the KV cache stores: "auto" (see ``tserve.gpu._model_runner.resolve_kv_dtype``) or one."""
@@ -68,9 +69,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     weights, integer products (llama.cpp's scheme); "fp32", fp32 against the
     weights dequantized in registers (the fp32 conversion's results up to
     summation order). ``gguf_runner`` (a GGUF file served as it is, on CPU):
-    "native", the engine imports no torch (numpy buffers and the C kernels:
-    every layer of the file must fuse); "torch", torch's forward pass; "auto",
-    native where the file allows it. ``heartbeat_interval``: every peer hears from
+    "native", the engine imports no torch (numpy buffers and the C kernels,
+    every layer in one C call, any mix of formats); "torch", torch's forward
+    pass; "auto", native on CPU in float32 (where no CUDA device may be
+    present and ``model_impl`` is "auto"). ``heartbeat_interval``: every peer hears from
     the engine at least this often; on a network bind it is also the period
     of the ZMTP heartbeats (``tserve.gpu._bind``).
 

@@ -4,7 +4,8 @@
 package's writer and quantizers: llama metadata, tensors under GGUF names,
 Q and K rows permuted into interleaved-pair RoPE order (the converter's
 ``LlamaModel.permute``), 2-D weights in the format asked for and norms in
-F32, and the directory's tokenizer files copied beside the file. K-quants,
+F32, and the directory's tokenizer files copied beside the file (or a
+vocabulary in its metadata). K-quants,
 which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +41,14 @@ def write_gguf(
     formats: dict[str, str] | None = None,
     architecture: str = "llama",
     sampling: dict[str, float | int] | None = None,
+    vocab: Callable[[Any], None] | None = None,
 ) -> Path:
     """``model_dir``'s Llama as ``out`` (a .gguf in a directory of its own), every
     2-D weight in ``fmt`` unless ``formats`` names another for a GGUF tensor name;
     ``sampling``: ``general.sampling.<key>`` metadata (ints as int32, floats as
-    float32, as llama.cpp's converter writes them)."""
+    float32, as llama.cpp's converter writes them). ``vocab`` writes the
+    file's ``tokenizer.*`` metadata (given the ``GGUFWriter``); without it the
+    directory's tokenizer files are copied beside the file."""
     import gguf
     import torch
     from transformers import LlamaForCausalLM
@@ -90,7 +95,9 @@ def write_gguf(
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    if config.eos_token_id is not None:
+    if vocab is not None:
+        vocab(writer)
+    elif config.eos_token_id is not None:
         writer.add_eos_token_id(config.eos_token_id)
     for key, value in (sampling or {}).items():
         if isinstance(value, int):
@@ -112,15 +119,18 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    for name in _TOKENIZER_FILES:
+    for name in _TOKENIZER_FILES if vocab is None else ():
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out.parent / name)
     return out
 
 
-def build_wide_model(tokenizer_dir: Path, out: Path) -> Path:
-    """A tiny random Llama whose every weight row is whole K-quant super-blocks
-    (hidden size 256, MLP 512, untied head), with ``tokenizer_dir``'s tokenizer."""
+def build_wide_model(
+    tokenizer_dir: Path, out: Path, *, intermediate: int = 2 * kquant_blocks.SUPER
+) -> Path:
+    """A tiny random Llama whose hidden rows are whole K-quant super-blocks
+    (hidden size 256, untied head; its MLP ``intermediate`` wide, by default 512,
+    so the down weight's rows are too), with ``tokenizer_dir``'s tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -128,7 +138,7 @@ def build_wide_model(tokenizer_dir: Path, out: Path) -> Path:
     config = LlamaConfig(
         vocab_size=tokenizer["vocab_size"],
         hidden_size=kquant_blocks.SUPER,
-        intermediate_size=2 * kquant_blocks.SUPER,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import build_wide_model, write_gguf
 from tserve.gpu._engine import EngineCore
-from tserve.gpu._gguf import _Concat as Concat
-from tserve.gpu._gguf import load_gguf
+from tserve.gpu._gguf import Concat, load_gguf
 from tserve.gpu._llama import PagedLlama
 from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._models import ModelLoadError, default_cache_root, default_gguf
@@ -203,9 +202,10 @@ def test_int8_activations_on_k_quants_round_each_product_s_input(
         path, kernels=kernels, cache_dir=tmp_path, progress=lambda _: None, activations="int8"
     )
     linears = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(linears) == 12  # Q, K, V of layer 0 apart, gate and up of layer 1
+    assert len(linears) == 11  # Q and K of layer 0 apart from V, gate and up of layer 1
     assert {linear.activations for linear in linears} == {"int8"}
     runner = ModelRunner(loaded.model, num_blocks=16, block_size=4)
+    runner._fused_tokens = 0  # op by op, so that each product's module runs (and is hooked)
     seen: list[tuple[QuantizedLinear, torch.Tensor, torch.Tensor]] = []
     hooks = []
     for linear in linears:
@@ -237,11 +237,11 @@ def test_the_engine_serves_a_k_quant_file_as_its_fp32_conversion_would(
 
 
 def test_a_format_without_a_kernel_is_an_error_naming_the_tensor(
-    tiny_model_dir: Path, tmp_path: Path
+    wide_model_dir: Path, tmp_path: Path
 ) -> None:
-    formats = {"blk.1.ffn_down.weight": "Q5_0"}
-    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "q5.gguf", "Q8_0", formats=formats)
-    with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_down\.weight' is Q5_0.*--dequantize"):
+    formats = {"blk.1.attn_q.weight": "TQ1_0"}  # ternary: no kernel
+    path = write_gguf(wide_model_dir, tmp_path / "gguf" / "tq.gguf", "Q8_0", formats=formats)
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.attn_q\.weight' is TQ1_0.*--dequantize"):
         _load(path, tmp_path)
 
 

@@ -152,18 +152,127 @@ def test_a_step_longer_than_a_fused_call_splits_and_matches_the_torch_path(
     assert difference <= 1e-5, difference
 
 
-def test_mixed_formats_and_dense_layers_keep_a_file_on_the_torch_path(
-    tiny_model_dir: Path, tmp_path: Path
+_MLP_WIDTH = 288
+"""The mixes' MLP width: not a multiple of 256, so (as llama.cpp quantizes) the
+down weight takes a 32-weight block format where the rest are K-quants."""
+
+_MIXES: dict[str, tuple[str, str, dict[str, str]]] = {
+    # name: (model, base format, {tensor: its own format})
+    "Q4_K_M": (
+        "wide",
+        "Q4_K",
+        {
+            "output.weight": "Q6_K",
+            "blk.0.attn_v.weight": "Q6_K",  # qkv: Q4_K, Q6_K
+            "blk.1.attn_k.weight": "Q5_0",  # qkv: Q4_K, Q5_0, Q4_K
+            "blk.0.ffn_down.weight": "Q5_0",
+            "blk.1.ffn_down.weight": "Q5_0",
+            "blk.1.ffn_up.weight": "Q6_K",  # gate_up: Q4_K, Q6_K
+        },
+    ),
+    "Q5_K_M": (
+        "wide",
+        "Q5_K",
+        {
+            "output.weight": "Q6_K",
+            "blk.1.attn_v.weight": "Q6_K",
+            "blk.0.ffn_down.weight": "Q5_1",
+            "blk.1.ffn_down.weight": "Q5_1",
+        },
+    ),
+    "Q6_K": (
+        "wide",
+        "Q6_K",
+        {"blk.0.ffn_down.weight": "Q8_0", "blk.1.ffn_down.weight": "Q8_0"},
+    ),
+    "Q8_0": ("smollm2", "Q8_0", {}),
+    "Q8_0+F32 head": ("smollm2", "Q8_0", {"token_embd.weight": "F32"}),
+    "Q5_1": ("smollm2", "Q5_1", {"blk.1.attn_q.weight": "Q5_0"}),
+    "Q5_1+F32+F16": (
+        "smollm2",
+        "Q5_1",
+        {
+            "token_embd.weight": "F16",  # and the tied head
+            "blk.0.attn_output.weight": "F32",
+            "blk.1.attn_v.weight": "F32",  # qkv: Q5_1, F32
+            "blk.1.ffn_up.weight": "F16",  # gate_up: Q5_1, F16
+        },
+    ),
+}
+"""Files as people download them, in small: Q4_K_M's and Q5_K_M's mixes, Q6_K
+and Q8_0 files, Q5_1 ones, dense tensors among quantized ones; some products
+join tensors of two or three formats."""
+_QUANTIZED_MIXES = [name for name in _MIXES if "F32" not in name]
+
+
+@pytest.fixture(scope="module")
+def mix_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mix-model")
+    return build_wide_model(tiny_model_dir, out, intermediate=_MLP_WIDTH)
+
+
+def _mix_file(
+    name: str, smollm2_tiny_dir: Path, mix_model_dir: Path, tmp_path: Path
+) -> tuple[Path, set[str]]:
+    """The mix ``name`` written as a GGUF file, and the formats it holds."""
+    model, base, formats = _MIXES[name]
+    source = mix_model_dir if model == "wide" else smollm2_tiny_dir
+    path = write_gguf(source, tmp_path / "gguf" / "mix.gguf", base, formats=formats)
+    return path, set(GgufFile(path, has_kernels=True).formats) - {"F32"} | set(formats.values())
+
+
+@pytest.mark.parametrize("activations", ["int8", "fp32"])
+@pytest.mark.parametrize("mix", _QUANTIZED_MIXES)
+def test_every_mix_of_quantized_formats_runs_natively_as_the_torch_path_s_fused_steps(
+    smollm2_tiny_dir: Path,
+    mix_model_dir: Path,
+    tmp_path: Path,
+    mix: str,
+    activations: Activations,
 ) -> None:
-    mixed = {f"blk.{i}.attn_k.weight": "Q8_0" for i in range(2)}
-    path = write_gguf(tiny_model_dir, tmp_path / "m" / "mixed.gguf", "Q4_1", formats=mixed)
-    assert "several formats" in str(native_problem(GgufFile(path, has_kernels=True)))
-    dense = write_gguf(tiny_model_dir, tmp_path / "d" / "dense.gguf", "F32")
-    assert "dense F32" in str(native_problem(GgufFile(dense, has_kernels=True)))
-    core = small_core(path, cache_dir=str(tmp_path / "cache"))
-    assert isinstance(core.runner, ModelRunner)
-    with pytest.raises(ValueError, match=r"--gguf-runner native cannot serve mixed\.gguf"):
-        small_core(path, cache_dir=str(tmp_path / "cache"), gguf_runner="native")
+    """A product of parts (each on its own format's kernel, its columns side by
+    side) is the torch path's concatenation of its layers, bit for bit, for a
+    decode (parts written in place) and a prefill chunk (through scratch)."""
+    path, _ = _mix_file(mix, smollm2_tiny_dir, mix_model_dir, tmp_path)
+    assert native_problem(GgufFile(path, has_kernels=True)) is None
+    native, torch_runner = _runners(path, tmp_path, activations, "fp32")
+    steps = _mixed_steps()
+    last = steps[-1][0]
+    steps.append([ScheduledChunk(last.seq, last.start + 1, [5], True)])  # one row alone
+    for chunks in steps:
+        assert np.array_equal(native.execute(chunks), torch_runner.execute(chunks).numpy())
+    assert torch_runner.model.decoder is not None  # the torch path fused its steps too
+
+
+def test_dense_tensors_among_quantized_ones_run_natively_on_the_f32_kernel(
+    smollm2_tiny_dir: Path, mix_model_dir: Path, tmp_path: Path
+) -> None:
+    """F32 weights run on the F32 kernel natively and on the BLAS on the torch
+    path (which then runs op by op): the logits agree up to float rounding."""
+    path, _ = _mix_file("Q5_1+F32+F16", smollm2_tiny_dir, mix_model_dir, tmp_path)
+    native, torch_runner = _runners(path, tmp_path, "fp32", "fp32")
+    for chunks in _mixed_steps():
+        ours, expected = native.execute(chunks), torch_runner.execute(chunks).numpy()
+        assert float(np.abs(ours - expected).max() / np.abs(expected).max()) <= 1e-5
+    assert torch_runner.model.decoder is None
+
+
+@pytest.mark.parametrize("mix", sorted(_MIXES))
+def test_auto_serves_every_mix_natively_as_its_fp32_conversion_would(
+    smollm2_tiny_dir: Path, mix_model_dir: Path, tmp_path: Path, mix: str
+) -> None:
+    """``--gguf-runner auto`` picks the native runner for each mix, whose greedy
+    tokens (fp32 activations) are those of the file dequantized to fp32 and run
+    by transformers."""
+    path, formats = _mix_file(mix, smollm2_tiny_dir, mix_model_dir, tmp_path)
+    cache = str(tmp_path / "cache")
+    native = small_core(path, cache_dir=cache, gguf_activations="fp32")
+    assert isinstance(native.runner, NativeRunner)
+    assert set(native.runner.model.formats) >= formats
+    converted = small_core(path, cache_dir=cache, dequantize=True)
+    for length in (3, 11):
+        prompt = [(i * 17 + length) % 512 for i in range(length)]
+        assert _greedy(native, prompt, 10) == _greedy(converted, prompt, 10)
 
 
 def _greedy(core: EngineCore, prompt: list[int], n: int, request_id: str = "r") -> list[int]:

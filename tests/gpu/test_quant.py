@@ -13,6 +13,9 @@ too; their products and their int8 scheme: test_kquant.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ from tests.gpu.quant_products import (
     weight,
 )
 from tserve.gpu._quant import (
+    BLOCK_FORMATS,
     FORMATS,
     K_FORMATS,
     QuantizedEmbedding,
@@ -38,6 +42,7 @@ from tserve.gpu._quant import (
 _GGUF_QUANTIZED = [name for name, fmt in FORMATS.items() if fmt not in K_FORMATS]
 """The formats gguf quantizes (K-quants: test_kquant.py)."""
 _SHAPES = [(1, 33, 32), (5, 7, 96), (13, 100, 576), (67, 9, 64), (130, 3, 160)]  # (rows, n, k)
+"""One block; odd rows and outputs; K a multiple of 32 but not of 256; a chunk and more."""
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +62,17 @@ def test_the_best_variant_is_the_one_the_cpu_flags_allow(kernels: QuantKernels) 
     assert kernels.best_isa == (2 if vnni else 1 if avx2 else 0)
 
 
+@pytest.mark.parametrize(("cap", "isa"), [("avx2", 1), ("portable", 0)])
+def test_max_isa_caps_the_variant_that_runs(kernels: QuantKernels, cap: str, isa: int) -> None:
+    """``TSERVE_MAX_ISA``, read when the kernels load (a fresh interpreter here)."""
+    code = "from tserve.gpu._quant_abi import quant_library as q; print(q().best_isa)"
+    env = {**os.environ, "TSERVE_MAX_ISA": cap}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert int(done.stdout) == min(isa, kernels.best_isa)
+
+
 def _k(fmt: str, blocks: int) -> int:
     """``blocks`` blocks of ``fmt``, in weights (32 each; 256 for a K-quant)."""
     return blocks * (kquant_blocks.SUPER if fmt in kquant_blocks.FORMATS else 32)
@@ -73,7 +89,7 @@ def test_every_variant_is_the_product_with_the_dequantized_weight(
 _PACKED_SHAPES = [*_SHAPES, (4, 8, 32), (9, 17, 2048)]  # a whole panel; many panels of long rows
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize(("rows", "n", "k"), _PACKED_SHAPES)
 def test_int8_activations_are_the_product_with_the_rounded_activations(
     kernels: QuantKernels, fmt: str, rows: int, n: int, k: int
@@ -94,7 +110,7 @@ def test_int8_activations_are_the_product_with_the_rounded_activations(
         assert error < 0.015  # what the rounding costs: about half a percent
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_the_packed_layout_keeps_every_row(kernels: QuantKernels, fmt: str) -> None:
     quantized, dense = weight(fmt, 21, 96, seed=4)  # a partial last panel
     packed = kernels.pack(quantized)
@@ -103,7 +119,7 @@ def test_the_packed_layout_keeps_every_row(kernels: QuantKernels, fmt: str) -> N
     torch.testing.assert_close(kernels.dequantize(packed, rows), dense[rows], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", *kquant_blocks.FORMATS])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_0", "Q5_1", *kquant_blocks.FORMATS])
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_product_shared_among_threads_is_the_same(
@@ -138,10 +154,17 @@ def test_a_batch_of_leading_dimensions_keeps_its_shape(kernels: QuantKernels) ->
 
 @pytest.mark.parametrize("fmt", [*_GGUF_QUANTIZED, *kquant_blocks.FORMATS])
 def test_dequantized_rows_are_gguf_s_own(kernels: QuantKernels, fmt: str) -> None:
+    """Bit for bit for every format gguf quantizes (its packed layout too);
+    the K-quants up to the rounding of their two-level scales."""
     quantized, dense = weight(fmt, 40, _k(fmt, 3), seed=3)
     for isa in variants(kernels):
         out = kernels.dequantize(quantized, isa=isa)
-        torch.testing.assert_close(out, dense, rtol=1e-6, atol=1e-6)
+        if fmt in _GGUF_QUANTIZED:
+            assert torch.equal(out, dense)
+        else:
+            torch.testing.assert_close(out, dense, rtol=1e-6, atol=1e-6)
+    if fmt in _GGUF_QUANTIZED and FORMATS[fmt] in BLOCK_FORMATS:
+        assert torch.equal(kernels.dequantize(kernels.pack(quantized)), dense)
     ids = torch.tensor([[39, 0], [7, 7]])
     embedding = QuantizedEmbedding(quantized, kernels)
     torch.testing.assert_close(embedding(ids), dense[ids], rtol=1e-6, atol=1e-6)

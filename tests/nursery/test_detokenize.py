@@ -107,7 +107,7 @@ def test_stop_string_split_across_deltas_is_honoured() -> None:
     assert matcher.push("abc ST") == "abc "
     assert matcher.push("O") == ""
     assert matcher.push("Pxyz") == ""
-    assert matcher.stopped
+    assert matcher.stopped and matcher.matched == "STOP"
     assert matcher.flush() == ""
     assert matcher.push("more") == ""
 
@@ -116,12 +116,13 @@ def test_held_prefix_that_is_not_a_stop_is_released() -> None:
     matcher = StopMatcher(["STOP"])
     assert matcher.push("a ST") == "a "
     assert matcher.push("ART") == "START"
-    assert not matcher.stopped
+    assert not matcher.stopped and matcher.matched is None
 
 
 def test_first_completed_stop_string_wins_whatever_the_split() -> None:
     for pieces in (["hello", " world"], ["hello world"], list("hello world")):
-        assert feed(StopMatcher(["world", "lo w"]), pieces) == "hel"
+        assert feed(matcher := StopMatcher(["world", "lo w"]), pieces) == "hel"
+        assert matcher.matched == "lo w"
         assert feed(StopMatcher(["abcd", "c"]), ["ab", "cd"]) == "ab"
         assert feed(StopMatcher(["abcd", "c"]), ["abcd"]) == "ab"
 

@@ -12,6 +12,7 @@ import pytest
 from tserve.nursery import InvalidRequest
 from tserve.web._bodies import MAX_MESSAGES, MAX_STOP_LENGTH
 from tserve.web._errors import error_reply
+from tserve.web._message_requests import parse_count_tokens, parse_messages
 from tserve.web._requests import (
     parse_chat,
     parse_completion,
@@ -26,6 +27,8 @@ PARSERS: list[Callable[[bytes], object]] = [
     parse_tokenize,
     parse_detokenize,
     parse_embeddings,
+    parse_messages,
+    parse_count_tokens,
 ]
 MESSAGE = {"role": "user", "content": "hi"}
 

@@ -45,5 +45,10 @@ def test_the_document_names_its_bodies_errors_and_key() -> None:
         "$ref": "#/components/schemas/Error"
     }
     assert doc["paths"]["/health"]["get"]["security"] == []
-    assert doc["security"] == [{"bearer": []}]
+    assert doc["security"] == [{"bearer": []}, {"apiKey": []}]
+    messages = doc["paths"]["/v1/messages"]["post"]
+    assert messages["responses"]["529"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/AnthropicError"
+    }
+    assert sorted(schemas["MessagesBody"]["required"]) == ["max_tokens", "messages", "model"]
     assert "security" not in openapi_document(api_key=False)

@@ -1,5 +1,5 @@
 """The engine process: plain blocking pyzmq, no trio; torch only where the
-model needs it (a GGUF file whose every layer fuses runs on ``_native.py``
+model needs it (a GGUF file served as it is on CPU runs on ``_native.py``
 without it: ``_engine.py`` and every module that path imports import no
 torch at module level). Imports only
 :mod:`tserve.protocol` (and :mod:`tserve.validity`, :mod:`tserve.grammar`)
@@ -54,6 +54,9 @@ Modules:
 * ``_gguf_file.py`` — reading a GGUF file without torch: its tensors as numpy
   views of the mapping, its metadata as a config, the RoPE table, its
   tokenizer's directory.
+* ``_gguf_vocab.py`` — a GGUF file's tokenizer from its metadata, as llama.cpp
+  reads it (SentencePiece and byte-level BPE), and the ids that end a
+  generation; no torch.
 * ``_step_layout.py`` — a step's tokens over the paged pool (positions, K/V
   slots, block tables) as numpy arrays, for both runners.
 * ``_quant_abi.py`` — the quantized formats and the C entry points both runners

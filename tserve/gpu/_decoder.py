@@ -14,8 +14,11 @@ for bit the logits of the forward pass on
 the output head after it stay on the forward pass.
 
 :func:`fused_decoder` builds one for a model whose every layer product is a
-:class:`~tserve.gpu._quant.QuantizedLinear` (a GGUF file's, all of one
-format per product); the model runner decides whether a model gets one
+:class:`~tserve.gpu._quant.QuantizedLinear` or a
+:class:`~tserve.gpu._gguf.Concat` of them (a GGUF file's tensors of several
+formats side by side: one product of parts); a dense layer (a GGUF file's
+F32 weight, a transformers model's) keeps the step on the forward pass,
+where it runs on its tuned BLAS. The model runner decides whether a model gets one
 and, step by step, whether a step is short enough for it
 (:attr:`FusedDecoder.max_tokens`: at most
 :data:`~tserve.gpu._decoder_abi.MAX_FUSED_TOKENS`, fewer where a product is
@@ -31,13 +34,17 @@ from tserve.gpu._attention import KVPool, StepMetadata
 from tserve.gpu._cpu_kernels import KV_TYPES
 from tserve.gpu._decoder_abi import (
     MAX_FUSED_TOKENS,
+    MAX_PARTS,
     DecoderShape,
     DecoderStep,
     LayerPointers,
+    Part,
     Product,
     decoder_step,
+    product,
     product_route,
 )
+from tserve.gpu._gguf import Concat
 from tserve.gpu._library import kernel_library
 from tserve.gpu._llama import LayerWeights, PagedLlama
 from tserve.gpu._quant import PackedWeight, QuantizedLinear, quant_kernels
@@ -75,16 +82,33 @@ class FusedDecoder:
         )
 
 
-def _product(linear: torch.nn.Module) -> tuple[Product, int | None] | None:
-    """``linear`` as ``_decoder_kernels.c`` runs it and the rows up to which it
-    runs its kernel (None: any), or None if it is no quantized product."""
+def _part(linear: torch.nn.Module) -> tuple[Part, int, int | None] | None:
+    """``linear`` as a part of a product ``_decoder_kernels.c`` runs, its inputs,
+    and the rows up to which it runs its kernel (None: any); None if it is no
+    :class:`QuantizedLinear` (a dense layer runs on its tuned BLAS instead)."""
     if not isinstance(linear, QuantizedLinear):
         return None
     weight = linear.weight_q
     route, packed = product_route(weight.fmt, linear.activations)
     assert packed == isinstance(weight, PackedWeight), "QuantizedLinear packs as routed"
-    n, k = weight.out_features, weight.in_features
-    return Product(weight.data.data_ptr(), n, k, route, weight.fmt), linear.kernel_rows
+    part = Part(weight.data.data_ptr(), weight.out_features, route, weight.fmt)
+    return part, weight.in_features, linear.kernel_rows
+
+
+def _product(linear: torch.nn.Module) -> tuple[Product, int | None] | None:
+    """``linear`` (one layer, or a :class:`~tserve.gpu._gguf.Concat` of layers of
+    several formats) as ``_decoder_kernels.c`` runs it and the rows up to which
+    it runs its kernels (None: any), or None where a part is no quantized layer."""
+    layers = list(linear.parts) if isinstance(linear, Concat) else [linear]
+    entries = [_part(layer) for layer in layers]
+    found = [entry for entry in entries if entry is not None]
+    if len(found) != len(entries) or len(found) > MAX_PARTS:
+        return None
+    k = found[0][1]
+    if any(inputs != k for _, inputs, _ in found):
+        return None
+    kernel_rows = [rows for _, _, rows in found if rows is not None]
+    return product(k, [part for part, _, _ in found]), min(kernel_rows, default=None)
 
 
 def _vector(t: torch.Tensor) -> int | None:
@@ -93,8 +117,8 @@ def _vector(t: torch.Tensor) -> int | None:
 
 def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDecoder | None:
     """A :class:`FusedDecoder` over ``model`` (on CPU, fp32) and ``pool``, or None
-    where a layer has a product that is no :class:`QuantizedLinear` (a dense or
-    a mixed-format one) or the compiled kernels are absent. Call after the
+    where a layer has a product that is not quantized (a dense layer) or the
+    compiled kernels are absent. Call after the
     products are tuned: their :attr:`~QuantizedLinear.kernel_rows` bound
     :attr:`FusedDecoder.max_tokens`. ``progress``: the address of an int64
     counter that grows by one per layer run (0: none), outliving the decoder."""

@@ -29,10 +29,12 @@ __all__ = [
     "DecoderShape",
     "DecoderStep",
     "LayerPointers",
+    "Part",
     "Product",
     "add_rms_norm",
     "attend",
     "decoder_step",
+    "product",
     "product_route",
     "run_product",
 ]
@@ -60,10 +62,32 @@ def product_route(fmt: int, activations: Activations) -> tuple[int, bool]:
     return (_K_FP32 if fmt in K_FORMATS else _FP32), False
 
 
-class Product(ctypes.Structure):
-    """``tserve_product``: ``y [m, n] = x [m, k] W^T`` over ``data``."""
+MAX_PARTS: Final = 3
+"""The most formats one product joins (Q, K and V, each its own)."""
 
-    _fields_ = (("data", _PTR), ("n", _I64), ("k", _I64), ("route", _I32), ("fmt", _I32))
+
+class Part(ctypes.Structure):
+    """``tserve_part``: ``n`` rows of a product's weight in one format, at ``data``,
+    run by ``route`` (:func:`product_route`)."""
+
+    _fields_ = (("data", _PTR), ("n", _I64), ("route", _I32), ("fmt", _I32))
+
+
+class Product(ctypes.Structure):
+    """``tserve_product``: ``y [m, n] = x [m, k] W^T``, W the rows of ``count``
+    parts one after another (:func:`product`)."""
+
+    _fields_ = (("n", _I64), ("k", _I64), ("count", _I32), ("parts", Part * MAX_PARTS))
+
+
+def product(k: int, parts: Sequence[Part]) -> Product:
+    """A product of ``k`` inputs over ``parts`` (1 to :data:`MAX_PARTS`), their
+    outputs side by side in order: a weight whose tensors differ in format runs
+    as one product."""
+    if not 0 < len(parts) <= MAX_PARTS:
+        raise ValueError(f"a product joins 1 to {MAX_PARTS} parts, not {len(parts)}")
+    entries = (Part * MAX_PARTS)(*parts)
+    return Product(n=sum(p.n for p in parts), k=k, count=len(parts), parts=entries)
 
 
 class _Layer(ctypes.Structure):
@@ -105,7 +129,8 @@ class _Decoder(ctypes.Structure):
 
 @dataclasses.dataclass(frozen=True)
 class LayerPointers:
-    """One layer as the C code reads it: its four products, its two fp32 norm
+    """One layer as the C code reads it: its four products (each of one or more
+    formats), its two fp32 norm
     vectors and its ``[kv_heads, slots, D]`` K and V pools (addresses)."""
 
     qkv: Product

@@ -25,6 +25,7 @@
 #include "_kernels.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /* How a product runs: QuantizedLinear's kernel choices (tserve/gpu/_quant.py). */
 enum {
@@ -34,11 +35,22 @@ enum {
     ROUTE_K_FP32 = 3,      /* a K-quant as the file lays it, fp32 activations */
 };
 
-/* y [m, n] = x [m, k] W^T; _decoder.py's _Product. */
+#define MAX_PARTS 3 /* Q, K and V, each in a format of its own */
+
+/* Rows [offset, offset + n) of a product's W, all in one format, run by `route`. */
 typedef struct {
     const uint8_t *data;
-    int64_t n, k;
+    int64_t n;
     int32_t route, fmt;
+} tserve_part;
+
+/* y [m, n] = x [m, k] W^T, W the rows of `count` parts one after another (a
+ * file's tensors of different formats side by side, as Q4_K_M's Q6_K V beside
+ * Q4_K Q and K); _decoder_abi.py's Product. */
+typedef struct {
+    int64_t n, k;
+    int32_t count;
+    tserve_part parts[MAX_PARTS];
 } tserve_product;
 
 /* One decoder layer; the pools are its [kv_heads, num_slots, head_dim] slices. _Layer. */
@@ -59,14 +71,41 @@ typedef struct {
     int64_t *progress; /* NULL, or a counter that grows by one per layer run */
 } tserve_decoder;
 
-/* y = x W^T for `m` rows. Returns 0, or -1 when scratch cannot be had. */
-static int product(const tserve_product *w, int isa, const float *x, int64_t m, float *y) {
-    switch (w->route) {
-    case ROUTE_PACKED_INT8: return tserve_qlinear_int8(isa, w->fmt, w->data, w->n, w->k, x, m, y);
-    case ROUTE_FP32: tserve_qlinear(isa, w->fmt, w->data, w->n, w->k, x, m, y); return 0;
-    case ROUTE_K_INT8: return tserve_klinear_int8(isa, w->fmt, w->data, w->n, w->k, x, m, y);
-    default: return tserve_klinear(isa, w->fmt, w->data, w->n, w->k, x, m, y);
+/* y [m, p->n] = x [m, k] W^T for one part. Returns 0, or -1 when scratch cannot be had. */
+static int part_product(const tserve_part *p, int64_t k, int isa, const float *x, int64_t m,
+                        float *y) {
+    switch (p->route) {
+    case ROUTE_PACKED_INT8: return tserve_qlinear_int8(isa, p->fmt, p->data, p->n, k, x, m, y);
+    case ROUTE_FP32: tserve_qlinear(isa, p->fmt, p->data, p->n, k, x, m, y); return 0;
+    case ROUTE_K_INT8: return tserve_klinear_int8(isa, p->fmt, p->data, p->n, k, x, m, y);
+    default: return tserve_klinear(isa, p->fmt, p->data, p->n, k, x, m, y);
     }
+}
+
+/* y = x W^T for `m` rows. Parts after the first write their columns of y: in
+ * place for one row, else through scratch whose rows are copied in. Returns 0,
+ * or -1 when scratch cannot be had. */
+static int product(const tserve_product *w, int isa, const float *x, int64_t m, float *y) {
+    if (w->count == 1) return part_product(w->parts, w->k, isa, x, m, y);
+    int64_t widest = 0;
+    for (int i = 0; i < w->count; i++) widest = w->parts[i].n > widest ? w->parts[i].n : widest;
+    float *part_y = m > 1 ? malloc((size_t)(m * widest) * sizeof(float)) : 0;
+    if (m > 1 && !part_y) return -1;
+    int failed = 0;
+    int64_t column = 0;
+    for (int i = 0; i < w->count && !failed; i++) {
+        const tserve_part *p = w->parts + i;
+        if (m == 1) {
+            failed = part_product(p, w->k, isa, x, 1, y + column);
+        } else {
+            failed = part_product(p, w->k, isa, x, m, part_y);
+            for (int64_t r = 0; r < m && !failed; r++)
+                memcpy(y + r * w->n + column, part_y + r * p->n, (size_t)p->n * sizeof(float));
+        }
+        column += p->n;
+    }
+    free(part_y);
+    return failed ? -1 : 0;
 }
 
 /* Scratch of one step, carved from one allocation. */

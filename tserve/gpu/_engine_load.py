@@ -1,8 +1,8 @@
 """Loading the model an :class:`~tserve.protocol.EngineConfig` names, for one of the runners.
 
 :func:`load_engine_model` decides which runner serves it: the native runner
-(numpy and the C kernels, no torch) for a GGUF file served as it is on CPU
-whose every layer fuses, unless ``--gguf-runner`` or the device says
+(numpy and the C kernels, no torch) for a GGUF file served as it is on CPU,
+in whatever mix of formats, unless ``--gguf-runner`` or the device says
 otherwise (the load log says which and why); else torch's forward pass
 (``_load_torch``, the only place the engine imports torch). It blocks while
 it reads, converts or packs the weights; the KV pool is sized later, by the
@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tserve.gpu._gguf_file import GgufFile, sampling_metadata
+from tserve.gpu._gguf_file import GgufFile, read_vocab, sampling_metadata
+from tserve.gpu._gguf_vocab import end_of_generation_ids
 from tserve.gpu._models import (
     DEFAULT_MODEL_NAME,
     ModelLoadError,
@@ -81,11 +82,22 @@ def load_engine_model(config: EngineConfig, progress: Progress) -> LoadedModel:
     if default:
         loaded.model_name = "SmolLM2-135M-Instruct"
     loaded.bundled = bundled
-    if is_gguf and not as_is and config.generation_config == "auto" and not bundled:
-        # Its conversion keeps none of its sampling metadata; the
-        # bundled file states none (its card's values apply).
-        loaded.gguf_sampling = sampling_metadata(path)
+    if is_gguf and not as_is:
+        # Its conversion keeps neither its end-of-turn markers nor its
+        # sampling metadata (the bundled file states none: its card's apply).
+        loaded.eos_token_ids = tuple(sorted({*loaded.eos_token_ids, *_file_eog_ids(path)}))
+        if config.generation_config == "auto" and not bundled:
+            loaded.gguf_sampling = sampling_metadata(path)
     return loaded
+
+
+def _file_eog_ids(path: Path) -> tuple[int, ...]:
+    """The ids that end a generation by GGUF file ``path``'s vocabulary (none
+    where tserve cannot read it: its conversion's tokenizer then decides)."""
+    try:
+        return end_of_generation_ids(read_vocab(path))
+    except ModelLoadError:
+        return ()
 
 
 def _choose_runner(
@@ -259,10 +271,12 @@ def is_default_gguf(path: Path) -> bool:
 
 
 def _eos_ids(model: object, tokenizer: object) -> tuple[int, ...]:
-    """EOS ids of a model (its generation config and config) or of a config, and the tokenizer's."""
+    """EOS ids of a model (its generation config and config) or of a config (a
+    GGUF file's: every id that ends a generation), and the tokenizer's."""
     ids: set[int] = set()
     sources = (getattr(model, "generation_config", None), getattr(model, "config", model))
     for source in sources:
+        ids.update(getattr(source, "end_of_generation_ids", ()))
         eos = getattr(source, "eos_token_id", None)
         if isinstance(eos, int):
             ids.add(eos)

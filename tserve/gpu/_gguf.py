@@ -6,17 +6,19 @@ its tensors, metadata, tokenizer) and builds a
 :class:`~tserve.gpu._llama.PagedLlama` over its tensors:
 
 * weights in a format :mod:`tserve.gpu._quant` multiplies by (``Q8_0``,
-  ``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``, ``F16``, ``BF16``) stay
-  in it; ``F32`` ones become plain fp32 layers. Q, K and V are joined into
-  one weight, and gate and up, by copying their rows once (in the rotate-half
-  order tserve's RoPE uses). Every other weight is read from the mapping
-  where it lies (unless :mod:`tserve.gpu._quant` packs it), so the file's
-  pages are the weights' memory; the pages of the tensors that are used
-  only as a copy leave the process's resident set once the model is built;
+  ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``,
+  ``F16``, ``BF16``) stay in it; ``F32`` ones become plain fp32 layers. Q, K
+  and V are joined into one weight, and gate and up, by copying their rows
+  once (in the rotate-half order tserve's RoPE uses); where their formats
+  differ, each run of one format is a weight of its own, side by side
+  (:class:`Concat`). Every other weight is read from the mapping where it
+  lies (unless :mod:`tserve.gpu._quant` packs it), so the file's pages are
+  the weights' memory; the pages of the tensors that are used only as a copy
+  leave the process's resident set once the model is built;
 * the RoPE table is :func:`~tserve.gpu._gguf_file.rope_tables`'s: serving a
   file imports no transformers (about 120 MB of the engine's memory).
 
-Blocks (file IO; the first load of a file's tokenizer takes a few seconds).
+Blocks (file IO; the first load of a file's tokenizer builds it, for seconds).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from tserve.gpu._quant import (
     QuantKernels,
 )
 
-__all__ = ["GgufModel", "load_gguf"]
+__all__ = ["Concat", "GgufModel", "load_gguf"]
 
 
 @dataclasses.dataclass
@@ -125,7 +127,7 @@ def load_gguf(
         vocab_size=config.vocab_size,
     )
     file.release_unused((t.data_ptr(), t.data_ptr() + t.nbytes) for t in _held_tensors(model))
-    tokenizer = tokenizer_dir(path, cache_dir, progress)
+    tokenizer = tokenizer_dir(path, cache_dir, progress, file.vocab)
     return GgufModel(path, config, tokenizer, model, file.formats, file.sampling)
 
 
@@ -147,14 +149,15 @@ class _Weights:
     def linear(
         self, names: Sequence[str], permute_heads: Sequence[int | None] | None = None
     ) -> torch.nn.Module:
-        """One layer whose outputs are ``names``' outputs, concatenated."""
-        heads = permute_heads or [None] * len(names)
-        joined = self._file.joined(names, heads)
-        if joined is None:
-            return _Concat([self.linear([name], [h]) for name, h in zip(names, heads, strict=True)])
-        fmt, rows = joined
+        """One layer whose outputs are ``names``' outputs, concatenated: a module per
+        run of a format (:meth:`~tserve.gpu._gguf_file.GgufFile.parts`, the native
+        runner's parts too), side by side in a :class:`Concat` where several."""
         k = self._file.in_features(names[0])
-        data = torch.from_numpy(rows)
+        parts = self._file.parts(names, permute_heads)
+        modules = [self._module(fmt, torch.from_numpy(rows), k) for fmt, rows in parts]
+        return modules[0] if len(modules) == 1 else Concat(modules)
+
+    def _module(self, fmt: int, data: torch.Tensor, k: int) -> torch.nn.Module:
         if fmt == F32:
             linear = torch.nn.Linear(k, data.shape[0], bias=False, device="meta")
             dense = data.view(torch.float32).view(data.shape[0], k)
@@ -194,7 +197,7 @@ def _held_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
                         yield item
 
 
-class _Concat(torch.nn.Module):
+class Concat(torch.nn.Module):
     """Layers of different formats side by side: their outputs concatenated."""
 
     def __init__(self, parts: list[torch.nn.Module]) -> None:

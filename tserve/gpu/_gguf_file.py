@@ -4,7 +4,7 @@ as a config, its tokenizer's directory; no torch.
 :class:`GgufFile` maps the file (``gguf.GGUFReader``, copy-on-write, so
 nothing is written back), checks its architecture (``llama``: Llama,
 SmolLM, Mistral-style files) and that every tensor is in a format tserve
-multiplies by (F32, or one of :data:`~tserve.gpu._quant_abi.FORMATS`; any
+multiplies by (one of :data:`~tserve.gpu._quant_abi.FORMATS`; any
 other is a :class:`~tserve.gpu._models.ModelLoadError` naming the tensor
 and its format: ``--dequantize`` serves the file through the fp32 conversion
 instead), and reads its metadata into a :class:`GgufConfig`. Weights come
@@ -16,12 +16,11 @@ modules over them (:mod:`tserve.gpu._gguf`), the native runner its arrays
 pages can leave the process's resident set (:meth:`GgufFile.release_unused`).
 
 The tokenizer comes from files beside the file (``tokenizer.json`` in the
-same directory) or else from its metadata, converted once by transformers
-into a small cache directory, in a child process (transformers imports
-torch; the engine need not), which the API process reads as it reads any
-model directory's.
+same directory) or else from its metadata (:mod:`tserve.gpu._gguf_vocab`),
+written once into a small cache directory as a model directory's tokenizer
+files, which the API process reads as it reads any model directory's.
 
-Blocks (file IO; the first conversion of a file's tokenizer takes seconds).
+Blocks (file IO; the first build of a file's tokenizer takes seconds).
 """
 
 from __future__ import annotations
@@ -31,14 +30,18 @@ import dataclasses
 import functools
 import hashlib
 import mmap
-import subprocess
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 
+from tserve.gpu._gguf_vocab import (
+    GgufVocab,
+    VocabError,
+    end_of_generation_ids,
+    write_tokenizer_files,
+)
 from tserve.gpu._models import ModelLoadError, ProgressCallback, publish_dir, staging_dir
 from tserve.gpu._quant_abi import FORMATS
 from tserve.gpu._sampling_defaults import GGUF_SAMPLING_PREFIX
@@ -50,6 +53,7 @@ __all__ = [
     "head_name",
     "layer_norms",
     "layer_products",
+    "read_vocab",
     "rope_tables",
     "sampling_metadata",
     "tokenizer_dir",
@@ -59,6 +63,8 @@ _ARCHITECTURE: Final = "llama"
 F32: Final = 0
 """GGML's id of F32, the format of plain fp32 tensors (no kernel of its own)."""
 _TOKENIZER_COMPLETE: Final = ".tserve-tokenizer"
+# The cache's layout version: a directory written by an older builder is not reused.
+_TOKENIZER_VERSION: Final = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +87,9 @@ class GgufConfig:
     bos_token_id: int | None
     eos_token_id: int | None
     pad_token_id: int | None
+    # Every id that ends a generation (EOS, EOT, end-of-turn markers), by the
+    # file's vocabulary as llama.cpp reads it.
+    end_of_generation_ids: tuple[int, ...] = ()
 
 
 def _reader(path: Path) -> Any:
@@ -154,7 +163,14 @@ class GgufFile:
             )
         self.formats = _check_formats(path, self._tensors.values(), has_kernels)
         """GGUF format name -> tensors in it."""
-        self.config = _config(meta, self._tensors)
+        self.vocab = None if _tokenizer_beside(path) else _vocab(meta)
+        """Its ``tokenizer.*`` metadata (a vocabulary tserve builds), or None
+        where a ``tokenizer.json`` beside the file is its tokenizer."""
+        config = _config(meta, self._tensors)
+        if self.vocab is not None:
+            eog = end_of_generation_ids(self.vocab)
+            config = dataclasses.replace(config, end_of_generation_ids=eog)
+        self.config = config
         self.sampling: dict[str, Any] = meta.with_prefix(GGUF_SAMPLING_PREFIX)
         """Its ``general.sampling.*`` metadata (full key -> value)."""
 
@@ -192,18 +208,21 @@ class GgufFile:
             rows = rows.reshape(out, -1)
         return int(tensor.tensor_type), rows
 
-    def joined(
+    def parts(
         self, names: Sequence[str], permute_heads: Sequence[int | None] | None = None
-    ) -> tuple[int, np.ndarray] | None:
+    ) -> list[tuple[int, np.ndarray]]:
         """``(format, rows)`` of one weight whose outputs are ``names``' outputs,
-        concatenated (a copy when more than one), or None where they differ in
-        format."""
+        concatenated: neighbours of one format joined (a copy when more than
+        one), one part per run of a format, in order."""
         heads = permute_heads or [None] * len(names)
-        parts = [self.rows(name, h) for name, h in zip(names, heads, strict=True)]
-        if len({fmt for fmt, _ in parts}) > 1:
-            return None
-        rows = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
-        return parts[0][0], rows
+        runs: list[tuple[int, list[np.ndarray]]] = []
+        for name, h in zip(names, heads, strict=True):
+            fmt, rows = self.rows(name, h)
+            if runs and runs[-1][0] == fmt:
+                runs[-1][1].append(rows)
+            else:
+                runs.append((fmt, [rows]))
+        return [(fmt, rows[0] if len(rows) == 1 else np.concatenate(rows)) for fmt, rows in runs]
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D weight (a norm's) in fp32: a view of the file where it is F32."""
@@ -287,7 +306,7 @@ def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dic
         if name != "F32" and name not in FORMATS:
             raise ModelLoadError(
                 f"{path.name}: tensor {tensor.name!r} is {name}, which tserve has no kernel "
-                f"for (it runs F32, {', '.join(FORMATS)}); --dequantize serves the file as fp32"
+                f"for (it runs {', '.join(FORMATS)}); --dequantize serves the file as fp32"
             )
         if name != "F32" and not has_kernels:
             raise ModelLoadError(
@@ -361,45 +380,46 @@ def _release_pages(data: np.ndarray) -> None:
         _madvise()(start, end - start, _MADV_DONTNEED)
 
 
-def tokenizer_dir(path: Path, cache_dir: Path, progress: ProgressCallback) -> Path:
-    """The directory of the file's tokenizer files: beside it, or converted once
-    (in a child process: the caller's interpreter imports neither transformers
-    nor torch)."""
-    if (path.parent / "tokenizer.json").is_file():
+def tokenizer_dir(
+    path: Path, cache_dir: Path, progress: ProgressCallback, vocab: GgufVocab | None = None
+) -> Path:
+    """The directory of the file's tokenizer files: beside it, or built once from
+    its metadata (``vocab``, else :func:`read_vocab`'s) into ``cache_dir``.
+    Blocking; raises ModelLoadError for a vocabulary tserve cannot build."""
+    if _tokenizer_beside(path):
         return path.parent
     stat = path.stat()
     key = hashlib.blake2b(
-        f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode(), digest_size=8
+        f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_TOKENIZER_VERSION}".encode(),
+        digest_size=8,
     ).hexdigest()
     target = cache_dir / "gguf-tokenizers" / f"{path.stem}-{key}"
     if (target / _TOKENIZER_COMPLETE).is_file():
         return target
-    progress(f"converting {path.name}'s tokenizer into {target} (once)")
+    vocab = vocab or read_vocab(path)
+    progress(f"writing {path.name}'s tokenizer ({vocab.model}) into {target} (once)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with staging_dir(target.parent) as staging:
-        code = f"from {__name__} import _convert_tokenizer as c; import sys; c(*sys.argv[1:])"
-        done = subprocess.run(
-            [sys.executable, "-c", code, str(path), str(staging)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode:
-            raise ModelLoadError(
-                f"{path.name}: its tokenizer could not be converted: {done.stderr.strip()}"
-            )
+        write_tokenizer_files(vocab, staging)
         publish_dir(staging, target, _TOKENIZER_COMPLETE, f"{path}\n")
     return target
 
 
-def _convert_tokenizer(path: str, out: str) -> None:
-    """Write the tokenizer of GGUF ``path`` (and its EOS as a generation config)
-    into directory ``out``, by transformers (the child :func:`tokenizer_dir` runs)."""
-    from transformers import AutoTokenizer, GenerationConfig
+def _tokenizer_beside(path: Path) -> bool:
+    """Whether GGUF file ``path`` has a ``tokenizer.json`` beside it (which wins)."""
+    return (path.parent / "tokenizer.json").is_file()
 
-    gguf = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.save_pretrained(out)
-    eos = tokenizer.eos_token_id
-    if eos is not None:
-        GenerationConfig(eos_token_id=eos).save_pretrained(out)  # type: ignore[no-untyped-call]
+
+def read_vocab(path: Path) -> GgufVocab:
+    """The ``tokenizer.*`` metadata of GGUF file ``path``. Blocking (the whole
+    metadata is read: seconds for a large vocabulary); raises ModelLoadError
+    naming the file for a vocabulary tserve cannot build."""
+    return _vocab(_Metadata(_open(path), path))
+
+
+def _vocab(meta: _Metadata) -> GgufVocab:
+    try:
+        keys = meta.with_prefix("tokenizer.")
+        return GgufVocab.from_metadata({**keys, "general.name": meta.get("general.name")})
+    except VocabError as exc:
+        raise ModelLoadError(f"{meta._path.name}: {exc}") from exc

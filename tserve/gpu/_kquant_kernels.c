@@ -428,9 +428,6 @@ static row_int8_fn avx2_row_int8(int fmt) {
 
 /* ------------------------------------------------------------------ entry */
 
-/* Whether tserve_klinear, tserve_klinear_int8 and tserve_kdequantize run `fmt`. */
-int tserve_kquant_format_supported(int fmt) { return super_bytes(fmt) != 0; }
-
 /* Rows `rows` (or 0..n_rows-1 when NULL) of W [*, k] (k a multiple of 256) as fp32
  * into out [n_rows, k]. */
 void tserve_kdequantize(int isa, int fmt, const uint8_t *w, int64_t k, const int64_t *rows,
@@ -493,14 +490,16 @@ static void product(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, i
     }
 }
 
-/* y[M, N] = x W^T with the columns split among the threads as tserve_qlinear's are. */
+/* y[M, N] = x W^T with the columns shared among the threads as tserve_qlinear's are:
+ * SHARE_ROWS at a time, to whichever thread is free. */
 static void shared_product(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
                            const activations *a, int64_t m, float *y) {
     int threads = threads_for(n * (k / 32) * m);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        product(isa, fmt, w, n, n * t / count, n * (t + 1) / count, k, a, m, y);
+    int64_t shares = (n + SHARE_ROWS - 1) / SHARE_ROWS;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
+    for (int64_t s = 0; s < shares; s++) {
+        int64_t n1 = (s + 1) * SHARE_ROWS < n ? (s + 1) * SHARE_ROWS : n;
+        product(isa, fmt, w, n, s * SHARE_ROWS, n1, k, a, m, y);
     }
 }
 

@@ -25,11 +25,13 @@ the logits of the torch path's fused step bit for bit. The torch path runs
 a long prefill chunk through its SDPA and dequantized-weight products
 instead; those agree with the kernels' results up to float rounding.
 
-A file qualifies (:func:`native_problem`) when every layer's four products
-are each of one quantized format (the default model: Q4_1 layers, a tied
-Q8_0 embedding and head) and the head is quantized; a mixed-format product
-(Q4_K_M's Q6_K ``attn_v`` beside Q4_K ones), dense F32 layers, or an absent
-compiled library keep the file on the torch path.
+Every file :class:`~tserve.gpu._gguf_file.GgufFile` reads qualifies, in any
+mix of its formats (:data:`~tserve.gpu._quant_abi.FORMATS`) across and
+within layers: a product whose tensors differ in format (Q4_K_M's Q6_K
+``attn_v`` beside Q4_K ``attn_q`` and ``attn_k``) runs as one product of
+parts, each on its own format's kernel, and F32 weights on the F32 kernel.
+Only an absent compiled library keeps a file on the torch path
+(:func:`native_problem`).
 
 Threads: the products' OpenMP threads, set by the engine
 (:func:`~tserve.gpu._library.set_threads`, ``--threads``).
@@ -49,9 +51,11 @@ from tserve.gpu._decoder_abi import (
     DecoderShape,
     DecoderStep,
     LayerPointers,
+    Part,
     Product,
     add_rms_norm,
     decoder_step,
+    product,
     product_route,
     run_product,
 )
@@ -99,16 +103,6 @@ def native_problem(file: GgufFile) -> str | None:
     """Why :class:`NativeModel` cannot run ``file``, or None when it can."""
     if quant_library() is None:
         return "tserve's compiled kernels are not built"
-    config = file.config
-    for i in range(config.num_hidden_layers):
-        for product, (names, _) in layer_products(config, i).items():
-            formats = {file.fmt(name) for name in names}
-            if len(formats) > 1:
-                return f"layer {i}'s {product} product joins tensors of several formats"
-            if F32 in formats:
-                return f"layer {i}'s {product} product is dense F32"
-    if file.fmt(head_name(config)) == F32:
-        return "its output head is dense F32"
     return None
 
 
@@ -152,7 +146,8 @@ class NativeModel:
         self._embed_rows: np.ndarray | None = None  # an F32 table's rows
         if config.tie_word_embeddings and self._head_packed:
             # One copy of the tied rows, packed: the head's bytes, unpacked per token.
-            self._embed_fmt, self._embed_data = self.head.fmt, int(self.head.data)
+            head = self.head.parts[0]
+            self._embed_fmt, self._embed_data = head.fmt, int(head.data)
             self._embed_packed = True
         else:
             self._embed_fmt, rows = file.rows(EMBEDDING)
@@ -160,7 +155,7 @@ class NativeModel:
             if self._embed_fmt == F32:
                 self._embed_rows = self._held[-1].view(np.float32)
         file.release_unused((_address(a), _address(a) + a.nbytes) for a in self._held)
-        self.tokenizer_dir = tokenizer_dir(file.path, cache_dir, progress)
+        self.tokenizer_dir = tokenizer_dir(file.path, cache_dir, progress, file.vocab)
 
     def _hold(self, a: np.ndarray) -> np.ndarray:
         held = np.ascontiguousarray(a)
@@ -168,14 +163,18 @@ class NativeModel:
         return held
 
     def _product(self, names: list[str], permutes: list[int | None]) -> tuple[Product, bool]:
-        joined = self._file.joined(names, permutes)
-        assert joined is not None, "native_problem: one format per product"
-        fmt, rows = joined
-        n, k = rows.shape[0], self._file.in_features(names[0])
-        route, packed = product_route(fmt, self._activations)
-        data = self._hold(self.quant.pack(fmt, rows, n, k) if packed else rows)
-        self.product_bytes += data.nbytes
-        return Product(_address(data), n, k, route, fmt), packed
+        """The product over ``names``' rows, one part per run of a format, and
+        whether its first part reads a packed weight."""
+        k = self._file.in_features(names[0])
+        parts, packs = [], []
+        for fmt, rows in self._file.parts(names, permutes):
+            n = rows.shape[0]
+            route, packed = product_route(fmt, self._activations)
+            data = self._hold(self.quant.pack(fmt, rows, n, k) if packed else rows)
+            self.product_bytes += data.nbytes
+            parts.append(Part(_address(data), n, route, fmt))
+            packs.append(packed)
+        return product(k, parts), packs[0]
 
     def _layer(self, i: int) -> tuple[tuple[Product, ...], tuple[int, ...]]:
         """Layer ``i``'s ``(qkv, o, gate_up, down)`` and ``(attn_norm, mlp_norm)``."""

@@ -1,10 +1,11 @@
 """Linear layers and embeddings over GGUF weights kept in their formats.
 
 A weight comes as the GGUF file lays it out: one row per output feature,
-each row a run of blocks (``Q8_0``, ``Q4_0``, ``Q4_1``: 32 weights each, a
-fp16 scale, and for ``Q4_1`` a fp16 offset), of K-quant super-blocks
-(``Q4_K``, ``Q5_K``, ``Q6_K``: 256 weights each, 4.5, 5.5 and 6.56 bits a
-weight with their scales) or of 16-bit floats (``F16``, ``BF16``).
+each row a run of blocks (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``:
+32 weights each, a fp16 scale, for ``Q4_1``/``Q5_1`` a fp16 offset, for the
+Q5s 32 fifth bits), of K-quant super-blocks (``Q4_K``, ``Q5_K``, ``Q6_K``:
+256 weights each, 4.5, 5.5 and 6.56 bits a weight with their scales) or of
+floats (``F16``, ``BF16``, ``F32``).
 ``_quant_kernels.c`` (and ``_kquant_kernels.c`` for the K-quants) multiplies
 by it directly; every weight byte is read once per product whatever the
 number of rows (decode rows and prefill chunks alike).
@@ -33,14 +34,17 @@ number of rows (decode rows and prefill chunks alike).
   converted to fp32.
 
 K-quants (``_kquant_kernels.c``) have both paths, their int8 one on the
-file's layout (the activations quantized as above). ``F16``/``BF16``
+file's layout (the activations quantized as above). ``F16``/``BF16``/``F32``
 weights run ``fp32`` either way. Each product is one C call, here and in
 the fused decoder (``_decoder.py``) alike; one that quantizes or sums its
-activations first does so into scratch of its own. ``F32`` weights are no
-business of this module: they load as plain fp32 linear layers.
+activations first does so into scratch of its own. The torch forward pass
+loads ``F32`` weights as plain fp32 linear layers; the fused decoder runs
+them on this module's ``F32`` kernel.
 
 **Instructions.** AVX2 + FMA + F16C where the CPU has them (chosen at run
-time), else portable C, said once in the log.
+time), else portable C, said once in the log; the block formats' products
+(int8 and fp32) run AVX-512 (VNNI) where the CPU has it
+(``TSERVE_MAX_ISA=avx2`` caps them at AVX2).
 
 **Threads.** A product's output rows are split among torch's threads
 (``torch.set_num_threads``, the engine's ``--threads``), in torch's own

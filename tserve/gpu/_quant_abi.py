@@ -67,10 +67,13 @@ class _Format:
 _FORMAT_TABLE: Final = {
     f.code: f
     for f in (
+        _Format("F32", 0, 1, 4, int8=False, packs=False),
         _Format("F16", 1, 1, 2, int8=False, packs=False),
         _Format("BF16", 30, 1, 2, int8=False, packs=False),
         _Format("Q4_0", 2, 32, 18, int8=True, packs=True),
         _Format("Q4_1", 3, 32, 20, int8=True, packs=True),
+        _Format("Q5_0", 6, 32, 22, int8=True, packs=True),
+        _Format("Q5_1", 7, 32, 24, int8=True, packs=True),
         _Format("Q8_0", 8, 32, 34, int8=True, packs=True),
         _Format("Q4_K", 12, 256, 144, int8=True, packs=False),
         _Format("Q5_K", 13, 256, 176, int8=True, packs=False),
@@ -85,12 +88,12 @@ K_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block =
 _ISA_NAMES: Final = (
     "portable C",
     "AVX2 + FMA + F16C",
-    "AVX-512 VNNI (the block formats' int8 products) and AVX2 + FMA + F16C",
+    "AVX-512 VNNI (the block formats' products) and AVX2 + FMA + F16C",
 )
 
 Isa = Literal[0, 1, 2]
 """0: portable C; 1: AVX2 + FMA + F16C; 2: AVX-512 F/BW/VL + VNNI for the block
-formats' int8 products and the fused step's attention, AVX2 for the rest."""
+formats' products (int8 and fp32) and the fused step's attention, AVX2 for the rest."""
 
 MAX_ISA_ENV: Final = "TSERVE_MAX_ISA"
 """An environment variable that caps :attr:`QuantLibrary.best_isa` at a variant

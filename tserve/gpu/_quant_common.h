@@ -21,11 +21,17 @@
 
 #define ISA_PORTABLE 0
 #define ISA_AVX2 1 /* AVX2 + FMA + F16C */
-#define ISA_AVX512_VNNI 2 /* and AVX-512 F/BW/VL with VNNI: the block formats' int8 panels;
-                           * every other kernel runs its AVX2 variant */
+#define ISA_AVX512_VNNI 2 /* and AVX-512 F/BW/VL with VNNI: the block formats' int8 panels
+                           * and fp32 rows; every other kernel runs its AVX2 variant */
 #define MIN_SHARED_WORK 4096 /* blocks of 32 weights x rows below which one thread does it all */
 #define TILE_ROWS 4          /* rows of x against one pass over a few hundred bytes of W */
 #define CHUNK_ROWS 64        /* rows of x kept hot per pass over W */
+/* Rows of W a thread takes at a time in a shared product (a multiple of every
+ * panel's rows). Shares go to whichever thread is free (OpenMP dynamic), so a
+ * thread the OS preempts on a busy machine delays the product by one share, not
+ * by its whole static half; each output is still computed by the same code in
+ * the same order, so the result does not depend on which thread ran it. */
+#define SHARE_ROWS 32
 
 /* CALL(R) for a tile of `rows` rows (1..TILE_ROWS), R a constant in each branch, so
  * that each instance's inner loops are specialised for it. */

@@ -9,19 +9,21 @@
  * Two activation paths:
  *
  * - fp32 (tserve_qlinear): W as the file lays it out, each block of 32
- *   weights (Q8_0, Q4_0, Q4_1) widened to fp32 in registers once per tile,
- *   F16/BF16 as loaded; the products are fp32 ones, equal to
+ *   weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) widened to fp32 in registers once
+ *   per tile, F16/BF16/F32 as loaded; the products are fp32 ones, equal to
  *   dequantize-then-matmul up to summation order.
  * - int8 (tserve_qlinear_int8), llama.cpp's scheme: x quantized per
  *   block of 32 (tserve_quantize_q8: d = max|x| / 127, q = round(x / d),
  *   s = d * sum(q)), then per block sum(wq * xq) exact in integers, scaled
- *   by dw * dx, plus for Q4_0/Q4_1 the block's offset times s. W is first
+ *   by dw * dx, plus for Q4_0/Q4_1/Q5_0/Q5_1 the block's offset times s
+ *   (Q4_0's -8 dw, Q5_0's -16 dw, Q4_1's and Q5_1's m). W is first
  *   repacked (tserve_pack) into panels of PANEL rows, block by block, so
  *   that one pass of 256-bit integer products serves PANEL outputs and their
  *   scales are one vector load (layout at panel_block_bytes).
  *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one, the
- * int8 panels an AVX-512 VNNI one too; the caller picks by `isa`
+ * int8 panels an AVX-512 VNNI one too and the block formats' fp32 products
+ * an AVX-512 one; the caller picks by `isa`
  * (tserve_quant_isa() says the best this CPU runs; a kernel without a variant
  * for it runs the next one down).
  * Output rows are split among OpenMP threads: torch's own runtime (the same
@@ -37,6 +39,8 @@
 #define F16 1
 #define Q4_0 2
 #define Q4_1 3
+#define Q5_0 6
+#define Q5_1 7
 #define Q8_0 8
 #define BF16 30
 #define BLOCK 32
@@ -55,13 +59,32 @@ int tserve_quant_isa(void) {
     return ISA_PORTABLE;
 }
 
-static int is_block_format(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+static int is_block_format(int fmt) {
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0;
+}
+
+/* The 4-bit block formats and their 5-bit kin: quants unsigned, w = d * q + offset. */
+static int is_q5(int fmt) { return fmt == Q5_0 || fmt == Q5_1; }
+static int has_min(int fmt) { return fmt == Q4_1 || fmt == Q5_1; } /* offset: a stored m */
+static float zero_point(int fmt) { return is_q5(fmt) ? 16.0f : 8.0f; } /* no m: -zp * d */
+
+/* Where a block's 16 nibble bytes start (Q5's 4 bytes of fifth bits lie just before). */
+static int64_t nibbles_at(int fmt) {
+    switch (fmt) {
+    case Q4_1: return 4;
+    case Q5_0: return 6;
+    case Q5_1: return 8;
+    default: return 2;
+    }
+}
 
 /* Bytes of one block (block formats) or one element (float formats). */
 static int64_t unit_bytes(int fmt) {
     switch (fmt) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
     case F16: case BF16: return 2;
     default: return 4;
@@ -77,6 +100,17 @@ static float bf16_to_float(uint16_t h) {
     float out;
     memcpy(&out, &bits, sizeof out);
     return out;
+}
+
+/* Element j of a row of a float format (F16, BF16, F32). */
+static float float_at(int fmt, const uint8_t *row, int64_t j) {
+    if (fmt == F32) {
+        float v;
+        memcpy(&v, row + 4 * j, sizeof v);
+        return v;
+    }
+    uint16_t h = load_u16(row + 2 * j);
+    return fmt == F16 ? half_to_float(h) : bf16_to_float(h);
 }
 
 /* ------------------------------------------------------------------ activations to int8 */
@@ -147,18 +181,36 @@ void tserve_quantize_q8(int isa, const float *x, int64_t m, int64_t k, int8_t *q
 
 /* ------------------------------------------------------------------ dequantizing */
 
+/* Q5_0/Q5_1: the fifth bit of element j (of 32) of a block whose bits are `qh`. */
+static int fifth_bit(uint32_t qh, int j) { return (int)((qh >> j) & 1) << 4; }
+
+/* One block as 32 fp32 weights, with gguf's (and ggml's) arithmetic: d * q for
+ * the symmetric formats (q less its zero point, exact), d * q + m for Q4_1/Q5_1,
+ * each a multiply then an add (never fused), so the values are gguf's to the bit. */
 static void dequantize_block(int fmt, const uint8_t *blk, float *ob) {
     float dw = half_to_float(load_u16(blk));
     if (fmt == Q8_0) {
         for (int j = 0; j < BLOCK; j++) ob[j] = dw * (float)(int8_t)blk[2 + j];
         return;
     }
-    float mw = fmt == Q4_1 ? half_to_float(load_u16(blk + 2)) : -8.0f * dw;
-    const uint8_t *qs = blk + (fmt == Q4_1 ? 4 : 2);
+    const uint8_t *qs = blk + nibbles_at(fmt);
+    uint32_t qh = 0;
+    if (is_q5(fmt)) memcpy(&qh, qs - 4, sizeof qh);
+    int q[BLOCK];
     for (int j = 0; j < BLOCK / 2; j++) {
-        ob[j] = dw * (float)(qs[j] & 0x0f) + mw;
-        ob[j + BLOCK / 2] = dw * (float)(qs[j] >> 4) + mw;
+        q[j] = (qs[j] & 0x0f) | fifth_bit(qh, j);
+        q[j + BLOCK / 2] = (qs[j] >> 4) | fifth_bit(qh, j + BLOCK / 2);
     }
+    if (has_min(fmt)) {
+        float mw = half_to_float(load_u16(blk + 2));
+        for (int j = 0; j < BLOCK; j++) {
+            volatile float scaled = dw * (float)q[j]; /* rounded before the add, as gguf's */
+            ob[j] = scaled + mw;
+        }
+        return;
+    }
+    float zp = zero_point(fmt);
+    for (int j = 0; j < BLOCK; j++) ob[j] = dw * ((float)q[j] - zp);
 }
 
 /* Rows `rows` (or 0..n_rows-1 when NULL) of W [*, k] as fp32 into out [n_rows, k]. */
@@ -189,7 +241,8 @@ void tserve_dequantize(int fmt, const uint8_t *w, int64_t k, const int64_t *rows
  * block after block along K; one block of a panel is:
  *   Q8_0: 8 fp16 scales (row order), then each row's 32 int8 (row order);
  *   Q4_0: 8 fp16 scales (slot order), then each row's 16 nibble bytes (row order);
- *   Q4_1: 8 fp16 scales, 8 fp16 offsets (slot order), then the 16-byte rows.
+ *   Q4_1: 8 fp16 scales, 8 fp16 offsets (slot order), then the 16-byte rows;
+ *   Q5_0, Q5_1: as Q4_0, Q4_1, then each row's 4 bytes of fifth bits (row order).
  * Slot order is the order in which the AVX2 kernel's reductions leave the
  * rows' sums (rows 0, 2, 4, 6, 1, 3, 5, 7), so the scales multiply them
  * as they come. The same bytes as the file's rows, rearranged. */
@@ -201,12 +254,17 @@ static int64_t panel_block_bytes(int fmt) {
     switch (fmt) {
     case Q4_0: return 16 + PANEL * 16;
     case Q4_1: return 32 + PANEL * 16;
+    case Q5_0: return 16 + PANEL * 20;
+    case Q5_1: return 32 + PANEL * 20;
     case Q8_0: return 16 + PANEL * 32;
     default: return 0;
     }
 }
 
 static int scale_slot(int fmt, int i) { return fmt == Q8_0 ? i : Q4_SLOT[i]; }
+
+/* Where a packed block's quants start (after the scales, and the offsets if any). */
+static int64_t panel_quants_at(int fmt) { return has_min(fmt) ? 32 : 16; }
 
 /* Bytes of W [n, k] in the packed layout (0: no packed layout for fmt). */
 int64_t tserve_packed_bytes(int fmt, int64_t n, int64_t k) {
@@ -217,7 +275,7 @@ int64_t tserve_packed_bytes(int fmt, int64_t n, int64_t k) {
 void tserve_pack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
     int64_t nb = k / BLOCK, unit = unit_bytes(fmt), stride = row_bytes(fmt, k);
     int64_t pb = panel_block_bytes(fmt), panels = (n + PANEL - 1) / PANEL;
-    int64_t quants = fmt == Q4_1 ? 32 : 16, width = fmt == Q8_0 ? 32 : 16;
+    int64_t quants = panel_quants_at(fmt), width = fmt == Q8_0 ? 32 : 16;
     memset(out, 0, (size_t)(panels * nb * pb));
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < nb; b++) {
@@ -226,19 +284,21 @@ void tserve_pack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) 
                 const uint8_t *blk = w + (p * PANEL + i) * stride + b * unit;
                 int slot = scale_slot(fmt, i);
                 memcpy(dst + 2 * slot, blk, 2);
-                if (fmt == Q4_1) memcpy(dst + 16 + 2 * slot, blk + 2, 2);
+                if (has_min(fmt)) memcpy(dst + 16 + 2 * slot, blk + 2, 2);
                 memcpy(dst + quants + width * i, blk + unit - width, (size_t)width);
+                if (is_q5(fmt)) memcpy(dst + quants + PANEL * 16 + 4 * i, blk + unit - 20, 4);
             }
         }
 }
 
 /* One block of packed row `i` of its panel back in the file's block layout. */
 static void file_block(int fmt, const uint8_t *src, int i, uint8_t *blk) {
-    int64_t unit = unit_bytes(fmt), width = fmt == Q8_0 ? 32 : 16, quants = fmt == Q4_1 ? 32 : 16;
+    int64_t unit = unit_bytes(fmt), width = fmt == Q8_0 ? 32 : 16, quants = panel_quants_at(fmt);
     int slot = scale_slot(fmt, i);
     memcpy(blk, src + 2 * slot, 2);
-    if (fmt == Q4_1) memcpy(blk + 2, src + 16 + 2 * slot, 2);
+    if (has_min(fmt)) memcpy(blk + 2, src + 16 + 2 * slot, 2);
     memcpy(blk + unit - width, src + quants + width * i, (size_t)width);
+    if (is_q5(fmt)) memcpy(blk + unit - 20, src + quants + PANEL * 16 + 4 * i, 4);
 }
 
 /* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k]. */
@@ -275,15 +335,12 @@ static void row_portable_f32(int fmt, const uint8_t *wrow, int64_t k, int rows, 
     for (int r = 0; r < rows; r++) y[r * y_stride] = total[r];
 }
 
-/* One F16/BF16 W row against `rows` fp32 rows of x. */
+/* One F16/BF16/F32 W row against `rows` fp32 rows of x. */
 static void row_portable_floats(int fmt, const uint8_t *wrow, int64_t k, int rows,
                                 const float *x, float *y, int64_t y_stride) {
     for (int r = 0; r < rows; r++) {
         float total = 0.0f;
-        for (int64_t j = 0; j < k; j++) {
-            uint16_t h = load_u16(wrow + 2 * j);
-            total += (fmt == F16 ? half_to_float(h) : bf16_to_float(h)) * x[r * k + j];
-        }
+        for (int64_t j = 0; j < k; j++) total += float_at(fmt, wrow, j) * x[r * k + j];
         y[r * y_stride] = total;
     }
 }
@@ -292,7 +349,7 @@ static void row_portable_floats(int fmt, const uint8_t *wrow, int64_t k, int row
 static void panel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, const int8_t *x,
                            const float *xd, const float *xs, float *y, int64_t y_stride,
                            int cols) {
-    int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = fmt == Q4_1 ? 32 : 16;
+    int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) {
             float total = 0.0f;
@@ -309,9 +366,13 @@ static void panel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, c
                     continue;
                 }
                 const uint8_t *qs = src + quants + 16 * c;
+                uint32_t qh = 0;
+                if (is_q5(fmt)) memcpy(&qh, src + quants + PANEL * 16 + 4 * c, sizeof qh);
                 for (int j = 0; j < BLOCK / 2; j++)
-                    dot += (qs[j] & 0x0f) * xb[j] + (qs[j] >> 4) * xb[j + BLOCK / 2];
-                float mw = fmt == Q4_1 ? half_to_float(load_u16(src + 16 + 2 * slot)) : -8.0f * dw;
+                    dot += ((qs[j] & 0x0f) | fifth_bit(qh, j)) * xb[j] +
+                           ((qs[j] >> 4) | fifth_bit(qh, j + BLOCK / 2)) * xb[j + BLOCK / 2];
+                float mw = has_min(fmt) ? half_to_float(load_u16(src + 16 + 2 * slot))
+                                        : -zero_point(fmt) * dw;
                 total += dw * dx * (float)dot + mw * xs[r * nb + b];
             }
             y[r * y_stride + c] = total;
@@ -330,6 +391,22 @@ AVX2 INLINE __m256 bytes_to_floats(__m128i v, int is_signed) {
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
 }
 
+/* Bytes whose bit `select` byte holds is set in `spread`'s same byte: 0x10, else 0. */
+AVX2 INLINE __m256i bits_to_fifth(__m256i spread) {
+    const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+/* Q5's fifth bits of elements 16 h .. 16 h + 15 of a block (bits of `qh`) as
+ * 16 bytes, 0x10 where set: byte j of the result is bit 16 h + j. */
+AVX2 INLINE __m128i fifth_bits_avx2(uint32_t qh, int h) {
+    const int8_t a = (int8_t)(2 * h), b = (int8_t)(2 * h + 1);
+    __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)qh),
+                                      _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b));
+    return _mm256_castsi256_si128(bits_to_fifth(_mm256_castsi128_si256(spread)));
+}
+
 /* A block's 32 weights as 4 x 8 floats (dequantized in registers). */
 AVX2 INLINE void block_floats_avx2(int fmt, const uint8_t *blk, __m256 w[4]) {
     __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
@@ -343,10 +420,16 @@ AVX2 INLINE void block_floats_avx2(int fmt, const uint8_t *blk, __m256 w[4]) {
         return;
     }
     float dw = _cvtsh_ss(load_u16(blk));
-    __m256 m = _mm256_set1_ps(fmt == Q4_1 ? _cvtsh_ss(load_u16(blk + 2)) : -8.0f * dw);
-    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_1 ? 4 : 2)));
+    __m256 m = _mm256_set1_ps(has_min(fmt) ? _cvtsh_ss(load_u16(blk + 2)) : -zero_point(fmt) * dw);
+    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + nibbles_at(fmt)));
     __m128i low = _mm_set1_epi8(0x0f);
     __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    if (is_q5(fmt)) {
+        uint32_t qh;
+        memcpy(&qh, blk + nibbles_at(fmt) - 4, sizeof qh);
+        lo = _mm_or_si128(lo, fifth_bits_avx2(qh, 0));
+        hi = _mm_or_si128(hi, fifth_bits_avx2(qh, 1));
+    }
     w[0] = _mm256_fmadd_ps(bytes_to_floats(lo, 0), d, m);
     w[1] = _mm256_fmadd_ps(bytes_to_floats(_mm_srli_si128(lo, 8), 0), d, m);
     w[2] = _mm256_fmadd_ps(bytes_to_floats(hi, 0), d, m);
@@ -382,6 +465,7 @@ AVX2 INLINE void tile_blocks_f32_avx2(int fmt, const uint8_t *wrow, int64_t k, i
 }
 
 AVX2 INLINE __m256 widen_avx2(int fmt, const uint8_t *p) {
+    if (fmt == F32) return _mm256_loadu_ps((const float *)p);
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     if (fmt == F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -389,28 +473,26 @@ AVX2 INLINE __m256 widen_avx2(int fmt, const uint8_t *p) {
 
 AVX2 INLINE void tile_floats_avx2(int fmt, const uint8_t *wrow, int64_t k, int rows,
                                   const float *x, float *y, int64_t y_stride) {
+    const int64_t size = fmt == F32 ? 4 : 2;
     __m256 acc[TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= k; j += 8) {
-        if (j % 32 == 0) prefetch_ahead(wrow + 2 * j, 64); /* a line per 32 weights */
-        __m256 w = widen_avx2(fmt, wrow + 2 * j);
+        if (j % 32 == 0) prefetch_ahead(wrow + size * j, 32 * size); /* 32 weights' lines */
+        __m256 w = widen_avx2(fmt, wrow + size * j);
         for (int r = 0; r < rows; r++)
             acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * k + j), acc[r]);
     }
     for (int r = 0; r < rows; r++) {
         float total = hsum(acc[r]);
-        for (int64_t t = j; t < k; t++) {
-            uint16_t h = load_u16(wrow + 2 * t);
-            total += (fmt == F16 ? half_to_float(h) : bf16_to_float(h)) * x[r * k + t];
-        }
+        for (int64_t t = j; t < k; t++) total += float_at(fmt, wrow, t) * x[r * k + t];
         y[r * y_stride] = total;
     }
 }
 
 #define AVX2_TILE(R)                                                                          \
-    (FORMAT == F16 || FORMAT == BF16 ? tile_floats_avx2(FORMAT, wrow, k, R, x, y, y_stride)   \
-                                     : tile_blocks_f32_avx2(FORMAT, wrow, k, R, x, y, y_stride))
+    (!is_block_format(FORMAT) ? tile_floats_avx2(FORMAT, wrow, k, R, x, y, y_stride)          \
+                              : tile_blocks_f32_avx2(FORMAT, wrow, k, R, x, y, y_stride))
 
 /* The format and the tile's row count as constants in each instance, so each inner loop is
  * specialised. */
@@ -423,9 +505,12 @@ AVX2 INLINE void tile_floats_avx2(int fmt, const uint8_t *wrow, int64_t k, int r
 
 AVX2_ROW(Q4_0)
 AVX2_ROW(Q4_1)
+AVX2_ROW(Q5_0)
+AVX2_ROW(Q5_1)
 AVX2_ROW(Q8_0)
 AVX2_ROW(F16)
 AVX2_ROW(BF16)
+AVX2_ROW(F32)
 
 /* A panel's sums as the scales' slots want them: lanes in slot order. */
 AVX2 INLINE void store_panel(__m256 sums, const int *slot, float *y, int cols) {
@@ -434,23 +519,38 @@ AVX2 INLINE void store_panel(__m256 sums, const int *slot, float *y, int cols) {
     for (int c = 0; c < cols; c++) y[c] = lanes[slot[c]];
 }
 
-/* A Q4_0/Q4_1 panel block's scales and offsets (Q4_1's m, Q4_0's -8 d), in slot order. */
+/* A Q4_0/Q4_1/Q5_0/Q5_1 panel block's scales and offsets (Q4_1's and Q5_1's m,
+ * Q4_0's -8 d, Q5_0's -16 d), in slot order. */
 AVX2 INLINE __m256 q4_scales(int fmt, const uint8_t *src, __m256 *offsets) {
     __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-    *offsets = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
-                           : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+    *offsets = has_min(fmt) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
+                            : _mm256_mul_ps(dw, _mm256_set1_ps(-zero_point(fmt)));
     return dw;
 }
 
-/* A Q4_0/Q4_1 panel against `rows` int8 rows of x. Per block and pair of W rows:
- * one 32-byte load holds both rows' nibbles; masked, they are elements 0..15 of
- * each (the x block's first half broadcast to both lanes), shifted, elements
- * 16..31; maddubs, then madd with ones, leave 4 int32 per row; three hadds
- * leave one sum per row, in slot order. */
+/* The fifth bits of a Q5 panel block's rows 2p and 2p + 1 (their 8 bytes at
+ * `qh`), as panel_q4_avx2 lays out their nibbles: row 2p in the low lane, 2p + 1
+ * in the high; *lo for elements 0..15, *hi for 16..31; bytes 0x10 where set. */
+AVX2 INLINE void fifth_bits_pair(const uint8_t *qh, __m256i *lo, __m256i *hi) {
+    __m256i both = _mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *)qh));
+    *lo = bits_to_fifth(_mm256_shuffle_epi8(
+        both, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 4, 4, 4, 4, 4, 4,
+                               4, 4, 5, 5, 5, 5, 5, 5, 5, 5)));
+    *hi = bits_to_fifth(_mm256_shuffle_epi8(
+        both, _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 6, 6, 6, 6, 6, 6,
+                               6, 6, 7, 7, 7, 7, 7, 7, 7, 7)));
+}
+
+/* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x. Per block and pair
+ * of W rows: one 32-byte load holds both rows' nibbles; masked, they are
+ * elements 0..15 of each (the x block's first half broadcast to both lanes),
+ * shifted, elements 16..31 (Q5: each with its fifth bit, 0..31); maddubs, then
+ * madd with ones, leave 4 int32 per row; three hadds leave one sum per row, in
+ * slot order. */
 AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int rows,
                                const int8_t *x, const float *xd, const float *xs, float *y,
                                int64_t y_stride, int cols) {
-    const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = fmt == Q4_1 ? 32 : 16;
+    const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 acc[TILE_ROWS], acc_m[TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm256_setzero_ps();
@@ -463,6 +563,12 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int row
             __m256i v = _mm256_loadu_si256((const __m256i *)(src + quants + 32 * p));
             lo[p] = _mm256_and_si256(v, low);
             hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (is_q5(fmt)) {
+                __m256i high_lo, high_hi;
+                fifth_bits_pair(src + quants + PANEL * 16 + 8 * p, &high_lo, &high_hi);
+                lo[p] = _mm256_or_si256(lo[p], high_lo);
+                hi[p] = _mm256_or_si256(hi[p], high_hi);
+            }
         }
         for (int r = 0; r < rows; r++) {
             const int8_t *xb = x + r * k + b * BLOCK;
@@ -540,6 +646,8 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const 
 #define avx2_PANEL_TILE(R) PANEL_TILE(avx2, R)
 PANEL_KERNEL(AVX2, avx2, Q4_0)
 PANEL_KERNEL(AVX2, avx2, Q4_1)
+PANEL_KERNEL(AVX2, avx2, Q5_0)
+PANEL_KERNEL(AVX2, avx2, Q5_1)
 PANEL_KERNEL(AVX2, avx2, Q8_0)
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
@@ -580,14 +688,42 @@ AVX512 INLINE void row_totals(__m512 first, __m512 second, float out[PANEL]) {
     }
 }
 
-/* A Q4_0/Q4_1 panel against `rows` int8 rows of x: per block, two 64-byte loads
- * hold the eight rows' nibbles; masked, they meet the x block's first half
- * (broadcast to every lane), shifted, its second half. The offsets' term
- * (Q4_1's m, Q4_0's -8 d) is one fp32 product per row and block, as in AVX2. */
+/* Bytes whose bit `select` byte holds is set in `all` shuffled by `index`: 0x10, else 0. */
+AVX512 INLINE __m512i fifth_bits_of(__m512i all, const int32_t *index) {
+    const __m512i select = _mm512_set1_epi64(0x8040201008040201LL);
+    __m512i spread = _mm512_shuffle_epi8(all, _mm512_loadu_si512((const void *)index));
+    return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(spread, select), _mm512_set1_epi8(0x10));
+}
+
+/* Byte v four times: a 32-bit word of a shuffle's index. */
+#define BYTE4(v) ((int32_t)((v) * 0x01010101u))
+/* Lane L's index for half h: bytes 0..7 from qh byte 4 L + 2 h, 8..15 from the next. */
+#define QUAD_LANE(L, h)                                                                       \
+    BYTE4(4 * (L) + 2 * (h)), BYTE4(4 * (L) + 2 * (h)), BYTE4(4 * (L) + 2 * (h) + 1),         \
+        BYTE4(4 * (L) + 2 * (h) + 1)
+static const int32_t QUAD_INDEX[2][16] = {
+    {QUAD_LANE(0, 0), QUAD_LANE(1, 0), QUAD_LANE(2, 0), QUAD_LANE(3, 0)},
+    {QUAD_LANE(0, 1), QUAD_LANE(1, 1), QUAD_LANE(2, 1), QUAD_LANE(3, 1)},
+};
+
+/* Q5's fifth bits of a panel block's rows 4p .. 4p + 3 (their 16 bytes at `qh`),
+ * one row per 128-bit lane as panel_q4_vnni lays out their nibbles: *lo for
+ * elements 0..15, *hi for 16..31; bytes 0x10 where set. */
+AVX512 INLINE void fifth_bits_quad(const uint8_t *qh, __m512i *lo, __m512i *hi) {
+    __m512i all = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)qh));
+    *lo = fifth_bits_of(all, QUAD_INDEX[0]);
+    *hi = fifth_bits_of(all, QUAD_INDEX[1]);
+}
+
+/* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x: per block, two
+ * 64-byte loads hold the eight rows' nibbles; masked, they meet the x block's
+ * first half (broadcast to every lane), shifted, its second half (Q5: each
+ * with its fifth bit). The offsets' term (Q4_1's and Q5_1's m, Q4_0's -8 d,
+ * Q5_0's -16 d) is one fp32 product per row and block, as in AVX2. */
 AVX512 INLINE void panel_q4_vnni(int fmt, const uint8_t *panel, int64_t k, int rows,
                                  const int8_t *x, const float *xd, const float *xs, float *y,
                                  int64_t y_stride, int cols) {
-    const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = fmt == Q4_1 ? 32 : 16;
+    const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[TILE_ROWS][2];
     __m256 acc_m[TILE_ROWS];
@@ -606,6 +742,12 @@ AVX512 INLINE void panel_q4_vnni(int fmt, const uint8_t *panel, int64_t k, int r
             __m512i v = _mm512_loadu_si512((const void *)(src + quants + 64 * p));
             lo[p] = _mm512_and_si512(v, low);
             hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            if (is_q5(fmt)) {
+                __m512i high_lo, high_hi;
+                fifth_bits_quad(src + quants + PANEL * 16 + 16 * p, &high_lo, &high_hi);
+                lo[p] = _mm512_or_si512(lo[p], high_lo);
+                hi[p] = _mm512_or_si512(hi[p], high_hi);
+            }
         }
         for (int r = 0; r < rows; r++) {
             const int8_t *xb = x + r * k + b * BLOCK;
@@ -677,21 +819,102 @@ AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, cons
 #define vnni_PANEL_TILE(R) PANEL_TILE(vnni, R)
 PANEL_KERNEL(AVX512, vnni, Q4_0)
 PANEL_KERNEL(AVX512, vnni, Q4_1)
+PANEL_KERNEL(AVX512, vnni, Q5_0)
+PANEL_KERNEL(AVX512, vnni, Q5_1)
 PANEL_KERNEL(AVX512, vnni, Q8_0)
 
+/* ------------------------------------------------------------------ AVX-512, fp32 activations
+ *
+ * The block formats' fp32 products with 512-bit registers: a block's 32
+ * weights widen to two registers of 16 floats (bytes straight to int32), and
+ * each x row meets them in two FMAs; the same products as the AVX2 kernels',
+ * summed in another order. */
+
+/* A block's 32 weights as 2 x 16 floats (dequantized in registers). */
+AVX512 INLINE void block_floats_avx512(int fmt, const uint8_t *blk, __m512 w[2]) {
+    float dw = _cvtsh_ss(load_u16(blk));
+    __m512 d = _mm512_set1_ps(dw);
+    if (fmt == Q8_0) {
+        for (int h = 0; h < 2; h++) {
+            __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h));
+            w[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+        }
+        return;
+    }
+    __m512 m = _mm512_set1_ps(has_min(fmt) ? _cvtsh_ss(load_u16(blk + 2)) : -zero_point(fmt) * dw);
+    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + nibbles_at(fmt)));
+    __m128i low = _mm_set1_epi8(0x0f);
+    __m128i q[2] = {_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low)};
+    if (is_q5(fmt)) {
+        uint32_t qh;
+        memcpy(&qh, blk + nibbles_at(fmt) - 4, sizeof qh);
+        q[0] = _mm_or_si128(q[0], fifth_bits_avx2(qh, 0));
+        q[1] = _mm_or_si128(q[1], fifth_bits_avx2(qh, 1));
+    }
+    for (int h = 0; h < 2; h++)
+        w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[h])), d, m);
+}
+
+/* One W row (block format) against `rows` fp32 rows: two accumulators per row. */
+AVX512 INLINE void tile_blocks_f32_avx512(int fmt, const uint8_t *wrow, int64_t k, int rows,
+                                          const float *x, float *y, int64_t y_stride) {
+    int64_t nb = k / BLOCK, unit = unit_bytes(fmt);
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 w[2];
+        prefetch_ahead(wrow + b * unit, unit);
+        block_floats_avx512(fmt, wrow + b * unit, w);
+        for (int r = 0; r < rows; r++) {
+            const float *xb = x + r * k + b * BLOCK;
+            acc[r][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        y[r * y_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+#define AVX512_TILE(R) tile_blocks_f32_avx512(FORMAT, wrow, k, R, x, y, y_stride)
+
+#define AVX512_ROW(FMT)                                                                       \
+    AVX512 static void row_avx512_##FMT(const uint8_t *wrow, int64_t k, int rows,             \
+                                        const float *x, float *y, int64_t y_stride) {         \
+        enum { FORMAT = FMT };                                                                \
+        BY_TILE_ROWS(rows, AVX512_TILE)                                                       \
+    }
+
+AVX512_ROW(Q4_0)
+AVX512_ROW(Q4_1)
+AVX512_ROW(Q5_0)
+AVX512_ROW(Q5_1)
+AVX512_ROW(Q8_0)
+
 #endif
 
-/* The AVX2 kernel of `fmt` (NULL: none; always, off x86-64). */
-static row_fn avx2_row(int fmt) {
+/* The fp32 kernel `isa` runs for `fmt` (NULL: the portable one): AVX-512 for
+ * the block formats, AVX2 for the float formats (and below AVX-512). */
+static row_fn fast_row(int isa, int fmt) {
 #if defined(__x86_64__)
-    switch (fmt) {
-    case Q4_0: return row_avx2_Q4_0;
-    case Q4_1: return row_avx2_Q4_1;
-    case Q8_0: return row_avx2_Q8_0;
-    case F16: return row_avx2_F16;
-    case BF16: return row_avx2_BF16;
-    }
+    if (isa == ISA_AVX512_VNNI) switch (fmt) {
+        case Q4_0: return row_avx512_Q4_0;
+        case Q4_1: return row_avx512_Q4_1;
+        case Q5_0: return row_avx512_Q5_0;
+        case Q5_1: return row_avx512_Q5_1;
+        case Q8_0: return row_avx512_Q8_0;
+        }
+    if (isa >= ISA_AVX2) switch (fmt) {
+        case Q4_0: return row_avx2_Q4_0;
+        case Q4_1: return row_avx2_Q4_1;
+        case Q5_0: return row_avx2_Q5_0;
+        case Q5_1: return row_avx2_Q5_1;
+        case Q8_0: return row_avx2_Q8_0;
+        case F16: return row_avx2_F16;
+        case BF16: return row_avx2_BF16;
+        case F32: return row_avx2_F32;
+        }
 #endif
+    (void)isa;
     (void)fmt;
     return 0;
 }
@@ -702,11 +925,15 @@ static panel_fn fast_panel(int isa, int fmt) {
     if (isa == ISA_AVX512_VNNI) switch (fmt) {
         case Q4_0: return panel_vnni_Q4_0;
         case Q4_1: return panel_vnni_Q4_1;
+        case Q5_0: return panel_vnni_Q5_0;
+        case Q5_1: return panel_vnni_Q5_1;
         case Q8_0: return panel_vnni_Q8_0;
         }
     if (isa >= ISA_AVX2) switch (fmt) {
         case Q4_0: return panel_avx2_Q4_0;
         case Q4_1: return panel_avx2_Q4_1;
+        case Q5_0: return panel_avx2_Q5_0;
+        case Q5_1: return panel_avx2_Q5_1;
         case Q8_0: return panel_avx2_Q8_0;
         }
 #endif
@@ -717,22 +944,16 @@ static panel_fn fast_panel(int isa, int fmt) {
 
 /* ------------------------------------------------------------------ entry points */
 
-/* Whether tserve_qlinear runs `fmt`; tserve_qlinear_packed runs those that have a
- * packed layout (tserve_packed_bytes > 0). */
-int tserve_quant_format_supported(int fmt) {
-    return is_block_format(fmt) || fmt == F16 || fmt == BF16;
-}
-
 /* y[M, n] = x W^T for fp32 x [M, k] and W [n, k] in `fmt` (the file's layout). */
 void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
                     int64_t m, float *y) {
     int64_t stride = row_bytes(fmt, k);
-    row_fn fast = isa >= ISA_AVX2 ? avx2_row(fmt) : 0;
+    row_fn fast = fast_row(isa, fmt);
     int threads = threads_for(n * (k / BLOCK) * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, SHARE_ROWS) nowait /* chunks write apart: no barrier */
         for (int64_t j = 0; j < n; j++) {
             const uint8_t *wrow = w + j * stride;
             for (int64_t r = m0; r < m1; r += TILE_ROWS) {
@@ -741,7 +962,7 @@ void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, co
                 float *yr = y + r * n + j;
                 if (fast)
                     fast(wrow, k, rows, xr, yr, n);
-                else if (fmt == F16 || fmt == BF16)
+                else if (!is_block_format(fmt))
                     row_portable_floats(fmt, wrow, k, rows, xr, yr, n);
                 else
                     row_portable_f32(fmt, wrow, k, rows, xr, yr, n);
@@ -770,7 +991,7 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
             tserve_quantize_q8(isa, x + r * k, 1, k, xq + r * k, xd + r * nb, xs + r * nb);
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, SHARE_ROWS / PANEL) nowait /* chunks write apart */
             for (int64_t p = 0; p < panels; p++) {
                 const uint8_t *panel = packed + p * panel_bytes;
                 int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;

@@ -74,6 +74,7 @@ class StopMatcher:
         self._longest = max((len(s) for s in self._stop), default=0)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that matched, once stopped
 
     def push(self, text: str) -> str:
         """Return the text that is safe to emit; sets ``stopped`` on a match."""
@@ -84,11 +85,12 @@ class StopMatcher:
         buffer = self._held + text
         # The first stop string to END wins (then the longest of those), so
         # the cut does not depend on how the text was split into deltas.
-        matches = [(i + len(s), i) for s in self._stop if (i := buffer.find(s)) >= 0]
+        matches = [(i + len(s), i, s) for s in self._stop if (i := buffer.find(s)) >= 0]
         if matches:
+            _, cut, self.matched = min(matches)
             self.stopped = True
             self._held = ""
-            return buffer[: min(matches)[1]]
+            return buffer[:cut]
         keep = self._partial_tail(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]

@@ -144,7 +144,8 @@ class OutputMapper:
         else:
             return Outcome(Decision.DELTA, Delta(text, output.token_ids, output.logprobs))
         usage = Usage(self._prompt_tokens, self._num_tokens)
-        return Outcome(decision, Delta(text, output.token_ids, output.logprobs, reason, usage))
+        delta = Delta(text, output.token_ids, output.logprobs, reason, usage, self._stop.matched)
+        return Outcome(decision, delta)
 
     def timed_out(self) -> RequestTimeout:
         """The error for our own deadline passing (the caller closes the request: the abort)."""

@@ -26,7 +26,8 @@ class Delta:
     ``text`` never ends inside a UTF-8 character and never reaches past a
     stop string. ``logprobs`` has one entry per token in ``token_ids`` when
     the request asked for logprobs. The last delta has ``finish_reason``
-    ("stop", "length" or "abort") and ``usage``.
+    ("stop", "length" or "abort") and ``usage``; ``stop_string`` is the
+    request's stop string that ended it, when one did.
     """
 
     text: str
@@ -34,6 +35,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
+    stop_string: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -9,7 +9,12 @@ What each module owns:
   request.
 * ``_browser``: browser safety (sans-IO): 415 for a POST that is not JSON,
   403 for a ``Host`` not served (DNS rebinding), ``--allowed-hosts``.
-* ``_generation``: ``/v1/completions`` and ``/v1/chat/completions``.
+* ``_generation``: ``/v1/completions`` and ``/v1/chat/completions``, and
+  ``run_chat``, the chat path every chat-shaped API runs with its ``Output``.
+* ``_messages``: Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``
+  on ``run_chat``; ``_message_bodies`` its Structs, ``_message_requests`` its
+  bodies to chat requests, ``_message_events`` deltas to its blocks and SSE
+  events (sans-IO).
 * ``_embeddings``: ``/v1/embeddings``.
 * ``_tokens``: ``/tokenize``, ``/detokenize`` and the cached text of a token.
 * ``_models``: the served model names and ``/v1/models``.
@@ -34,7 +39,8 @@ What each module owns:
 * ``_tool_formats``: the tool-call formats (Hermes, Llama 3 JSON, Mistral,
   generic), detecting one from a template, its grammar, parsing a whole
   output; ``_tool_stream``: the streamed parser (sans-IO).
-* ``_errors``: the one mapping of exceptions to OpenAI error JSON.
+* ``_errors``: the one mapping of exceptions to error JSON (OpenAI's, and
+  Anthropic's for the Messages routes).
 * ``_metrics``: Prometheus metrics (vLLM's names for the model-server
   contract, summed over API processes) and the per-request log line.
 * ``_stats_files``: each API process's live numbers as a file in the shared

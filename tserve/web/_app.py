@@ -3,6 +3,7 @@
 Routes::
 
     POST /v1/completions, /v1/chat/completions   (JSON or SSE with "stream": true)
+    POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, its errors)
     POST /v1/embeddings                          (when open_llm has an embedding model)
     GET  /v1/models                              POST /tokenize, /detokenize
     GET  /version   /health   /ready   /metrics   /openapi.json
@@ -22,8 +23,10 @@ from quart_trio import QuartTrio
 from tserve.nursery import LLM
 from tserve.web._browser import BrowserGuard
 from tserve.web._embeddings import Embeddings
+from tserve.web._errors import anthropic_error_reply
 from tserve.web._generation import Generation
 from tserve.web._inflight import InFlight
+from tserve.web._messages import Messages
 from tserve.web._metrics import Metrics
 from tserve.web._models import ServedModels
 from tserve.web._openapi import OpenAPI
@@ -69,6 +72,7 @@ class Frontend:
         self.generation = Generation(
             llm, self.models, self.in_flight, TokenTexts(llm), self.buffers
         )
+        self.messages = Messages(self.generation)
         self.embedding = Embeddings(llm, self.in_flight)
         self.tokenization = Tokenization(llm, self.models)
         self.openapi = OpenAPI(api_key=config.api_key is not None)
@@ -76,10 +80,19 @@ class Frontend:
     # -- the route table -----------------------------------------------------------
 
     def routes(self) -> list[Route]:
-        g, t, p = self.generation, self.tokenization, self.probes
+        g, t, p, m = self.generation, self.tokenization, self.probes, self.messages
+        anthropic = anthropic_error_reply
         return [
             Route("/v1/completions", "POST", g.completions, protected=True),
             Route("/v1/chat/completions", "POST", g.chat_completions, protected=True),
+            Route("/v1/messages", "POST", m.create, protected=True, errors=anthropic),
+            Route(
+                "/v1/messages/count_tokens",
+                "POST",
+                m.count_tokens,
+                protected=True,
+                errors=anthropic,
+            ),
             Route("/v1/embeddings", "POST", self.embedding.embeddings, protected=True),
             Route("/v1/models", "GET", self.models.models, protected=True),
             Route("/tokenize", "POST", t.tokenize, protected=True),

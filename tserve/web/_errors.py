@@ -1,6 +1,7 @@
-"""The one place where exceptions become OpenAI error JSON and an HTTP status.
+"""The one place where exceptions become error JSON and an HTTP status.
 
-Body: ``{"error": {"message", "type", "param", "code"}}``. The table:
+OpenAI's body (:func:`error_reply`): ``{"error": {"message", "type",
+"param", "code"}}``. The table:
 
 ======================================  ======  ==========================
 exception                               status  type / code
@@ -24,6 +25,16 @@ anything else: a bug                    500     server_error / internal_error (l
                                                 its traceback and the request id)
 ======================================  ======  ==========================
 
+Anthropic's body (:func:`anthropic_error_reply`, the Messages API):
+``{"type": "error", "error": {"type", "message"}}``, made from the OpenAI
+reply: the same status but 503 (overloaded, draining, engine down), which
+is Anthropic's 529 ``overloaded_error``; the type by status (400, 415 and 422
+``invalid_request_error``, 401 ``authentication_error``, 403
+``permission_error``, 404 ``not_found_error``, 405 ``invalid_request_error``,
+413 ``request_too_large``, 429 ``rate_limit_error``, 504 ``timeout_error``,
+else ``api_error``); the field, when the message does not quote it already,
+appended to the message (Anthropic's body has no ``param``).
+
 Why 422 for RequestFailed: input the API process can check (prompt too long,
 token ids out of the vocabulary, bad parameters) is already a 400 before the
 engine sees it; what the engine still refuses per request is about this
@@ -36,7 +47,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
 from werkzeug.exceptions import HTTPException
 
@@ -51,6 +63,7 @@ from tserve.nursery import (
 
 __all__ = [
     "ErrorReply",
+    "ErrorShape",
     "ForbiddenHost",
     "ModelNotFound",
     "NotFound",
@@ -58,6 +71,7 @@ __all__ = [
     "Unauthorized",
     "UnsupportedMediaType",
     "WebError",
+    "anthropic_error_reply",
     "error_reply",
 ]
 
@@ -168,3 +182,37 @@ def error_reply(exc: BaseException, request_id: str) -> ErrorReply:
     log.error("internal error in request %s", request_id, exc_info=exc)
     message = f"Internal server error (request id {request_id})"
     return ErrorReply(500, _body(message, server, None, "internal_error"), {})
+
+
+ErrorShape = Callable[[BaseException, str], ErrorReply]
+"""An API's mapping of an exception (and the request id) to its error reply."""
+
+_ANTHROPIC_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_OVERLOADED: Final = 529
+
+
+def anthropic_error_reply(exc: BaseException, request_id: str) -> ErrorReply:
+    """Status, Anthropic error body and headers for ``exc`` (the module docstring). Never raises."""
+    reply = error_reply(exc, request_id)
+    status = ANTHROPIC_OVERLOADED if reply.status == 503 else reply.status
+    error = reply.body["error"]
+    message, param = str(error["message"]), error.get("param")
+    if param and f"'{param}'" not in message:
+        message = f"{message} ('{param}')"
+    body = {
+        "type": "error",
+        "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message},
+    }
+    return ErrorReply(status, body, reply.headers)

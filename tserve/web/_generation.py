@@ -1,18 +1,23 @@
-"""``POST /v1/completions`` and ``POST /v1/chat/completions``, as JSON or as SSE.
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``, as JSON or as SSE,
+and the one path every chat-shaped API runs (:meth:`Generation.run_chat`).
 
-Both go the same way: parse; resolve the model name; refuse at once what
+All go the same way: parse; resolve the model name; refuse at once what
 admission would refuse (live requests, and the bytes streaming responses
 hold for their clients: :class:`BufferBudget`), before any tokenizing; start ``n`` streams per
 prompt; then either collect them into one JSON body or hand them to an
 :class:`SSEBody`. The whole run is abortable by the drain (:class:`InFlight`).
+What differs between APIs is only the parsing of the body (into a
+:class:`ChatRequest`) and the :class:`Output` that shapes the answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
+from typing import Any
 
 import msgspec
 import trio
@@ -26,7 +31,7 @@ from tserve.nursery import (
     RequestStream,
     ShuttingDown,
 )
-from tserve.sampling import JsonSchema
+from tserve.sampling import JsonSchema, SamplingParams
 from tserve.validity import tokens_problem
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import RequestRecord
@@ -43,19 +48,51 @@ from tserve.web._responses import (
 from tserve.web._routing import json_response, read_body
 from tserve.web._send_buffer import BufferBudget
 from tserve.web._sse import SSEEvents
-from tserve.web._streaming import Choice, SSEBody, closed_on_error, collect, first_deltas
+from tserve.web._streaming import (
+    Output,
+    SSEBody,
+    StreamEvents,
+    closed_on_error,
+    collect,
+    first_deltas,
+)
 from tserve.web._structured import rename_constraint_error
 from tserve.web._tokens import TokenTexts
 from tserve.web._tool_formats import detect_format
 from tserve.web._tools import ToolPlan
 
-__all__ = ["Generation"]
+__all__ = ["Generation", "OutputFactory"]
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
+OutputFactory = Callable[[str, ToolPlan | None, int], Output]
+"""An API's output for (the served model's name, the tool plan, the number of streams)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpenAIOutput:
+    """Completions and chat completions: choices in an :class:`Envelope`, OpenAI's SSE."""
+
+    envelope: Envelope
+    choices: Sequence[CompletionChoice | ChatChoice]
+    n: int
+    include_usage: bool
+
+    def response(self) -> Any:
+        return self.envelope.response(self.choices, total_usage(self.choices, self.n))
+
+    def events(self, streams: Sequence[RequestStream], request_id: str) -> StreamEvents:
+        return SSEEvents(
+            self.choices,
+            chunk=partial(self.envelope.chunk, include_usage=self.include_usage),
+            usage_chunk=self.envelope.usage_chunk if self.include_usage else None,
+            n=self.n,
+            request_id=request_id,
+        )
+
 
 class Generation:
-    """The two generation handlers of one app."""
+    """The two OpenAI generation handlers of one app, and the chat path other APIs share."""
 
     def __init__(
         self,
@@ -80,10 +117,20 @@ class Generation:
 
     async def chat_completions(self, record: RequestRecord) -> Response:
         req = parse_chat(await read_body())
+        return await self.run_chat(record, req, partial(self._openai_chat, req))
+
+    async def run_chat(
+        self, record: RequestRecord, req: ChatRequest, output: OutputFactory
+    ) -> Response:
+        """Run a validated chat request to its response, shaped by ``output``. A checkpoint.
+
+        The whole shared path: model name, admission precheck, tool plan,
+        streams, collect or SSE, abort by the drain, constraint errors named.
+        """
         model = self._models.resolve(req.model)
         self._precheck(req.n)
         plan = self._tool_plan(req)
-        run = partial(self._chat, record, req, model, plan)
+        run = partial(self._chat, record, req, model, plan, output)
         field = _field(req, plan)
         try:
             return await self._named(field, self._in_flight.abortable(run))
@@ -105,6 +152,24 @@ class Generation:
             except InvalidRequest:
                 return f"tools[{i}].function.parameters"
         return field
+
+    async def count_chat_tokens(self, req: ChatRequest) -> int:
+        """The prompt length, in tokens, that :meth:`run_chat` would send for ``req``."""
+        self._models.resolve(req.model)
+        messages, tools, _ = self._chat_prompt(req, self._tool_plan(req))
+        return len(await self._llm.tokenize_chat(messages, tools))
+
+    def _openai_chat(
+        self, req: ChatRequest, model: str, plan: ToolPlan | None, count: int
+    ) -> OpenAIOutput:
+        logprobs = req.logprobs is not None
+        keep = not req.stream  # a streamed choice keeps nothing it has sent
+        choices = [
+            ChatChoice(i, self._token_texts, logprobs=logprobs, keep=keep, tools=plan)
+            for i in range(count)
+        ]
+        envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, CHAT)
+        return OpenAIOutput(envelope, choices, req.n, req.include_usage)
 
     @staticmethod
     async def _named(field: str | None, response: Awaitable[Response]) -> Response:
@@ -147,20 +212,20 @@ class Generation:
             for i in range(len(streams))
         ]
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, COMPLETION)
-        return await self._respond(record, req, envelope, streams, choices, req.constraint_field)
+        output = OpenAIOutput(envelope, choices, req.n, req.include_usage)
+        return await self._respond(record, req, streams, output, req.constraint_field)
 
     async def _chat(
-        self, record: RequestRecord, req: ChatRequest, model: str, plan: ToolPlan | None
+        self,
+        record: RequestRecord,
+        req: ChatRequest,
+        model: str,
+        plan: ToolPlan | None,
+        output: OutputFactory,
     ) -> Response:
         streams = await self._start_chat(req, plan)
-        logprobs = req.logprobs is not None
-        keep = not req.stream  # a streamed choice keeps nothing it has sent
-        choices = [
-            ChatChoice(i, self._token_texts, logprobs=logprobs, keep=keep, tools=plan)
-            for i in range(len(streams))
-        ]
-        envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, CHAT)
-        return await self._respond(record, req, envelope, streams, choices, _field(req, plan))
+        output_ = output(model, plan, len(streams))
+        return await self._respond(record, req, streams, output_, _field(req, plan))
 
     async def _start_completion(self, req: CompletionRequest) -> list[RequestStream]:
         """Admit ``n`` streams per prompt; a prompt used ``n > 1`` times is tokenized once."""
@@ -173,19 +238,28 @@ class Generation:
                 streams.extend(self._llm.generate(source, req.params) for _ in range(req.n))
         return streams
 
-    async def _start_chat(self, req: ChatRequest, plan: ToolPlan | None) -> list[RequestStream]:
-        """Admit ``n`` streams. Without max_tokens, the rest of the context is the limit."""
+    @staticmethod
+    def _chat_prompt(
+        req: ChatRequest, plan: ToolPlan | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, SamplingParams]:
+        """The messages and tools the template renders, and the params (a tool grammar added)."""
         messages, tools, params = req.messages, None, req.params
         if plan is not None:
             messages, tools = plan.messages(messages), plan.template_tools()
             grammar = plan.grammar()
             if grammar is not None:
                 params = msgspec.structs.replace(params, constraint=grammar)
-        if req.max_tokens is not None and req.n == 1:
+        return messages, tools, params
+
+    async def _start_chat(self, req: ChatRequest, plan: ToolPlan | None) -> list[RequestStream]:
+        """Admit ``n`` streams. Without max_tokens (or past it, with ``max_tokens_fits``),
+        the rest of the context is the limit."""
+        messages, tools, params = self._chat_prompt(req, plan)
+        if req.max_tokens is not None and req.n == 1 and not req.max_tokens_fits:
             return [self._llm.chat(messages, params, tools=tools)]
         ids = await self._llm.tokenize_chat(messages, tools)
-        if req.max_tokens is None:
-            room = max(1, self._llm.ready.max_model_len - len(ids))
+        room = max(1, self._llm.ready.max_model_len - len(ids))
+        if req.max_tokens is None or (req.max_tokens_fits and req.max_tokens > room):
             params = msgspec.structs.replace(params, max_tokens=room)
         streams: list[RequestStream] = []
         with closed_on_error(streams):
@@ -211,29 +285,21 @@ class Generation:
         self,
         record: RequestRecord,
         req: CompletionRequest | ChatRequest,
-        envelope: Envelope,
         streams: list[RequestStream],
-        choices: Sequence[Choice],
+        output: Output,
         field: str | None,
     ) -> Response:
         """Collect ``streams`` into one JSON body, or stream them as SSE; ``field``
         names a constraint error in the stream's error event."""
         record.choices_per_prompt = req.n
         if not req.stream:
-            await collect(streams, choices, record)
-            return json_response(envelope.response(choices, total_usage(choices, req.n)))
+            await collect(streams, output.choices, record)
+            return json_response(output.response())
         firsts = await first_deltas(streams)
-        events = SSEEvents(
-            choices,
-            chunk=partial(envelope.chunk, include_usage=req.include_usage),
-            usage_chunk=envelope.usage_chunk if req.include_usage else None,
-            n=req.n,
-            request_id=record.request_id,
-        )
         body = SSEBody(
             streams,
             firsts,
-            events,
+            output.events(streams, record.request_id),
             record=record,
             budget=self._buffers,
             on_close=self._in_flight.body_closed,

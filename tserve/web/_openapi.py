@@ -8,7 +8,8 @@ refused features, token ids against the vocabulary, the context length) are
 not expressible in the schema: they are 400s, documented as such.
 
 Responses are written here, next to what writes them (:mod:`._responses`,
-:mod:`._errors`); every error is the one OpenAI error body. ``OPERATIONS`` is
+:mod:`._errors`); every error is the one OpenAI error body, but on the
+Messages routes, Anthropic's (``AnthropicError``). ``OPERATIONS`` is
 keyed by (method, path) and must cover the route table exactly (a test checks).
 Sans-IO: the document is built once, as a dict.
 """
@@ -29,6 +30,7 @@ from tserve.web._bodies import (
     EmbeddingBody,
     TokenizeBody,
 )
+from tserve.web._message_bodies import CountTokensBody, MessagesBody
 from tserve.web._metrics import RequestRecord
 from tserve.web._routing import json_response
 
@@ -61,6 +63,22 @@ _ERROR: Final = _object(
         param=_NULLABLE_STR,
         code=_NULLABLE_STR,
     ),
+)
+_ANTHROPIC_ERROR: Final = _object(
+    "type error",
+    type={"const": "error"},
+    error=_object("type message", type=_STR, message=_STR),
+)
+_MESSAGE: Final = _object(  # a whole Messages API message
+    "id type role model content stop_reason stop_sequence usage",
+    id=_STR,
+    type={"const": "message"},
+    role={"const": "assistant"},
+    model=_STR,
+    content=_list_of(_object("type", type={"enum": ["text", "tool_use"]})),
+    stop_reason={"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use", None]},
+    stop_sequence=_NULLABLE_STR,
+    usage=_object("input_tokens output_tokens", input_tokens=_INT, output_tokens=_INT),
 )
 _USAGE: Final = _object(
     "prompt_tokens total_tokens", prompt_tokens=_INT, completion_tokens=_INT, total_tokens=_INT
@@ -110,6 +128,8 @@ _WHY: Final = {
     422: "the engine refused this one request",
     503: "overloaded, draining, or the engine is not running (Retry-After)",
     504: "the request ran past --request-timeout",
+    529: "overloaded, draining, or the engine is not running (Retry-After; Anthropic's "
+    "overloaded_error, where the OpenAI routes answer 503)",
 }
 _EVERY: Final = (403,)  # what any route may answer besides its own statuses
 _POST: Final = (400, 401, 413, 415)  # every POST with a body, behind the key
@@ -124,6 +144,7 @@ class Operation:
     body: type[msgspec.Struct] | None = None
     errors: tuple[int, ...] = ()
     protected: bool = True  # needs the API key when the server has one
+    anthropic: bool = False  # its errors are Anthropic's body (the Messages routes)
 
 
 def _json(schema: JSON) -> JSON:
@@ -142,6 +163,20 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
     ),
     ("post", "/v1/chat/completions"): Operation(
         "Complete a chat", _GENERATION_OK, ChatBody, (*_POST, 404, 422, 503, 504)
+    ),
+    ("post", "/v1/messages"): Operation(
+        "Create a message (Anthropic's Messages API)",
+        {**_json(_MESSAGE), "text/event-stream": {"schema": _object("event data", data=_STR)}},
+        MessagesBody,
+        (*_POST, 404, 422, 504, 529),
+        anthropic=True,
+    ),
+    ("post", "/v1/messages/count_tokens"): Operation(
+        "Count a message request's input tokens (Anthropic's Messages API)",
+        _json(_object("input_tokens", input_tokens=_INT)),
+        CountTokensBody,
+        (*_POST, 404),
+        anthropic=True,
     ),
     ("post", "/v1/embeddings"): Operation(
         "Embed texts or token ids", _json(_EMBEDDINGS), EmbeddingBody, (*_POST, 404, 422, 503, 504)
@@ -173,7 +208,7 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
 
 
 def _operation(op: Operation, bodies: dict[type[msgspec.Struct], JSON]) -> JSON:
-    error = _json({"$ref": _REF.format(name="Error")})
+    error = _json({"$ref": _REF.format(name="AnthropicError" if op.anthropic else "Error")})
     responses: JSON = {"200": {"description": "OK", "content": op.ok}}
     for status in sorted({*op.errors, *_EVERY}):
         # 503 from /health and /ready is a status body, not an error body
@@ -188,11 +223,12 @@ def _operation(op: Operation, bodies: dict[type[msgspec.Struct], JSON]) -> JSON:
 
 
 def openapi_document(*, api_key: bool) -> JSON:
-    """The whole description; ``api_key``: whether protected routes need a bearer key."""
+    """The whole description; ``api_key``: whether protected routes need a key (a bearer
+    token, or the key alone in ``x-api-key``)."""
     kinds = sorted({op.body for op in OPERATIONS.values() if op.body}, key=lambda t: t.__name__)
     refs, components = msgspec.json.schema_components(kinds, ref_template=_REF)
     bodies = dict(zip(kinds, refs, strict=True))
-    components.update(Error=_ERROR, Usage=_USAGE)
+    components.update(Error=_ERROR, AnthropicError=_ANTHROPIC_ERROR, Usage=_USAGE)
     paths: JSON = {}
     for (method, path), op in OPERATIONS.items():
         paths.setdefault(path, {})[method] = _operation(op, bodies)
@@ -203,8 +239,11 @@ def openapi_document(*, api_key: bool) -> JSON:
         "components": {"schemas": components},
     }
     if api_key:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        doc["security"] = [{"bearer": []}]
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
+        doc["security"] = [{"bearer": []}, {"apiKey": []}]
     return doc
 
 

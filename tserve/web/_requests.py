@@ -64,6 +64,7 @@ __all__ = [
     "DetokenizeRequest",
     "EmbeddingRequest",
     "TokenizeRequest",
+    "decode_body",
     "parse_chat",
     "parse_completion",
     "parse_detokenize",
@@ -98,7 +99,9 @@ class ChatRequest:
     """A validated ``/v1/chat/completions`` body.
 
     ``max_tokens`` None means "what is left of the context": the caller sets
-    it in ``params`` once the prompt length is known.
+    it in ``params`` once the prompt length is known; ``max_tokens_fits``
+    cuts a larger ``max_tokens`` to that too (Anthropic's ``max_tokens`` is
+    a ceiling, and clients ask for more than any context holds).
     """
 
     model: str | None
@@ -111,6 +114,7 @@ class ChatRequest:
     logprobs: int | None
     constraint_field: str | None = None  # the field params.constraint came from
     tools: ToolRequest | None = None  # None: no tool may be called
+    max_tokens_fits: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,7 +147,7 @@ _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
 
 
-def _decode(body: bytes, kind: type[_T]) -> _T:
+def decode_body(body: bytes, kind: type[_T]) -> _T:
     """Decode JSON ``body`` into ``kind``; raise InvalidRequest naming the field."""
     try:
         return msgspec.json.decode(body, type=kind)
@@ -236,7 +240,7 @@ def _prompts(
 
 def parse_completion(body: bytes) -> CompletionRequest:
     """Validate a ``/v1/completions`` body. Raises InvalidRequest."""
-    req = _decode(body, CompletionBody)
+    req = decode_body(body, CompletionBody)
     _check_common(req)
     if req.suffix:
         raise _refuse("suffix", "insertion (suffix) is not implemented")
@@ -328,7 +332,7 @@ def _check_chat_only(req: ChatBody) -> None:
 
 def parse_chat(body: bytes) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body. Raises InvalidRequest."""
-    req = _decode(body, ChatBody)
+    req = decode_body(body, ChatBody)
     _check_common(req)
     _check_chat_only(req)
     messages = _messages(req.messages)
@@ -351,7 +355,7 @@ def parse_chat(body: bytes) -> ChatRequest:
 
 def parse_tokenize(body: bytes) -> TokenizeRequest:
     """Validate a ``/tokenize`` body: exactly one of ``prompt`` and ``messages``."""
-    req = _decode(body, TokenizeBody)
+    req = decode_body(body, TokenizeBody)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
     messages = None if req.messages is None else _messages(req.messages)
@@ -360,7 +364,7 @@ def parse_tokenize(body: bytes) -> TokenizeRequest:
 
 def parse_detokenize(body: bytes) -> DetokenizeRequest:
     """Validate a ``/detokenize`` body."""
-    req = _decode(body, DetokenizeBody)
+    req = decode_body(body, DetokenizeBody)
     return DetokenizeRequest(req.model, list(req.tokens))
 
 
@@ -369,7 +373,7 @@ def parse_embeddings(body: bytes) -> EmbeddingRequest:
 
     Lengths in tokens are checked later, against the embedding model.
     """
-    req = _decode(body, EmbeddingBody)
+    req = decode_body(body, EmbeddingBody)
     inputs = _prompts(req.input, "input")
     if len(inputs) > MAX_EMBEDDING_INPUTS:
         raise InvalidRequest(

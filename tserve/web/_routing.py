@@ -3,11 +3,13 @@
 Every response carries ``X-Request-Id`` (the client's, if it sent a sane one,
 else a fresh one). With an API key configured, a :class:`Route` marked
 ``protected`` needs ``Authorization: Bearer KEY`` (compared in constant
-time); probes and scrapers need no secret. Before either, every route
+time), or the key alone in ``x-api-key`` (Anthropic's header); probes and
+scrapers need no secret. Before either, every route
 passes the browser checks (:class:`BrowserGuard`: 403, 415). An exception
 from a handler, or a routing error (404, 405) before any handler runs,
-becomes OpenAI error JSON
-through :func:`error_reply`, the one mapping. Each request leaves one
+becomes error JSON in its route's
+shape (:data:`ErrorShape`: OpenAI's unless the route says otherwise) through
+the one mapping of :mod:`._errors`. Each request leaves one
 :class:`RequestRecord` (metrics, and a log line on ``logged`` routes).
 """
 
@@ -27,7 +29,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from tserve.web._browser import BrowserGuard
-from tserve.web._errors import Unauthorized, error_reply
+from tserve.web._errors import ErrorShape, Unauthorized, error_reply
 from tserve.web._metrics import Metrics, RequestRecord
 
 __all__ = ["Handler", "Route", "Router", "json_response", "read_body", "request_id"]
@@ -47,6 +49,7 @@ class Route:
     handler: Handler
     protected: bool  # needs the API key, when the server has one
     logged: bool = True  # a log line per request (not for probes and scrapes)
+    errors: ErrorShape = error_reply  # how its errors look (OpenAI's, or Anthropic's)
 
 
 def json_response(
@@ -107,7 +110,7 @@ class Router:
             response = await route.handler(record)
             status = response.status_code
         except Exception as exc:
-            reply = error_reply(exc, rid)
+            reply = route.errors(exc, rid)
             status = reply.status
             response = json_response(reply.body, reply.status, reply.headers)
             if status in (403, 413, 415):  # the body is unread: the connection is spent
@@ -130,7 +133,9 @@ class Router:
             return
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            key.strip().encode(), self._api_key
-        ):
-            raise Unauthorized("Invalid or missing API key (Authorization: Bearer ...)")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self._api_key):
+            return
+        key = request.headers.get("x-api-key", "")
+        if key and hmac.compare_digest(key.strip().encode(), self._api_key):
+            return
+        raise Unauthorized("Invalid or missing API key (Authorization: Bearer ... or x-api-key)")

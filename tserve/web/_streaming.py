@@ -18,13 +18,18 @@ each prompt); choice ``i`` is fed by stream ``i``. Two ways to run them:
 
 Every stream is closed on every path out (``async with stream`` in the
 pumps, and ``SSEBody.__aexit__`` for streams never pumped).
+
+What the client sees is an API's sans-IO mapping, an :class:`Output`: its
+choices take the deltas, its ``response()`` is the whole JSON body, its
+``events()`` the SSE encoder (:class:`StreamEvents`). Chat completions,
+completions and Anthropic's Messages are three outputs of this one machinery.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from quart.wrappers.response import ResponseBody
@@ -32,13 +37,64 @@ from quart.wrappers.response import ResponseBody
 from tserve.nursery import Delta, RequestStream
 from tserve.web._errors import RequestAborted
 from tserve.web._metrics import RequestRecord
-from tserve.web._responses import ChatChoice, CompletionChoice
 from tserve.web._send_buffer import BufferBudget, SendBuffer
-from tserve.web._sse import SSEEvents
 
-__all__ = ["Choice", "SSEBody", "closed_on_error", "collect", "first_deltas"]
+__all__ = [
+    "Choice",
+    "Output",
+    "SSEBody",
+    "StreamEvents",
+    "closed_on_error",
+    "collect",
+    "first_deltas",
+]
 
-Choice = CompletionChoice | ChatChoice
+
+class Choice(Protocol):
+    """Accumulates the deltas of one generated sequence (one stream)."""
+
+    def push(self, delta: Delta) -> Any:
+        """Take the stream's next delta (what it returns is the API's business)."""
+        ...
+
+
+class StreamEvents(Protocol):
+    """An API's SSE encoder for one response: deltas in, bytes out, in its legal
+    order. Synchronous; an illegal call raises (a bug in the caller)."""
+
+    status: int  # 200, or the status of the error event once one went out
+
+    @property
+    def unfinished(self) -> int:
+        """How many choices have not had their finishing event."""
+        ...
+
+    def chunk(self, index: int, delta: Delta) -> bytes:
+        """Choice ``index``'s next delta as its events."""
+        ...
+
+    def close(self, error: Exception | None = None) -> list[bytes]:
+        """The events that end the stream now, after ``error`` if it failed; with
+        no error and choices still running it was cut short (an error event)."""
+        ...
+
+
+class Output(Protocol):
+    """An API's sans-IO mapping of one run's output: what the shared machinery fills."""
+
+    @property
+    def choices(self) -> Sequence[Choice]:
+        """Choice ``i`` takes stream ``i``'s deltas."""
+        ...
+
+    def response(self) -> Any:
+        """The whole JSON body, once :func:`collect` has run every choice to its end."""
+        ...
+
+    def events(self, streams: Sequence[RequestStream], request_id: str) -> StreamEvents:
+        """The SSE encoder, made after every stream's first delta was pulled (so
+        ``stream.prompt_token_ids`` is known); error events name ``request_id``."""
+        ...
 
 
 def _checked(delta: Delta) -> Delta:
@@ -125,7 +181,7 @@ async def collect(
 
 
 class SSEBody(ResponseBody):
-    """The body of a streaming completion: its events in the order :class:`SSEEvents` keeps.
+    """The body of a streaming response: its events in the order its :class:`StreamEvents` keeps.
 
     Quart enters it after sending the headers and iterates it in the request
     task; its nursery (the pumps) lives exactly that long. The pumps read
@@ -133,7 +189,7 @@ class SSEBody(ResponseBody):
     written there), so a stream is closed, and its admission slot free, once
     the engine has finished it, however slowly the client reads; iteration
     yields what the buffer holds. A failure after the headers ends the stream
-    with one error event, then ``[DONE]``; :meth:`abort` (server shutdown
+    with one error event (then ``[DONE]`` for OpenAI); :meth:`abort` (server shutdown
     past its timeout) does the same with its reason. ``on_close`` runs once,
     when quart leaves the body; ``name_error`` maps a stream's failure to the
     error its event reports (naming the request's field).
@@ -143,7 +199,7 @@ class SSEBody(ResponseBody):
         self,
         streams: Sequence[RequestStream],
         firsts: Sequence[Delta],
-        events: SSEEvents,
+        events: StreamEvents,
         *,
         record: RequestRecord,
         budget: BufferBudget,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -45,7 +45,16 @@ from tserve.web._tool_formats import (
 )
 from tserve.web._tool_stream import ToolCallStream
 
-__all__ = ["MAX_TOOL_CALLS", "ToolPlan", "ToolRequest", "new_call_id", "tool_request"]
+__all__ = [
+    "MAX_TOOL_CALLS",
+    "Mode",
+    "ToolPlan",
+    "ToolRequest",
+    "ToolSpec",
+    "build_tool_request",
+    "new_call_id",
+    "tool_request",
+]
 
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -73,28 +82,68 @@ class ToolRequest:
 def tool_request(body: ChatBody) -> ToolRequest | None:
     """The body's tools and choice, or None when no tool may be called. Raises InvalidRequest."""
     tools = body.tools or []
-    parameters: dict[str, dict[str, Any]] = {}
-    for i, tool in enumerate(tools):
-        name = tool.function.name
-        if name in parameters:
-            raise InvalidRequest(
-                f"'tools[{i}].function.name': {name!r} is defined twice",
-                param=f"tools[{i}].function.name",
-            )
-        parameters[name] = tool.function.parameters or _NO_ARGUMENTS
-    choice = _choice(body.tool_choice, parameters)
-    if choice == "none":
-        return None
-    if choice != "auto" and _has_format(body):
+    specs = [
+        ToolSpec(tool.function.name, tool.function.parameters, _definition(tool)) for tool in tools
+    ]
+    request = build_tool_request(
+        specs,
+        _choice(body.tool_choice),
+        parallel=body.parallel_tool_calls is not False,
+        name_param="tools[{i}].function.name",
+        choice_param="tool_choice.function.name",
+    )
+    if request is not None and request.enforced and _has_format(body):
         raise InvalidRequest(
             "a required or named 'tool_choice' cannot be combined with a structured output",
             param="tool_choice",
         )
+    return request
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """One tool of any API: its name, its arguments' JSON Schema (None: no arguments),
+    and its definition as the template sees it (OpenAI's tool object)."""
+
+    name: str
+    parameters: dict[str, Any] | None
+    definition: dict[str, Any]
+
+
+def build_tool_request(
+    tools: Sequence[ToolSpec],
+    choice: Mode | str | None,
+    *,
+    parallel: bool,
+    name_param: str,
+    choice_param: str,
+) -> ToolRequest | None:
+    """The validated tools and choice (None: the API's default), or None when no tool
+    may be called. ``name_param`` names tool ``{i}``'s name field, ``choice_param`` the
+    field that names the one tool to call. Raises InvalidRequest."""
+    parameters: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        if tool.name in parameters:
+            param = name_param.format(i=i)
+            raise InvalidRequest(f"'{param}': {tool.name!r} is defined twice", param=param)
+        parameters[tool.name] = tool.parameters or _NO_ARGUMENTS
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if choice in _MODES and not tools:
+        raise InvalidRequest(
+            f"'tool_choice' is {choice!r} but no 'tools' are given", param="tool_choice"
+        )
+    if choice not in _MODES and choice not in parameters:
+        raise InvalidRequest(
+            f"'tool_choice' names {choice!r}, which is not one of 'tools'", param=choice_param
+        )
     return ToolRequest(
         parameters,
-        [_definition(tool) for tool in tools],
+        [tool.definition for tool in tools],
         choice,
-        parallel=body.parallel_tool_calls is not False,
+        parallel=parallel,
         field="tools" if choice in ("auto", "required") else "tool_choice",
     )
 
@@ -113,15 +162,12 @@ def _has_format(body: ChatBody) -> bool:
     )
 
 
-def _choice(raw: Any, tools: dict[str, dict[str, Any]]) -> Mode | str:
+def _choice(raw: Any) -> Mode | str | None:
+    """OpenAI's ``tool_choice``: a mode, or the named tool (checked against the tools later)."""
     if raw is None:
-        return "auto" if tools else "none"
+        return None
     for mode in _MODES:
         if raw == mode:
-            if mode != "none" and not tools:
-                raise InvalidRequest(
-                    f"'tool_choice' is {mode!r} but no 'tools' are given", param="tool_choice"
-                )
             return mode
     if isinstance(raw, dict) and raw.get("type") == "function":
         function = raw.get("function")
@@ -129,11 +175,6 @@ def _choice(raw: Any, tools: dict[str, dict[str, Any]]) -> Mode | str:
         if not isinstance(name, str):
             raise InvalidRequest(
                 "'tool_choice.function.name' must name a tool", param="tool_choice.function.name"
-            )
-        if name not in tools:
-            raise InvalidRequest(
-                f"'tool_choice' names {name!r}, which is not one of 'tools'",
-                param="tool_choice.function.name",
             )
         return name
     raise InvalidRequest(
@@ -191,9 +232,10 @@ class ToolPlan:
         note = generic_note(definitions, required=self.request.enforced)
         return with_system_note(as_generic_history(messages), note)
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, new_id: Callable[[], str] = new_call_id) -> ToolCallStream:
+        """A parser of one streamed output; ``new_id`` makes each call's id."""
         return ToolCallStream(
-            self.format, self.names, enforced=self.request.enforced, new_id=new_call_id
+            self.format, self.names, enforced=self.request.enforced, new_id=new_id
         )
 
 

@@ -33,6 +33,11 @@ def tool(name: str, parameters: Any) -> Any:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
+def optional(count: int) -> Any:
+    """A legal schema of ``count`` optional integer properties (too large for llguidance)."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(count)}}
+
+
 FINE: Any = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 IMPOSSIBLE = [
@@ -99,6 +104,8 @@ def test_a_grammar_that_can_write_nothing_is_a_400_naming_its_field(
             "too many expressions constructed",
         ),
         ({"response_format": schema_format({"$ref": "#"})}, "response_format", "accepts no string"),
+        ({"response_format": schema_format(optional(5000))}, "response_format", "too big"),
+        ({"response_format": schema_format(optional(500))}, "response_format", "2000"),
     ],
 )
 def test_a_failed_grammar_fails_the_same_way_again(

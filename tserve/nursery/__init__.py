@@ -2,8 +2,12 @@
 
 Modules, each with one job (imports run down this list, never up)::
 
+    _registry.py        ModelRegistry: the served models, each one's engine owned
+                        by one task; loads on demand, one per model at a time
+    _model_state.py     sans-IO: a model's load states and their legal moves
     _open.py            open_llm / attach_llm / open_embedder / attach_embedder:
-                        an engine, its session and a client, for a block
+                        an engine, its session and a client, for a block;
+                        EngineOwner: how this process starts the engines it owns
     _llm.py             LLM: generation requests, admission, LLMStats
     _embedder.py        Embedder: embedding calls, their inputs and EmbeddingResult
     _client.py          EngineClient (identity, liveness, ids, its admission)
@@ -38,6 +42,7 @@ Modules, each with one job (imports run down this list, never up)::
 
 from tserve._curve import KeyFileError
 from tserve.mux import EngineDeadError, RequestState
+from tserve.nursery._client import ClientSettings
 from tserve.nursery._embedder import Embedder, EmbeddingResult
 from tserve.nursery._errors import (
     InvalidRequest,
@@ -54,6 +59,7 @@ from tserve.nursery._results import Completion, Delta, Usage
 
 __all__ = [
     "LLM",
+    "ClientSettings",
     "Completion",
     "Delta",
     "Embedder",

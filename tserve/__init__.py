@@ -39,12 +39,17 @@ if TYPE_CHECKING:
         KeyFileError,
         LLMError,
         LLMStats,
+        ModelLoadFailed,
+        ModelNotServed,
+        ModelRegistry,
+        ModelState,
         Overloaded,
         RequestFailed,
         RequestTimeout,
         ShuttingDown,
         Usage,
         open_llm,
+        open_models,
     )
 
 __version__ = "0.1.0"
@@ -63,6 +68,10 @@ __all__ = [
     "LLMError",
     "LLMStats",
     "LarkGrammar",
+    "ModelLoadFailed",
+    "ModelNotServed",
+    "ModelRegistry",
+    "ModelState",
     "Overloaded",
     "Regex",
     "RequestFailed",
@@ -73,6 +82,7 @@ __all__ = [
     "Usage",
     "__version__",
     "open_llm",
+    "open_models",
 ]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+import tserve
 from tests.guards import HANG_GUARD
 from tests.nursery.conftest import ENGINE, eventually, process_gone
 from tserve import SamplingParams
@@ -110,6 +111,24 @@ async def test_a_load_cancelled_by_its_last_waiter_leaves_nothing(tiny_model_dir
             assert reg.lifecycle("a").attempts == 2
 
 
+async def test_leaving_the_registry_during_a_load_leaves_no_engine(tiny_model_dir: Path) -> None:
+    """The block is left while a preload-like (pinned) load starts its engine:
+    the load is cancelled and the process stopped before the block is left."""
+    before = _children()
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg, _registry(_spec("a", tiny_model_dir)) as reg:
+
+            async def pinned() -> None:
+                with pytest.raises(tserve.ShuttingDown):
+                    await reg.acquire("a", pin=True)
+
+            tg.start_soon(pinned)
+            await eventually(lambda: len(_children() - before) == 1, "the engine starts")
+            engine = (_children() - before).pop()
+    assert process_gone(engine) and _children() == before
+    assert reg.state("a") is ModelState.UNLOADED
+
+
 async def test_a_failed_load_names_the_model_and_the_next_request_retries(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -191,3 +210,52 @@ async def test_unload_stops_the_engine_and_the_next_request_reloads(tiny_model_d
             await reg.unload("a")
             assert reg.state("a") is ModelState.UNLOADED and process_gone(pid)
             assert (await (await reg.acquire("a")).complete("x", PARAMS)).token_ids
+
+
+async def test_a_model_in_flight_is_not_unloaded_under_its_request(tiny_model_dir: Path) -> None:
+    """unload() while a request holds the model (the echo engine at 10 steps a
+    second needs 40 s for it): the request keeps streaming from a live engine;
+    once it is closed, the unload goes through and the process is gone."""
+    echo = EngineConfig(
+        model=os.fspath(tiny_model_dir), engine_kind="echo", echo_step_time=0.1, **_OPTIONS
+    )
+    slow = SamplingParams(max_tokens=400, ignore_eos=True)
+    unloaded = anyio.Event()
+    with anyio.fail_after(HANG_GUARD):
+        async with _registry(ModelSpec("a", echo)) as reg, anyio.create_task_group() as tg:
+            async with reg.use("a") as llm, llm.generate("hi", slow) as stream:
+                await stream.__anext__()
+                assert reg.in_flight("a") == 1
+
+                async def unload() -> None:
+                    await reg.unload("a")
+                    unloaded.set()
+
+                tg.start_soon(unload)
+                for _ in range(3):  # each delta is a step of a live engine
+                    await stream.__anext__()
+                assert reg.state("a") is ModelState.LOADED and not unloaded.is_set()
+            await unloaded.wait()
+            assert reg.state("a") is ModelState.UNLOADED and process_gone(llm.engine_pid)
+            assert reg.in_flight("a") == 0
+
+
+async def test_open_models_loads_each_model_on_first_use(
+    tiny_model_dir: Path, second_model_dir: Path
+) -> None:
+    """The embeddable API for several models, on asyncio and trio: a preloaded
+    model is loaded on entry, the other on its first use; an unknown name
+    lists the served ones; leaving the block stops both engines."""
+    models = {"a": tiny_model_dir, "b": second_model_dir}
+    with anyio.fail_after(HANG_GUARD):
+        async with tserve.open_models(models, preload=["b"], **ENGINE) as reg:
+            assert (reg.state("a"), reg.state("b")) == (ModelState.UNLOADED, ModelState.LOADED)
+            async with reg.use("a") as a, reg.use("b") as b:
+                assert reg.state("a") is ModelState.LOADED
+                texts = [(await llm.complete("hello", PARAMS)).text for llm in (a, b)]
+            assert texts[0] != texts[1]
+            with pytest.raises(tserve.ModelNotServed, match="a, b"):
+                async with reg.use("c"):
+                    pass
+            pids = (a.engine_pid, b.engine_pid)
+        assert all(process_gone(pid) for pid in pids)

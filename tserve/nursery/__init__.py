@@ -53,7 +53,9 @@ from tserve.nursery._errors import (
     ShuttingDown,
 )
 from tserve.nursery._llm import LLM, LLMStats
+from tserve.nursery._model_state import ModelState
 from tserve.nursery._open import attach_embedder, attach_llm, open_embedder, open_llm
+from tserve.nursery._registry import ModelLoadFailed, ModelNotServed, ModelRegistry, open_models
 from tserve.nursery._request import RequestStream
 from tserve.nursery._results import Completion, Delta, Usage
 
@@ -69,6 +71,10 @@ __all__ = [
     "KeyFileError",
     "LLMError",
     "LLMStats",
+    "ModelLoadFailed",
+    "ModelNotServed",
+    "ModelRegistry",
+    "ModelState",
     "Overloaded",
     "RequestFailed",
     "RequestState",
@@ -80,4 +86,5 @@ __all__ = [
     "attach_llm",
     "open_embedder",
     "open_llm",
+    "open_models",
 ]

@@ -20,13 +20,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
 
 import anyio
 import anyio.abc
 
 from tserve._errors import LLMError
+from tserve.nursery._admission import Overload
+from tserve.nursery._client import ClientSettings
 from tserve.nursery._errors import ShuttingDown
 from tserve.nursery._llm import LLM
 from tserve.nursery._model_state import ModelLifecycle, ModelState
@@ -34,7 +38,14 @@ from tserve.nursery._open import EngineOwner
 from tserve.nursery._session import unwrap
 from tserve.protocol import EngineConfig
 
-__all__ = ["ModelLoadFailed", "ModelNotServed", "ModelRegistry", "ModelSpec", "open_registry"]
+__all__ = [
+    "ModelLoadFailed",
+    "ModelNotServed",
+    "ModelRegistry",
+    "ModelSpec",
+    "open_models",
+    "open_registry",
+]
 
 log = logging.getLogger("tserve")
 
@@ -86,7 +97,12 @@ class _Model:
         self.life = ModelLifecycle(spec.name)
         self.llm: LLM | None = None  # set exactly while LOADED
         self.load: _Load | None = None  # the load under way, or the last one
-        self.release = anyio.Event()  # set to unload a LOADED model
+        self.release = anyio.Event()  # set, with the move to UNLOADING, to stop the engine
+        # Calls inside use() on this model's LLM; unload() waits for 0 (never
+        # under a request). Bound: one per caller task. ``idle`` is set while 0.
+        self.in_flight = 0
+        self.idle = anyio.Event()
+        self.idle.set()
         self.gone = anyio.Event()  # set when its owner task has ended (no process)
         self.gone.set()
         self.load_seconds = 0.0  # the last load's duration
@@ -201,10 +217,8 @@ class ModelRegistry:
                         log.info("model %r loaded in %.1f s", spec.name, model.load_seconds)
                         reason = await self._serve_until_released(model, llm)
                         model.llm = None
-                        if reason is None:
-                            life.unload()
-                        else:
-                            life.fail(reason)
+                        if life.state is ModelState.LOADED:  # died (unload() moves it first)
+                            life.fail(reason or "the engine stopped")
                             log.error("model %r: its engine died (%s)", spec.name, reason)
                 except Exception as exc:
                     if life.state is ModelState.LOADING:  # a bad file, an engine that exits
@@ -249,15 +263,41 @@ class ModelRegistry:
             tg.cancel_scope.cancel()
         return reason
 
+    @contextlib.asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[LLM]:
+        """The model's LLM for the block, loaded first as :meth:`acquire` does
+        (its rules, bounds and errors); the model is not unloaded while any
+        block is inside. Leaving it is synchronous."""
+        llm = await self.acquire(name)
+        model = self._models[name]
+        model.in_flight += 1
+        model.idle = anyio.Event() if model.in_flight == 1 else model.idle
+        try:
+            yield llm
+        finally:
+            model.in_flight -= 1
+            if model.in_flight == 0:
+                model.idle.set()
+
+    def in_flight(self, name: str) -> int:
+        """Blocks inside :meth:`use` for the model now."""
+        return self._model(name).in_flight
+
     async def unload(self, name: str) -> None:
         """Stop the model's engine if it has one; return once it is gone. A checkpoint.
 
-        A load under way is cancelled. Blocks at most the engine's stop
-        bound (``shutdown_grace`` + the SIGTERM/SIGKILL fallbacks).
+        Never under a request: waits, cancellably, until no block of
+        :meth:`use` holds the model (without bound: it is the requests'
+        bounds that end them). A load under way is cancelled. Then blocks at
+        most the engine's stop bound (``shutdown_grace`` + the SIGTERM and
+        SIGKILL fallbacks).
         """
         model = self._model(name)
+        while model.life.state is ModelState.LOADED and model.in_flight:
+            await model.idle.wait()
         state = model.life.state
-        if state is ModelState.LOADED:
+        if state is ModelState.LOADED:  # idle: no checkpoint since the check above
+            model.life.unload()
             model.release.set()
         elif state is ModelState.LOADING and model.load is not None:
             model.load.scope.cancel()
@@ -266,6 +306,61 @@ class ModelRegistry:
     def close(self) -> None:
         """Refuse every later acquire with ShuttingDown. Synchronous."""
         self._closed = True
+
+
+@contextlib.asynccontextmanager
+async def open_models(
+    models: Mapping[str, str | os.PathLike[str]],
+    *,
+    preload: Iterable[str] = (),
+    max_pending: int = 1024,
+    overload: str = "wait",
+    max_queued: int = 0,
+    max_queued_tokens: int | None = None,
+    request_timeout: float | None = None,
+    startup_timeout: float = 600.0,
+    heartbeat_timeout: float = 30.0,
+    shutdown_grace: float = 5.0,
+    log_level: str = "INFO",
+    **engine_options: Any,
+) -> AsyncIterator[ModelRegistry]:
+    """Serve several models, each loaded on first use: :func:`tserve.open_llm` for many.
+
+    ``models`` maps the name a caller uses to a model (a directory, a .gguf
+    file, or "default"); every model's engine gets ``engine_options`` and
+    each LLM the admission bounds that :func:`tserve.open_llm` describes
+    (per model: ``max_pending`` requests of each run at once). Yields the
+    :class:`ModelRegistry`::
+
+        async with tserve.open_models({"a": "a.gguf", "b": "b/"}) as models:
+            async with models.use("a") as llm:  # loads "a" unless loaded
+                print((await llm.complete("Hello")).text)
+
+    ``use`` and ``acquire`` load a model that has no engine, and wait for it
+    (cancellably; bound: ``startup_timeout``); any number of concurrent
+    first calls cause one load; a failed load raises ModelLoadFailed naming
+    the model, and the next call retries. ``unload`` stops a model's engine,
+    never while a ``use`` block holds it. ``preload`` names are loaded
+    before the block is entered. One engine's death fails only its own
+    model's requests; its next call loads it again. Leaving the block in any
+    way stops every engine. Runs on asyncio and trio.
+    """
+    settings = ClientSettings(
+        max_pending=max_pending,
+        request_timeout=request_timeout,
+        startup_timeout=startup_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+        overload=Overload(overload),
+        max_queued=max_queued,
+        max_queued_tokens=max_queued_tokens,
+    )
+    specs = [  # TypeError for an unknown option, before any engine starts
+        ModelSpec(name, EngineConfig(model=os.fspath(model), **engine_options))
+        for name, model in models.items()
+    ]
+    owner = EngineOwner(settings, shutdown_grace=shutdown_grace, log_level=log_level)
+    async with open_registry(owner, specs, preload=preload) as registry:
+        yield registry
 
 
 @contextlib.asynccontextmanager

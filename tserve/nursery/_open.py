@@ -230,7 +230,7 @@ async def open_embedder(
     start, e.g. a missing directory); leaving the block in any way sends
     Shutdown and stops the process (at most ``shutdown_grace`` s + the
     SIGTERM/SIGKILL fallbacks; shielded); an exception from the block
-    propagates unchanged. ``settings``: its bounds (the queue's are an LLM's only).
+    propagates unchanged. ``settings``: its bounds (see :func:`tserve.open_llm`).
     """
     async with _start_embedder(config, settings, shutdown_grace, log_level) as embedder:
         yield embedder

@@ -81,6 +81,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
             allowed_hosts=hosts,
             max_body_bytes=args.max_body_bytes,
             request_log=not args.no_request_log,
+            reasoning_parser=args.reasoning_parser,
         ),
     )
 

@@ -313,6 +313,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "seconds in-flight requests get to finish after SIGTERM/SIGINT",
     )
     _option(front, "--stall-timeout", float, 30.0, "seconds a response may wait on its client")
+    _option(
+        front,
+        "--reasoning-parser",
+        str,
+        "auto",
+        "split a thinking model's <think> reasoning from its answer: deepseek_r1, qwen3, "
+        "none, or auto (from the chat template: qwen3's or deepseek_r1's when it writes "
+        "<think>, else none)",
+        choices=("auto", "none", "deepseek_r1", "qwen3"),
+    )
 
     remote = p.add_argument_group("a remote engine")
     _option(

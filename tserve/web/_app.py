@@ -31,7 +31,6 @@ from tserve.web._metrics import Metrics
 from tserve.web._models import ServedModels
 from tserve.web._openapi import OpenAPI
 from tserve.web._probes import Probes
-from tserve.web._reasoning import model_reasoning
 from tserve.web._routing import Route, Router
 from tserve.web._send_buffer import BufferBudget
 from tserve.web._tokens import Tokenization, TokenTexts
@@ -77,7 +76,7 @@ class Frontend:
             self.in_flight,
             TokenTexts(llm),
             self.buffers,
-            model_reasoning(config.reasoning_parser, llm),
+            config.reasoning_parser,
         )
         self.messages = Messages(self.generation)
         self.embedding = Embeddings(llm, self.in_flight)

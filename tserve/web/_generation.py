@@ -18,6 +18,7 @@ splits the thinking off with :meth:`Generation.reasoning_for`'s parser.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,7 +35,7 @@ from tserve.validity import tokens_problem
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import RequestRecord
 from tserve.web._models import ServedModels
-from tserve.web._reasoning import ModelReasoning, ReasoningSyntax
+from tserve.web._reasoning import ModelReasoning, ReasoningSyntax, model_reasoning
 from tserve.web._requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from tserve.web._responses import (
     CHAT,
@@ -100,10 +101,10 @@ class Generation:
         in_flight: InFlight,
         token_texts: TokenTexts,
         buffers: BufferBudget,
-        reasoning: ModelReasoning | None = None,
+        reasoning_parser: str = "auto",
     ) -> None:
         self._llm = llm
-        self._reasoning = reasoning
+        self._reasoning_parser = reasoning_parser
         self._buffers = buffers
         self._models = models
         self._in_flight = in_flight
@@ -147,7 +148,14 @@ class Generation:
         An API's output makes one ``.parser()`` per choice and feeds it each
         delta's text before anything else reads it (tool calls parse the answer).
         """
-        return None if self._reasoning is None else self._reasoning.for_request(req.template_kwargs)
+        reasoning = self._model_reasoning
+        return None if reasoning is None else reasoning.for_request(req.template_kwargs)
+
+    @functools.cached_property
+    def _model_reasoning(self) -> ModelReasoning | None:
+        """``--reasoning-parser`` for the model, decided at the first chat (the
+        template renders once, a millisecond on the event loop)."""
+        return model_reasoning(self._reasoning_parser, self._llm)
 
     def _openai_chat(
         self, req: ChatRequest, model: str, plan: ToolPlan | None, count: int

@@ -319,8 +319,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         str,
         "auto",
         "split a thinking model's <think> reasoning from its answer: deepseek_r1, qwen3, "
-        "none, or auto (from the chat template: qwen3's or deepseek_r1's when it writes "
-        "<think>, else none)",
+        "none, or auto (qwen3's or deepseek_r1's for a chat template that writes <think> "
+        "and a vocabulary with <think> and </think> tokens, else none)",
         choices=("auto", "none", "deepseek_r1", "qwen3"),
     )
 

@@ -3,14 +3,20 @@ grammar that puts a structured output after the thinking (a real llguidance matc
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import shutil
 from pathlib import Path
+from typing import cast
 
 import llguidance
 import pytest
 from tokenizers import Tokenizer
 
+from tests.web.thinking_model import TEMPLATE, build_thinking_model
 from tserve.grammar import grammar_text, llg_tokenizer
+from tserve.nursery import LLM
+from tserve.nursery._model_tokenizer import ModelTokenizer, load_model_tokenizer
 from tserve.sampling import Choice, Constraint, JsonSchema, LarkGrammar, Regex
 from tserve.web._reasoning import (
     DEEPSEEK_R1,
@@ -18,6 +24,7 @@ from tserve.web._reasoning import (
     ReasoningSyntax,
     Split,
     detect_syntax,
+    model_reasoning,
     syntax_named,
     thinking_off,
 )
@@ -170,3 +177,51 @@ def test_every_kind_of_constraint_follows_the_thinking(
     assert _accepts(tiny_tokenizer, grammar, f"<think>hmm</think>\n{answer}")
     assert _accepts(tiny_tokenizer, grammar, answer)
     assert not _accepts(tiny_tokenizer, grammar, f"<think>hmm</think>\n{wrong}")
+
+
+# -- what --reasoning-parser means for a model -----------------------------------------
+
+
+@dataclasses.dataclass
+class _Model:
+    """What model_reasoning reads of an LLM: its tokenizer (a real one)."""
+
+    tokenizer: ModelTokenizer
+
+
+def _model(directory: Path) -> LLM:
+    return cast(LLM, _Model(load_model_tokenizer(directory)))
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_thinking_model(tmp_path_factory.mktemp("thinking"))
+
+
+@pytest.fixture(scope="module")
+def tags_as_text_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with the thinking template, and no <think> token."""
+    directory = tmp_path_factory.mktemp("tags-as-text") / "model"
+    shutil.copytree(tiny_model_dir, directory)
+    (directory / "chat_template.jinja").write_text(TEMPLATE)
+    return directory
+
+
+def test_auto_detects_a_thinking_model(thinking_dir: Path) -> None:
+    reasoning = model_reasoning("auto", _model(thinking_dir))
+    assert reasoning is not None
+    assert reasoning.syntax == QWEN3.with_tags_as_tokens(True)
+    assert reasoning.switchable  # the template reads enable_thinking
+    assert reasoning.for_request({"enable_thinking": False}) == reasoning.syntax.answer_only()
+    r1 = model_reasoning("deepseek_r1", _model(thinking_dir))
+    assert r1 is not None and r1.syntax.starts_inside and r1.syntax.tags_are_tokens
+    assert not r1.for_request({"enable_thinking": False}).starts_inside
+    assert r1.for_request(None).starts_inside
+    assert model_reasoning("none", _model(thinking_dir)) is None
+
+
+def test_auto_wants_the_tags_as_tokens(tags_as_text_dir: Path, tiny_model_dir: Path) -> None:
+    assert model_reasoning("auto", _model(tags_as_text_dir)) is None
+    assert model_reasoning("auto", _model(tiny_model_dir)) is None
+    named = model_reasoning("qwen3", _model(tiny_model_dir))
+    assert named is not None and named.syntax == QWEN3 and not named.switchable

@@ -284,17 +284,21 @@ class ModelReasoning:
 def model_reasoning(name: str, llm: LLM) -> ModelReasoning | None:
     """What ``--reasoning-parser NAME`` means for ``llm``'s model (None: no parsing).
 
-    "auto" is :func:`detect_syntax` on the model's chat template (none: no
-    parsing). Blocking (renders the template once); raises ValueError for an
-    unknown name.
+    "auto" is :func:`detect_syntax` on the model's chat template, for a model
+    whose vocabulary has ``<think>`` and ``</think>`` as tokens of their own
+    (every thinking model's does; a template that mentions the tags for a
+    model without them is no sign it thinks). Blocking (renders the template
+    once); raises ValueError for an unknown name.
     """
     try:
         template = llm.tokenizer.chat_template(tools=False)
     except InvalidRequest:  # no template: chats fail anyway
         template = None
+    added = {token.content for token in llm.tokenizer.tokenizer.get_added_tokens_decoder().values()}
+    tags_are_tokens = {OPEN, CLOSE} <= added
     if name != "auto":
         syntax = syntax_named(name)
-    elif template is None:
+    elif template is None or not tags_are_tokens:
         syntax = None
     else:
         try:
@@ -304,6 +308,5 @@ def model_reasoning(name: str, llm: LLM) -> ModelReasoning | None:
         syntax = detect_syntax(template.source, prompt)
     if syntax is None:
         return None
-    added = {token.content for token in llm.tokenizer.tokenizer.get_added_tokens_decoder().values()}
     switches = template is not None and bool(template.variables & set(_THINKING_SWITCHES))
-    return ModelReasoning(syntax.with_tags_as_tokens({OPEN, CLOSE} <= added), switches)
+    return ModelReasoning(syntax.with_tags_as_tokens(tags_are_tokens), switches)

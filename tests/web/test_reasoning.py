@@ -91,6 +91,14 @@ def test_nothing_is_held_longer_than_a_partial_tag() -> None:
         parser.push("more")
 
 
+def test_the_last_piece_can_finish_the_parser() -> None:
+    parser = DEEPSEEK_R1.parser()
+    assert parser.push("a</thi") == Split(reasoning="a")
+    assert parser.push("nk>  b</thi", final=True) == Split(content="b</thi")
+    with pytest.raises(RuntimeError):
+        parser.push("")
+
+
 def test_an_answer_without_thinking_streams_at_once_with_qwen3() -> None:
     parser = QWEN3.parser()
     assert parser.push("Hi") == Split(content="Hi")

@@ -98,10 +98,8 @@ class MessageChoice:
         """Take one delta; return its block events."""
         reasoning, text = "", delta.text
         if self._thinking is not None:
-            split = self._thinking.push(text)
-            rest = self._thinking.finish() if delta.finish_reason is not None else None
-            reasoning = split.reasoning + (rest.reasoning if rest else "")
-            text = split.content + (rest.content if rest else "")
+            split = self._thinking.push(text, final=delta.finish_reason is not None)
+            reasoning, text = split.reasoning, split.content
         out = self._thinking_events(reasoning) if self._show_thinking else []
         events: list[Event] = [Content(text)] if self._calls is None else []
         if self._calls is not None:

@@ -92,7 +92,8 @@ class ReasoningParser:
     """Splits one output into reasoning and answer (the rules are the module's).
 
     Synchronous and incremental: :meth:`push` each detokenized delta, then
-    :meth:`finish` once. Pushing after :meth:`finish` raises RuntimeError.
+    :meth:`finish` once (or push the last delta with ``final=True``). Pushing
+    after the end raises RuntimeError.
     """
 
     def __init__(self, *, starts_inside: bool) -> None:
@@ -107,9 +108,10 @@ class ReasoningParser:
         """Whether no more reasoning can come (the answer has begun, or the output ended)."""
         return self._state in (_State.SEPARATOR, _State.ANSWER, _State.DONE)
 
-    def push(self, text: str) -> Split:
+    def push(self, text: str, *, final: bool = False) -> Split:
         """Take the next piece of output; return what of it (and of what was held)
-        is now known to be reasoning and answer."""
+        is now known to be reasoning and answer. ``final``: it is the last piece
+        (:meth:`finish` is included)."""
         if self._state is _State.DONE:
             raise RuntimeError("push() after finish()")
         reasoning: list[str] = []
@@ -118,6 +120,10 @@ class ReasoningParser:
         self._held = ""
         while text:
             text = self._step(text, reasoning, content)
+        if final:
+            rest = self.finish()
+            reasoning.append(rest.reasoning)
+            content.append(rest.content)
         return Split("".join(reasoning), "".join(content))
 
     def finish(self) -> Split:

@@ -225,10 +225,7 @@ class ChatChoice(_Choice):
         """``delta``'s text as thinking and answer (all answer without a syntax)."""
         if self._thinking is None:
             return Split(content=delta.text)
-        split = self._thinking.push(delta.text)
-        if delta.finish_reason is not None:
-            rest = self._thinking.finish()
-            split = Split(split.reasoning + rest.reasoning, split.content + rest.content)
+        split = self._thinking.push(delta.text, final=delta.finish_reason is not None)
         if self._keep:
             self._reasoning.append(split.reasoning)
         return split

@@ -141,12 +141,17 @@ def test_enable_thinking_false_reaches_the_template(auto: Server) -> None:
         "refusal": None,
         "reasoning_content": None,
     }
-    tokens = auto.client.post(
-        "/v1/chat/completions",
-        json={"model": "tiny", "messages": HI, "chat_template_kwargs": {"messages": []}},
-    )
-    assert tokens.status_code == 400
-    assert tokens.json()["error"]["param"] == "chat_template_kwargs.messages"
+    for kwargs, param in [
+        ({"messages": []}, "chat_template_kwargs.messages"),
+        ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+        ("enable_thinking", "chat_template_kwargs"),
+    ]:
+        refused = auto.client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": HI, "chat_template_kwargs": kwargs},
+        )
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == param
 
 
 def test_without_a_reasoning_parser_the_text_is_unchanged(plain: Server) -> None:

@@ -31,6 +31,7 @@ from tserve.web._metrics import Metrics
 from tserve.web._models import ServedModels
 from tserve.web._openapi import OpenAPI
 from tserve.web._probes import Probes
+from tserve.web._reasoning import PARSER_NAMES
 from tserve.web._routing import Route, Router
 from tserve.web._send_buffer import BufferBudget
 from tserve.web._tokens import Tokenization, TokenTexts
@@ -51,6 +52,10 @@ class AppConfig:
     body_timeout: float = 60.0
     request_log: bool = True
     reasoning_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser not in PARSER_NAMES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(PARSER_NAMES)}")
 
 
 class Frontend:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, NoReturn
 from tserve._curve import KeyFileError, client_keys, require_keys, server_keys, write_keys
 from tserve._host import configure_logging
 from tserve._metrics_dir import shared_metrics_dir
-from tserve._options import COMMANDS, engine_options, parser
+from tserve._options import COMMANDS, REASONING_PARSERS, engine_options, parser
 
 if TYPE_CHECKING:
     from tserve._serve import ServePlan
@@ -59,6 +59,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         _usage_error("serve", "--api-key (or TSERVE_API_KEY) is empty: give a key, or unset it")
     if args.stall_timeout <= 0:
         _usage_error("serve", "--stall-timeout must be positive")
+    if args.reasoning_parser not in REASONING_PARSERS:  # TSERVE_REASONING_PARSER, unchecked
+        _usage_error("serve", f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         _usage_error("serve", "--metrics-port must be a port number (0: any free port)")
     if args.metrics_port and args.metrics_port == args.port:
@@ -77,6 +79,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
             allowed_hosts=hosts,
             max_body_bytes=args.max_body_bytes,
             request_log=not args.no_request_log,
+            reasoning_parser=args.reasoning_parser,
         ),
     )
 

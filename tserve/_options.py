@@ -25,6 +25,9 @@ COMMANDS = ("serve", "engine", "keys", "bench")
 _ENGINE_DEFAULTS = EngineConfig()
 
 
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # web._reasoning.PARSER_NAMES
+
+
 def _env_name(dest: str) -> str:
     return "TSERVE_" + dest.upper()
 
@@ -332,6 +335,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "seconds in-flight requests get to finish after SIGTERM/SIGINT",
     )
     _option(front, "--stall-timeout", float, 30.0, "seconds a response may wait on its client")
+    _option(
+        front,
+        "--reasoning-parser",
+        str,
+        "auto",
+        "split a thinking model's <think> reasoning from its answer: deepseek_r1, qwen3, "
+        "none, or auto (qwen3's or deepseek_r1's for a chat template that writes <think> "
+        "and a vocabulary with <think> and </think> tokens, else none)",
+        choices=REASONING_PARSERS,
+    )
 
     remote = p.add_argument_group("a remote engine")
     _option(

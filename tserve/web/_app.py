@@ -31,6 +31,7 @@ from tserve.web._metrics import Metrics
 from tserve.web._models import ServedModels
 from tserve.web._openapi import OpenAPI
 from tserve.web._probes import Probes
+from tserve.web._reasoning import PARSER_NAMES
 from tserve.web._routing import Route, Router
 from tserve.web._send_buffer import BufferBudget
 from tserve.web._tokens import Tokenization, TokenTexts
@@ -42,7 +43,7 @@ __all__ = ["AppConfig", "Frontend", "create_app"]
 class AppConfig:
     """Frontend options. ``served_model_names`` empty = the model's own name.
     ``allowed_hosts``: ``Host`` names served besides the loopback ones (``*``: any;
-    see ``_browser``)."""
+    see ``_browser``). ``reasoning_parser``: one of ``PARSER_NAMES`` (see ``_reasoning``)."""
 
     served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
@@ -50,6 +51,11 @@ class AppConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout: float = 60.0
     request_log: bool = True
+    reasoning_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser not in PARSER_NAMES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(PARSER_NAMES)}")
 
 
 class Frontend:
@@ -70,7 +76,12 @@ class Frontend:
         self.probes = Probes(llm, self.metrics, self.in_flight)  # serve() sets .started
         self.buffers = BufferBudget()  # the bytes streaming responses hold for their clients
         self.generation = Generation(
-            llm, self.models, self.in_flight, TokenTexts(llm), self.buffers
+            llm,
+            self.models,
+            self.in_flight,
+            TokenTexts(llm),
+            self.buffers,
+            config.reasoning_parser,
         )
         self.messages = Messages(self.generation)
         self.embedding = Embeddings(llm, self.in_flight)

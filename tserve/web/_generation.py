@@ -8,11 +8,17 @@ prompt; then either collect them into one JSON body or hand them to an
 :class:`SSEBody`. The whole run is abortable by the drain (:class:`InFlight`).
 What differs between APIs is only the parsing of the body (into a
 :class:`ChatRequest`) and the :class:`Output` that shapes the answer.
+
+With a reasoning syntax (``--reasoning-parser``), a chat's structured output
+(``response_format``, a required or named tool) constrains only the answer
+after the thinking (:meth:`ReasoningSyntax.grammar`), and each API's output
+splits the thinking off with :meth:`Generation.reasoning_for`'s parser.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -36,6 +42,7 @@ from tserve.validity import tokens_problem
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import RequestRecord
 from tserve.web._models import ServedModels
+from tserve.web._reasoning import ModelReasoning, ReasoningSyntax, model_reasoning
 from tserve.web._requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from tserve.web._responses import (
     CHAT,
@@ -101,8 +108,10 @@ class Generation:
         in_flight: InFlight,
         token_texts: TokenTexts,
         buffers: BufferBudget,
+        reasoning_parser: str = "auto",
     ) -> None:
         self._llm = llm
+        self._reasoning_parser = reasoning_parser
         self._buffers = buffers
         self._models = models
         self._in_flight = in_flight
@@ -157,15 +166,33 @@ class Generation:
         """The prompt length, in tokens, that :meth:`run_chat` would send for ``req``."""
         self._models.resolve(req.model)
         messages, tools, _ = self._chat_prompt(req, self._tool_plan(req))
-        return len(await self._llm.tokenize_chat(messages, tools))
+        return len(await self._llm.tokenize_chat(messages, tools, req.template_kwargs))
+
+    def reasoning_for(self, req: ChatRequest) -> ReasoningSyntax | None:
+        """The reasoning syntax of ``req``'s output (None: no thinking to split off).
+
+        An API's output makes one ``.parser()`` per choice and feeds it each
+        delta's text before anything else reads it (tool calls parse the answer).
+        """
+        reasoning = self._model_reasoning
+        return None if reasoning is None else reasoning.for_request(req.template_kwargs)
+
+    @functools.cached_property
+    def _model_reasoning(self) -> ModelReasoning | None:
+        """``--reasoning-parser`` for the model, decided at the first chat (the
+        template renders once, a millisecond on the event loop)."""
+        return model_reasoning(self._reasoning_parser, self._llm)
 
     def _openai_chat(
         self, req: ChatRequest, model: str, plan: ToolPlan | None, count: int
     ) -> OpenAIOutput:
         logprobs = req.logprobs is not None
         keep = not req.stream  # a streamed choice keeps nothing it has sent
+        reasoning = self.reasoning_for(req)
         choices = [
-            ChatChoice(i, self._token_texts, logprobs=logprobs, keep=keep, tools=plan)
+            ChatChoice(
+                i, self._token_texts, logprobs=logprobs, keep=keep, tools=plan, reasoning=reasoning
+            )
             for i in range(count)
         ]
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, CHAT)
@@ -238,17 +265,21 @@ class Generation:
                 streams.extend(self._llm.generate(source, req.params) for _ in range(req.n))
         return streams
 
-    @staticmethod
     def _chat_prompt(
-        req: ChatRequest, plan: ToolPlan | None
+        self, req: ChatRequest, plan: ToolPlan | None
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, SamplingParams]:
-        """The messages and tools the template renders, and the params (a tool grammar added)."""
+        """The messages and tools the template renders, and the params (a tool grammar
+        added; a constraint put after the thinking)."""
         messages, tools, params = req.messages, None, req.params
         if plan is not None:
             messages, tools = plan.messages(messages), plan.template_tools()
             grammar = plan.grammar()
             if grammar is not None:
                 params = msgspec.structs.replace(params, constraint=grammar)
+        reasoning = self.reasoning_for(req)
+        if reasoning is not None and params.constraint is not None:
+            constraint = reasoning.grammar(params.constraint)
+            params = msgspec.structs.replace(params, constraint=constraint)
         return messages, tools, params
 
     async def _start_chat(self, req: ChatRequest, plan: ToolPlan | None) -> list[RequestStream]:
@@ -256,8 +287,10 @@ class Generation:
         the rest of the context is the limit."""
         messages, tools, params = self._chat_prompt(req, plan)
         if req.max_tokens is not None and req.n == 1 and not req.max_tokens_fits:
-            return [self._llm.chat(messages, params, tools=tools)]
-        ids = await self._llm.tokenize_chat(messages, tools)
+            return [
+                self._llm.chat(messages, params, tools=tools, template_kwargs=req.template_kwargs)
+            ]
+        ids = await self._llm.tokenize_chat(messages, tools, req.template_kwargs)
         room = max(1, self._llm.ready.max_model_len - len(ids))
         if req.max_tokens is None or (req.max_tokens_fits and req.max_tokens > room):
             params = msgspec.structs.replace(params, max_tokens=room)

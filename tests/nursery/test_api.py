@@ -24,6 +24,7 @@ from tserve import (
     ShuttingDown,
     open_llm,
 )
+from tserve.gpu._core import STALL_FAULT_ENV
 from tserve.nursery import RequestState
 from tserve.nursery._admission import Overload
 from tserve.nursery._tokenizer import INLINE_TOKENIZE_CHARS
@@ -71,10 +72,17 @@ async def test_streamed_text_equals_the_whole_text(llm: LLM) -> None:
     await settled(llm)
 
 
-async def test_stop_string_split_across_tokens_is_honoured(llm: LLM, wire: Wire) -> None:
+async def test_stop_string_split_across_tokens_is_honoured(
+    llm: LLM, wire: Wire, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A stop string made of the end of one token and the start of the next:
     the text stops before it, nothing past it is ever streamed, and the
-    engine (still generating) gets exactly one abort."""
+    engine (still generating) gets exactly one abort.
+
+    The stream runs on an engine of its own whose step ``cut + 10`` is held
+    (the stall hook) until the stream has ended, so the engine cannot finish
+    on its own before the API process finds the stop string, however busy
+    the machine."""
     base = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     prompt = "The quick brown fox"
     full = await llm.complete(prompt, base)
@@ -87,22 +95,24 @@ async def test_stop_string_split_across_tokens_is_honoured(llm: LLM, wire: Wire)
     )
     stop = texts[cut][-1] + texts[cut + 1][0]
     expected = full.text[: full.text.index(stop)]
-    # Room for hundreds of tokens past the stop string: the engine is still
-    # generating when the API process finds it.
     params = SamplingParams(
         max_tokens=480, temperature=0.0, ignore_eos=True, stop=("never matches", stop)
     )
-    streamed: list[str] = []
-    finish = None
-    stream = llm.generate(prompt, params)
-    async for delta in stream:
-        streamed.append(delta.text)
-        finish = delta.finish_reason
-    assert "".join(streamed) == expected
-    assert finish == "stop"
-    assert stream.state is RequestState.ABORTED
-    await settled(llm)
-    assert wire.aborts == [stream.request_id]
+    # Step 1 writes token 0, step s token s - 1: token cut + 1 comes at step cut + 2.
+    monkeypatch.setenv(STALL_FAULT_ENV, f"{cut + 10}:progress:{tmp_path}")
+    async with open_llm(tiny_model_dir, **ENGINE) as held:
+        streamed: list[str] = []
+        finish = None
+        stream = held.generate(prompt, params)
+        async for delta in stream:
+            streamed.append(delta.text)
+            finish = delta.finish_reason
+        (tmp_path / "release").touch()
+        assert "".join(streamed) == expected
+        assert finish == "stop"
+        assert stream.state is RequestState.ABORTED
+        await settled(held)
+        assert wire.aborts == [stream.request_id]
 
 
 async def test_chat_applies_the_template(llm: LLM) -> None:

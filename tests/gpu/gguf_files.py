@@ -1,12 +1,13 @@
 """GGUF files made from the tiny test models, as llama.cpp's converter lays them out.
 
-:func:`write_gguf` writes a Llama directory's weights with the ``gguf``
-package's writer and quantizers: llama metadata, tensors under GGUF names,
-Q and K rows permuted into interleaved-pair RoPE order (the converter's
-``LlamaModel.permute``), 2-D weights in the format asked for and norms in
-F32, and the directory's tokenizer files copied beside the file (or a
-vocabulary in its metadata). K-quants,
-which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`.
+:func:`write_gguf` writes a model directory's weights (Llama, Qwen2, Qwen3)
+with the ``gguf`` package's writer and quantizers: the architecture's
+metadata, tensors under GGUF names (biases and Q/K norms where the model has
+them), a Llama's Q and K rows permuted into interleaved-pair RoPE order (the
+converter's ``LlamaModel.permute``; the other families keep theirs), 2-D
+weights in the format asked for and norms in F32, and the directory's
+tokenizer files copied beside the file (or a vocabulary in its metadata).
+K-quants, which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ def write_gguf(
     fmt: str,
     *,
     formats: dict[str, str] | None = None,
-    architecture: str = "llama",
+    architecture: str | None = None,
     sampling: dict[str, float | int] | None = None,
     vocab: Callable[[Any], None] | None = None,
 ) -> Path:
-    """``model_dir``'s Llama as ``out`` (a .gguf in a directory of its own), every
+    """``model_dir``'s model as ``out`` (a .gguf in a directory of its own), under
+    its own architecture unless ``architecture`` names another, every
     2-D weight in ``fmt`` unless ``formats`` names another for a GGUF tensor name;
     ``sampling``: ``general.sampling.<key>`` metadata (ints as int32, floats as
     float32, as llama.cpp's converter writes them). ``vocab`` writes the
@@ -51,11 +53,13 @@ def write_gguf(
     directory's tokenizer files are copied beside the file."""
     import gguf
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model: Any = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    interleave = config.model_type == "llama"
     state = {name: t.detach().numpy() for name, t in model.state_dict().items()}
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": state["model.embed_tokens.weight"],
@@ -74,24 +78,36 @@ def write_gguf(
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
     }
+    optional = {
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+    }
     for i in range(config.num_hidden_layers):
         for ours, theirs in parts.items():
             weight = state[f"model.layers.{i}.{theirs}.weight"]
-            if ours == "attn_q":
+            if ours == "attn_q" and interleave:
                 weight = _permute(weight, heads)
-            elif ours == "attn_k":
+            elif ours == "attn_k" and interleave:
                 weight = _permute(weight, kv_heads)
             tensors[f"blk.{i}.{ours}.weight"] = weight
+        for ours, theirs in optional.items():
+            if f"model.layers.{i}.{theirs}" in state:
+                tensors[f"blk.{i}.{ours}"] = state[f"model.layers.{i}.{theirs}"]
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out, architecture)
+    writer = gguf.GGUFWriter(out, architecture or config.model_type)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(config.hidden_size // heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)

@@ -246,9 +246,14 @@ def test_a_format_without_a_kernel_is_an_error_naming_the_tensor(
 
 
 def test_another_architecture_is_an_error_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
-    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "q.gguf", "Q8_0", architecture="qwen3")
-    with pytest.raises(ModelLoadError, match=r"architecture 'qwen3'.*--dequantize"):
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "m.gguf", "Q8_0", architecture="mamba")
+    with pytest.raises(ModelLoadError) as raised:
         _load(path, tmp_path)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert (
+        message == "m.gguf: architecture 'mamba' is not supported; tserve runs llama, qwen2, qwen3"
+    )
 
 
 def _greedy(core: EngineCore, prompt: list[int], n: int) -> list[int]:

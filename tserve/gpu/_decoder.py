@@ -132,7 +132,9 @@ def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDe
         assert isinstance(layer, LayerWeights)
         products = [_product(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         norms = [_vector(layer.attn_norm), _vector(layer.mlp_norm)]
-        if any(p is None for p in products) or None in norms:
+        extras = [layer.qkv_bias, layer.q_norm, layer.k_norm]
+        extra = [0 if t is None else _vector(t) for t in extras]
+        if any(p is None for p in products) or None in norms or None in extra:
             return None
         found = [p for p in products if p is not None]
         for _, kernel_rows in found:
@@ -141,7 +143,12 @@ def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDe
         qkv, o, gate_up, down = (product for product, _ in found)
         attn_norm, mlp_norm = (n for n in norms if n is not None)
         k_pool, v_pool = pool.k[layer.layer_idx].data_ptr(), pool.v[layer.layer_idx].data_ptr()
-        layers.append(LayerPointers(qkv, o, gate_up, down, attn_norm, mlp_norm, k_pool, v_pool))
+        qkv_bias, q_norm, k_norm = (x or 0 for x in extra)
+        layers.append(
+            LayerPointers(
+                qkv, o, gate_up, down, attn_norm, mlp_norm, k_pool, v_pool, qkv_bias, q_norm, k_norm
+            )
+        )
     shape = DecoderShape(
         hidden=model.norm.shape[0],
         heads=model.num_heads,

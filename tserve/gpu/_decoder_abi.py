@@ -102,6 +102,9 @@ class _Layer(ctypes.Structure):
         ("mlp_norm", _PTR),
         ("k_pool", _PTR),
         ("v_pool", _PTR),
+        ("qkv_bias", _PTR),
+        ("q_norm", _PTR),
+        ("k_norm", _PTR),
     )
 
 
@@ -130,8 +133,10 @@ class _Decoder(ctypes.Structure):
 @dataclasses.dataclass(frozen=True)
 class LayerPointers:
     """One layer as the C code reads it: its four products (each of one or more
-    formats), its two fp32 norm
-    vectors and its ``[kv_heads, slots, D]`` K and V pools (addresses)."""
+    formats), its two fp32 norm vectors, its ``[kv_heads, slots, D]`` K and V
+    pools, and the fp32 vectors of its architecture's optional parts
+    (:mod:`tserve.gpu._architectures`; 0 where it has none): the Q/K/V biases
+    ``[qkv.n]`` and the Q and K heads' norm weights ``[D]`` (addresses)."""
 
     qkv: Product
     o: Product
@@ -141,6 +146,9 @@ class LayerPointers:
     mlp_norm: int
     k_pool: int
     v_pool: int
+    qkv_bias: int = 0
+    q_norm: int = 0
+    k_norm: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,11 @@
-/* A whole step of a Llama-family decoder over quantized weights in one call
+/* A whole step of a decoder of any architecture tserve runs
+ * (tserve/gpu/_architectures.py) over quantized weights in one call
  * (tserve/gpu/_decoder.py).
  *
  * The same arithmetic as PagedLlama's forward pass on the CPU kernels
  * (tserve/gpu/_llama.py), layer after layer, with no Python between the
- * pieces: per layer the residual add and RMSNorm, the Q/K/V product, RoPE and
+ * pieces: per layer the residual add and RMSNorm, the Q/K/V product (and the
+ * architecture's Q/K/V biases and Q/K head norms where it has them), RoPE and
  * the K/V write, attention, the output product, the add and norm again, the
  * gate/up product, silu(gate) * up and the down product; after the last layer
  * its output added to the residual. Each piece is the library's own entry
@@ -53,11 +55,15 @@ typedef struct {
     tserve_part parts[MAX_PARTS];
 } tserve_product;
 
-/* One decoder layer; the pools are its [kv_heads, num_slots, head_dim] slices. _Layer. */
+/* One decoder layer; the pools are its [kv_heads, num_slots, head_dim] slices. _Layer.
+ * The architecture's optional parts are NULL where it has none: qkv_bias
+ * [qkv.n] added to the Q/K/V product, q_norm and k_norm [head_dim] the RMSNorm
+ * weights of every Q and K head before RoPE (tserve/gpu/_architectures.py). */
 typedef struct {
     tserve_product qkv, o, gate_up, down;
     const float *attn_norm, *mlp_norm;
     void *k_pool, *v_pool;
+    const float *qkv_bias, *q_norm, *k_norm;
 } tserve_layer;
 
 /* The model; `layers` holds num_layers of them. _Decoder. */
@@ -150,6 +156,22 @@ static int attend(const tserve_decoder *model, const tserve_layer *layer, int64_
                          model->scale, model->kv_type, s->attn);
 }
 
+/* The architecture's steps between the Q/K/V product and RoPE, in place on
+ * qkv [tokens, qkv.n]: the biases, then each Q and K head's RMSNorm. */
+static void qkv_extras(const tserve_decoder *model, const tserve_layer *layer, int64_t tokens,
+                       float *qkv) {
+    int64_t n = layer->qkv.n, dim = model->head_dim;
+    if (layer->qkv_bias)
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t j = 0; j < n; j++) qkv[t * n + j] += layer->qkv_bias[j];
+    if (layer->q_norm)
+        for (int64_t t = 0; t < tokens; t++) {
+            float *q = qkv + t * n, *k = q + model->heads * dim;
+            tserve_add_rms_norm(q, 0, layer->q_norm, q, model->heads, dim, model->eps, 0);
+            tserve_add_rms_norm(k, 0, layer->k_norm, k, model->kv_heads, dim, model->eps, 0);
+        }
+}
+
 /* Every layer over `tokens` packed tokens. residual [tokens, hidden]: their
  * embeddings on entry, the last layer's output plus its residual on return.
  * Token t sits at positions[t], its K/V goes to pool slot slots[t], and its
@@ -168,6 +190,7 @@ int tserve_decoder_step(const tserve_decoder *model, float *residual, int64_t to
         tserve_add_rms_norm(residual, s.out, layer->attn_norm, s.x, tokens, hidden, model->eps,
                             i > 0);
         failed |= product(&layer->qkv, isa, s.x, tokens, s.qkv);
+        qkv_extras(model, layer, tokens, s.qkv);
         tserve_rope_store(s.qkv, tokens, layer->qkv.n, model->heads, model->kv_heads,
                           model->head_dim, positions, model->rope_cos, model->rope_sin, slots,
                           layer->k_pool, layer->v_pool, model->num_slots, model->kv_type);

@@ -39,6 +39,7 @@ from tserve.gpu._gguf_file import (
     head_name,
     layer_norms,
     layer_products,
+    layer_vectors,
     rope_tables,
     tokenizer_dir,
 )
@@ -96,6 +97,7 @@ def load_gguf(
         p = {name: weights.linear(*spec) for name, spec in layer_products(config, i).items()}
         norms = layer_norms(i)
         attn_norm, mlp_norm = (weights.vector(norms[n]) for n in ("attn_norm", "mlp_norm"))
+        extras = {name: weights.joined(names) for name, names in layer_vectors(config, i).items()}
         layers.append(
             LayerWeights(
                 i,
@@ -105,6 +107,7 @@ def load_gguf(
                 down=p["down"],
                 attn_norm=attn_norm,
                 mlp_norm=mlp_norm,
+                **extras,
             )
         )
     lm_head = weights.linear([head_name(config)])
@@ -179,6 +182,9 @@ class _Weights:
 
     def vector(self, name: str) -> torch.Tensor:
         return torch.from_numpy(self._file.vector(name))
+
+    def joined(self, names: list[str]) -> torch.Tensor:
+        return torch.from_numpy(self._file.joined(names))
 
 
 def _held_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:

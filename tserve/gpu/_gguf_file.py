@@ -2,15 +2,16 @@
 as a config, its tokenizer's directory; no torch.
 
 :class:`GgufFile` maps the file (``gguf.GGUFReader``, copy-on-write, so
-nothing is written back), checks its architecture (``llama``: Llama,
-SmolLM, Mistral-style files) and that every tensor is in a format tserve
+nothing is written back), checks its architecture (one of
+:data:`~tserve.gpu._architectures.ARCHITECTURES`; any other is refused in one
+line) and that every tensor is in a format tserve
 multiplies by (one of :data:`~tserve.gpu._quant_abi.FORMATS`; any
 other is a :class:`~tserve.gpu._models.ModelLoadError` naming the tensor
 and its format: ``--dequantize`` serves the file through the fp32 conversion
 instead), and reads its metadata into a :class:`GgufConfig`. Weights come
 out as raw rows (one per output feature, as GGUF stores them), Q and K rows
-back in the rotate-half order tserve's RoPE uses (llama.cpp's converter
-stores them in interleaved-pair order). The torch forward pass builds its
+in the rotate-half order tserve's RoPE uses (llama.cpp's converter stores a
+``llama`` file's in interleaved-pair order: they are put back). The torch forward pass builds its
 modules over them (:mod:`tserve.gpu._gguf`), the native runner its arrays
 (:mod:`tserve.gpu._native`); whatever a model holds a copy of, the file's
 pages can leave the process's resident set (:meth:`GgufFile.release_unused`).
@@ -36,6 +37,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from tserve.gpu._architectures import Architecture, UnknownArchitecture, gguf_architecture
 from tserve.gpu._gguf_vocab import (
     GgufVocab,
     VocabError,
@@ -53,13 +55,13 @@ __all__ = [
     "head_name",
     "layer_norms",
     "layer_products",
+    "layer_vectors",
     "read_vocab",
     "rope_tables",
     "sampling_metadata",
     "tokenizer_dir",
 ]
 
-_ARCHITECTURE: Final = "llama"
 F32: Final = 0
 """GGML's id of F32, the format of plain fp32 tensors (no kernel of its own)."""
 _TOKENIZER_COMPLETE: Final = ".tserve-tokenizer"
@@ -70,8 +72,10 @@ _TOKENIZER_VERSION: Final = 2
 @dataclasses.dataclass(frozen=True)
 class GgufConfig:
     """What a file's metadata says of its model, under the names of a
-    transformers ``LlamaConfig`` (the engine reads either alike)."""
+    transformers ``LlamaConfig`` (the engine reads either alike), and its
+    architecture."""
 
+    architecture: Architecture
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -142,7 +146,7 @@ class _Metadata:
 
 
 class GgufFile:
-    """A GGUF file of a Llama-family model whose every tensor tserve runs.
+    """A GGUF file of an architecture tserve runs whose every tensor it runs.
 
     ``has_kernels`` False (the compiled library is absent) makes any tensor
     not in F32 an error. Raises ModelLoadError naming the file, and the
@@ -155,18 +159,16 @@ class GgufFile:
         reader = _open(path)
         self._tensors: dict[str, Any] = {tensor.name: tensor for tensor in reader.tensors}
         meta = _Metadata(reader, path)
-        arch = meta.get("general.architecture")
-        if arch != _ARCHITECTURE:
-            raise ModelLoadError(
-                f"{path.name}: architecture {arch!r}: tserve runs GGUF files of "
-                f"{_ARCHITECTURE!r} as they are; --dequantize serves others through transformers"
-            )
+        try:
+            arch = gguf_architecture(meta.get("general.architecture"))
+        except UnknownArchitecture as exc:
+            raise ModelLoadError(f"{path.name}: {exc}") from exc
         self.formats = _check_formats(path, self._tensors.values(), has_kernels)
         """GGUF format name -> tensors in it."""
         self.vocab = None if _tokenizer_beside(path) else _vocab(meta)
         """Its ``tokenizer.*`` metadata (a vocabulary tserve builds), or None
         where a ``tokenizer.json`` beside the file is its tokenizer."""
-        config = _config(meta, self._tensors)
+        config = _config(meta, self._tensors, arch)
         if self.vocab is not None:
             eog = end_of_generation_ids(self.vocab)
             config = dataclasses.replace(config, end_of_generation_ids=eog)
@@ -232,6 +234,10 @@ class GgufFile:
         data: np.ndarray = tensor.data.reshape(-1)
         return data
 
+    def joined(self, names: Sequence[str]) -> np.ndarray:
+        """The 1-D weights ``names`` one after another, in fp32 (a new array)."""
+        return np.concatenate([self.vector(name) for name in names])
+
     def release_unused(self, held: Iterable[tuple[int, int]]) -> None:
         """Let go of the pages of every tensor whose bytes lie in none of the
         address ranges ``held`` (``[start, end)``: what a model holds in place;
@@ -256,8 +262,12 @@ def head_name(config: GgufConfig) -> str:
 
 def layer_products(config: GgufConfig, i: int) -> dict[str, tuple[list[str], list[int | None]]]:
     """Layer ``i``'s four products (``qkv``, ``o``, ``gate_up``, ``down``): the
-    tensors each joins, in order, and the heads to permute each by (Q and K)."""
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    tensors each joins, in order, and the heads to permute each by (Q and K
+    where the file interleaves them)."""
+    heads: int | None = config.num_attention_heads
+    kv_heads: int | None = config.num_key_value_heads
+    if not config.architecture.gguf_interleaved_qk:
+        heads = kv_heads = None
     block = f"blk.{i}"
     return {
         "qkv": (
@@ -273,6 +283,21 @@ def layer_products(config: GgufConfig, i: int) -> dict[str, tuple[list[str], lis
 def layer_norms(i: int) -> dict[str, str]:
     """Layer ``i``'s two RMSNorm weights (``attn_norm``, ``mlp_norm``)."""
     return {"attn_norm": f"blk.{i}.attn_norm.weight", "mlp_norm": f"blk.{i}.ffn_norm.weight"}
+
+
+def layer_vectors(config: GgufConfig, i: int) -> dict[str, list[str]]:
+    """Layer ``i``'s optional fp32 vectors that its architecture has, each the
+    tensors it joins: ``qkv_bias`` (Q, K and V's biases), ``q_norm`` and
+    ``k_norm`` (every Q and K head's RMSNorm weight); the names of
+    :class:`~tserve.gpu._decoder_abi.LayerPointers`."""
+    arch, block = config.architecture, f"blk.{i}"
+    vectors = {}
+    if arch.qkv_bias:
+        vectors["qkv_bias"] = [f"{block}.attn_{x}.bias" for x in "qkv"]
+    if arch.qk_norm:
+        vectors["q_norm"] = [f"{block}.attn_q_norm.weight"]
+        vectors["k_norm"] = [f"{block}.attn_k_norm.weight"]
+    return vectors
 
 
 def sampling_metadata(path: Path) -> dict[str, Any]:
@@ -317,9 +342,9 @@ def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dic
     return counts
 
 
-def _config(meta: _Metadata, tensors: dict[str, Any]) -> GgufConfig:
+def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture) -> GgufConfig:
     """The model that the metadata describes."""
-    arch = _ARCHITECTURE
+    arch = architecture.name
     if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type") not in (
         None,
         "none",
@@ -334,6 +359,7 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> GgufConfig:
     linear = meta.get(f"{arch}.rope.scaling.type") == "linear"
     embed = tensors[EMBEDDING]
     return GgufConfig(
+        architecture=architecture,
         vocab_size=int(embed.shape[1]),
         hidden_size=hidden,
         intermediate_size=int(meta.need(f"{arch}.feed_forward_length")),

@@ -1,4 +1,4 @@
-"""tserve's own forward pass for Llama-family decoders (Llama, Mistral, Qwen2).
+"""tserve's own forward pass for every decoder in :mod:`tserve.gpu._architectures`.
 
 The Hugging Face modules run a step as a few hundred small module calls, each
 with its own dispatch, and three or two separate products where one would do.
@@ -16,6 +16,10 @@ loading code of its own) and runs the same arithmetic over the packed
 * attention through :func:`~tserve.gpu._attention.attend_groups`, the same
   paged attention the Hugging Face path uses;
 * the final norm and the output head only on the rows that are sampled.
+
+What sets an architecture apart is data (:class:`~tserve.gpu._architectures.Architecture`):
+a layer holds the optional parts its architecture has (Q/K/V biases, the Q
+and K heads' norms) and the one layer loop runs those it holds.
 
 Which models qualify is decided by :func:`unsupported_reason` (architecture,
 activation, a RoPE whose angles depend on the position alone); every other
@@ -44,6 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tserve.gpu._architectures import ARCHITECTURES, hf_architecture
 from tserve.gpu._attention import AttentionGroup, StepMetadata, Tokens, attend_groups
 
 __all__ = [
@@ -56,7 +61,6 @@ __all__ = [
     "unsupported_reason",
 ]
 
-_ARCHITECTURES: Final = frozenset({"llama", "mistral", "qwen2"})
 # RoPE types whose angles depend on the position alone, so one table serves every step.
 _STATIC_ROPE: Final = frozenset({"default", "linear", "llama3"})
 
@@ -65,8 +69,9 @@ def unsupported_reason(model: Any) -> str | None:
     """Why :class:`PagedLlama` cannot run ``model``, or None when it can."""
     config = model.config
     model_type = getattr(config, "model_type", None)
-    if model_type not in _ARCHITECTURES:
-        return f"model type {model_type!r} is not one of {sorted(_ARCHITECTURES)}"
+    if hf_architecture(model_type) is None:
+        types = sorted(t for arch in ARCHITECTURES.values() for t in arch.model_types)
+        return f"model type {model_type!r} is not one of {types}"
     if getattr(config, "hidden_act", None) != "silu":
         return f"activation {getattr(config, 'hidden_act', None)!r} is not silu"
     if getattr(config, "mlp_bias", False):
@@ -181,7 +186,11 @@ TORCH_OPS: Final = TorchOps()
 class LayerWeights(torch.nn.Module):
     """One decoder layer's weights; ``layer_idx`` names its slice of the KV pool.
     ``qkv`` gives Q, K and V heads concatenated (Q/K rows in the rotate-half
-    order transformers uses); ``gate_up`` the gate, then the up projection."""
+    order transformers uses); ``gate_up`` the gate, then the up projection.
+    The architecture's optional parts, None where it has none: ``qkv_bias``
+    ``[qkv out]`` added to ``qkv``'s output (where ``qkv`` has no bias of its
+    own), ``q_norm`` and ``k_norm`` ``[head_dim]``, every Q and K head's RMSNorm
+    weight before RoPE."""
 
     def __init__(
         self,
@@ -193,11 +202,15 @@ class LayerWeights(torch.nn.Module):
         down: torch.nn.Module,
         attn_norm: torch.Tensor,
         mlp_norm: torch.Tensor,
+        qkv_bias: torch.Tensor | None = None,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.attn_norm, self.mlp_norm = attn_norm, mlp_norm
+        self.qkv_bias, self.q_norm, self.k_norm = qkv_bias, q_norm, k_norm
 
     @classmethod
     def from_hf(cls, hf_layer: Any, layer_idx: int) -> LayerWeights:
@@ -210,6 +223,8 @@ class LayerWeights(torch.nn.Module):
             down=mlp.down_proj,
             attn_norm=hf_layer.input_layernorm.weight,
             mlp_norm=hf_layer.post_attention_layernorm.weight,
+            q_norm=_weight(getattr(attn, "q_norm", None)),
+            k_norm=_weight(getattr(attn, "k_norm", None)),
         )
 
 
@@ -337,6 +352,11 @@ class PagedLlama(torch.nn.Module):
             assert isinstance(layer, LayerWeights)
             x = ops.add_rms_norm(residual, hidden, layer.attn_norm, self.eps)
             qkv = layer.qkv(x)  # [T, (heads + 2 kv_heads) * D]
+            if layer.qkv_bias is not None:
+                qkv.add_(layer.qkv_bias)
+            if layer.q_norm is not None:
+                self._norm_heads(qkv, layer.q_norm, 0, heads)
+                self._norm_heads(qkv, layer.k_norm, heads, kv_heads)
             k_pool, v_pool = pool.k[layer.layer_idx], pool.v[layer.layer_idx]
             ops.rope_store(
                 qkv, heads, kv_heads, positions, self.rope_cos, self.rope_sin,
@@ -353,6 +373,18 @@ class PagedLlama(torch.nn.Module):
         assert hidden is not None, "a decoder has at least one layer"
         return hidden
 
+    def _norm_heads(
+        self, qkv: torch.Tensor, weight: torch.Tensor | None, first: int, count: int
+    ) -> None:
+        """Heads ``first .. first + count`` of every row of ``qkv``, each through
+        an RMSNorm times ``weight``, in place (on the step's ops, as the fused
+        decoder does it)."""
+        assert weight is not None, "Q and K heads are normed together"
+        dim = self.head_dim
+        heads = qkv.view(qkv.shape[0], -1, dim)[:, first : first + count]
+        normed = self.ops.add_rms_norm(heads.reshape(-1, dim), None, weight, self.eps)
+        heads.copy_(normed.view_as(heads))
+
     def _head(
         self, residual: torch.Tensor, hidden: torch.Tensor | None, keep: torch.Tensor
     ) -> torch.Tensor:
@@ -366,6 +398,10 @@ class PagedLlama(torch.nn.Module):
         # the same C kernel (tserve/gpu/_native.py), so their logits agree bit for bit.
         logits: torch.Tensor = self.lm_head(self.ops.add_rms_norm(last, tail, self.norm, self.eps))
         return logits
+
+
+def _weight(norm: Any) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 def _fuse(*linears: torch.nn.Linear) -> torch.nn.Linear:

@@ -1,8 +1,8 @@
 """Runs one step of the model over every scheduled chunk: ONE forward pass.
 
 The runner owns the KV pool (allocated once) and the model it was given. A
-Llama-family model runs on tserve's own forward pass
-(:mod:`tserve.gpu._llama`, ``model_impl="auto"``); any other, or any model
+model of an architecture in :mod:`tserve.gpu._architectures` runs on tserve's
+own forward pass (:mod:`tserve.gpu._llama`, ``model_impl="auto"``); any other, or any model
 with ``model_impl="hf"``, runs on its Hugging Face modules with their
 attention switched to tserve's paged attention (:mod:`tserve.gpu._attention`).
 Either way the model must not be used for anything else afterwards. It does

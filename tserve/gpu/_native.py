@@ -67,6 +67,7 @@ from tserve.gpu._gguf_file import (
     head_name,
     layer_norms,
     layer_products,
+    layer_vectors,
     rope_tables,
     tokenizer_dir,
 )
@@ -176,11 +177,17 @@ class NativeModel:
             packs.append(packed)
         return product(k, parts), packs[0]
 
-    def _layer(self, i: int) -> tuple[tuple[Product, ...], tuple[int, ...]]:
-        """Layer ``i``'s ``(qkv, o, gate_up, down)`` and ``(attn_norm, mlp_norm)``."""
+    def _layer(self, i: int) -> tuple[tuple[Product, ...], tuple[int, ...], dict[str, int]]:
+        """Layer ``i``'s ``(qkv, o, gate_up, down)``, ``(attn_norm, mlp_norm)`` and
+        the addresses of its architecture's optional vectors by
+        :class:`~tserve.gpu._decoder_abi.LayerPointers` field."""
         products = [self._product(*spec)[0] for spec in layer_products(self.config, i).values()]
         norms = [_address(self._hold(self._file.vector(n))) for n in layer_norms(i).values()]
-        return tuple(products), tuple(norms)
+        extras = {
+            name: _address(self._hold(self._file.joined(names)))
+            for name, names in layer_vectors(self.config, i).items()
+        }
+        return tuple(products), tuple(norms), extras
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """fp32 ``[len(tokens), hidden]``: the embedding rows of ``tokens`` (int64)."""
@@ -229,9 +236,11 @@ class NativeRunner:
         library = model.quant.library
         self._library = library
         layers = []
-        for i, ((qkv, o, gate_up, down), (attn_norm, mlp_norm)) in enumerate(model.layers):
+        for i, ((qkv, o, gate_up, down), (attn_norm, mlp_norm), extras) in enumerate(model.layers):
             pools = _address(self.k_pool[i]), _address(self.v_pool[i])
-            layers.append(LayerPointers(qkv, o, gate_up, down, attn_norm, mlp_norm, *pools))
+            layers.append(
+                LayerPointers(qkv, o, gate_up, down, attn_norm, mlp_norm, *pools, **extras)
+            )
         shape_ = DecoderShape(
             hidden=config.hidden_size,
             heads=config.num_attention_heads,

@@ -1,9 +1,10 @@
 """GGUF files made from the tiny test models, as llama.cpp's converter lays them out.
 
-:func:`write_gguf` writes a model directory's weights (Llama, Qwen2, Qwen3)
+:func:`write_gguf` writes a model directory's weights (Llama, Qwen2, Qwen3, Phi-3)
 with the ``gguf`` package's writer and quantizers: the architecture's
 metadata, tensors under GGUF names (biases and Q/K norms where the model has
-them), a Llama's Q and K rows permuted into interleaved-pair RoPE order (the
+them; Phi-3's joined Q/K/V and gate/up weights as its ``attn_qkv`` and
+``ffn_up``), a Llama's Q and K rows permuted into interleaved-pair RoPE order (the
 converter's ``LlamaModel.permute``; the other families keep theirs), 2-D
 weights in the format asked for and norms in F32, and the directory's
 tokenizer files copied beside the file (or a vocabulary in its metadata).
@@ -85,6 +86,10 @@ def write_gguf(
         "attn_q_norm.weight": "self_attn.q_norm.weight",
         "attn_k_norm.weight": "self_attn.k_norm.weight",
     }
+    if config.model_type == "phi3":  # llama.cpp's names of its fused weights
+        parts = {k: v for k, v in parts.items() if k not in ("attn_q", "attn_k", "attn_v")}
+        parts.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
+        del parts["ffn_gate"]
     for i in range(config.num_hidden_layers):
         for ours, theirs in parts.items():
             weight = state[f"model.layers.{i}.{theirs}.weight"]

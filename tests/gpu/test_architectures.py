@@ -46,6 +46,7 @@ _SHAPE: dict[str, Any] = {
 _KINDS: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "qwen3": {"head_dim": 32},
+    "phi3": {},
 }
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 
@@ -53,7 +54,7 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 64
 def _classes(kind: str) -> tuple[Any, Any]:
     import transformers
 
-    names = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
     return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
 
 

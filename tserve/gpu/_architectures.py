@@ -42,6 +42,11 @@ class Architecture:
     """Each Q and K head goes through an RMSNorm of its own weight (``head_dim``
     wide, shared by the heads) before RoPE (Qwen3): GGUF
     ``blk.N.attn_{q,k}_norm.weight``."""
+    fused_products: bool = False
+    """Q, K and V are one weight, and gate and up another (Phi-3): transformers'
+    ``qkv_proj`` and ``gate_up_proj``, GGUF ``blk.N.attn_qkv.weight`` and
+    ``blk.N.ffn_up.weight`` (gate rows first). The forward pass joins them
+    anyway, so they are used as they are."""
     gguf_interleaved_qk: bool = False
     """llama.cpp's converter stores Q and K rows (and biases) in interleaved-pair
     order (its ``LlamaModel.permute``, for llama.cpp's non-NeoX RoPE); tserve puts
@@ -54,6 +59,7 @@ ARCHITECTURES: Final[dict[str, Architecture]] = {
         Architecture("llama", ("llama", "mistral"), gguf_interleaved_qk=True),
         Architecture("qwen2", ("qwen2",), qkv_bias=True),
         Architecture("qwen3", ("qwen3",), qk_norm=True),
+        Architecture("phi3", ("phi3",), fused_products=True),
     )
 }
 """Every architecture tserve's own forward pass runs, by GGUF name."""

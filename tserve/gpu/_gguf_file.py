@@ -269,7 +269,7 @@ def layer_products(config: GgufConfig, i: int) -> dict[str, tuple[list[str], lis
     if not config.architecture.gguf_interleaved_qk:
         heads = kv_heads = None
     block = f"blk.{i}"
-    return {
+    products: dict[str, tuple[list[str], list[int | None]]] = {
         "qkv": (
             [f"{block}.attn_q.weight", f"{block}.attn_k.weight", f"{block}.attn_v.weight"],
             [heads, kv_heads, None],
@@ -278,6 +278,10 @@ def layer_products(config: GgufConfig, i: int) -> dict[str, tuple[list[str], lis
         "gate_up": ([f"{block}.ffn_gate.weight", f"{block}.ffn_up.weight"], [None, None]),
         "down": ([f"{block}.ffn_down.weight"], [None]),
     }
+    if config.architecture.fused_products:
+        products["qkv"] = ([f"{block}.attn_qkv.weight"], [None])
+        products["gate_up"] = ([f"{block}.ffn_up.weight"], [None])
+    return products
 
 
 def layer_norms(i: int) -> dict[str, str]:
@@ -345,7 +349,8 @@ def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dic
 def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture) -> GgufConfig:
     """The model that the metadata describes."""
     arch = architecture.name
-    if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type") not in (
+    rope_factors = any(name.startswith(("rope_freqs.", "rope_factors_")) for name in tensors)
+    if rope_factors or meta.get(f"{arch}.rope.scaling.type") not in (
         None,
         "none",
         "linear",
@@ -357,6 +362,13 @@ def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture
     heads = int(meta.need(f"{arch}.attention.head_count"))
     hidden = int(meta.need(f"{arch}.embedding_length"))
     linear = meta.get(f"{arch}.rope.scaling.type") == "linear"
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelLoadError(
+            f"{meta._path.name}: RoPE on {rope_dims} of each head's {head_dim} dimensions "
+            "(partial rotary) is not one tserve runs"
+        )
     embed = tensors[EMBEDDING]
     return GgufConfig(
         architecture=architecture,
@@ -366,7 +378,7 @@ def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture
         num_hidden_layers=int(meta.need(f"{arch}.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),

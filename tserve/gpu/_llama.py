@@ -78,6 +78,9 @@ def unsupported_reason(model: Any) -> str | None:
         return "the MLP has biases"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        return "RoPE on part of each head (partial rotary)"
     rope_type = getattr(model.model.rotary_emb, "rope_type", None)
     if rope_type not in _STATIC_ROPE:
         return f"RoPE type {rope_type!r} depends on more than the position"
@@ -215,11 +218,12 @@ class LayerWeights(torch.nn.Module):
     @classmethod
     def from_hf(cls, hf_layer: Any, layer_idx: int) -> LayerWeights:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        fused = hasattr(attn, "qkv_proj")  # an architecture's fused_products
         return cls(
             layer_idx,
-            qkv=_fuse(attn.q_proj, attn.k_proj, attn.v_proj),
+            qkv=attn.qkv_proj if fused else _fuse(attn.q_proj, attn.k_proj, attn.v_proj),
             o=attn.o_proj,
-            gate_up=_fuse(mlp.gate_proj, mlp.up_proj),
+            gate_up=mlp.gate_up_proj if fused else _fuse(mlp.gate_proj, mlp.up_proj),
             down=mlp.down_proj,
             attn_norm=hf_layer.input_layernorm.weight,
             mlp_norm=hf_layer.post_attention_layernorm.weight,

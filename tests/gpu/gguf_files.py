@@ -1,13 +1,15 @@
 """GGUF files made from the tiny test models, as llama.cpp's converter lays them out.
 
-:func:`write_gguf` writes a model directory's weights (Llama, Qwen2, Qwen3, Phi-3)
-with the ``gguf`` package's writer and quantizers: the architecture's
-metadata, tensors under GGUF names (biases and Q/K norms where the model has
-them; Phi-3's joined Q/K/V and gate/up weights as its ``attn_qkv`` and
-``ffn_up``), a Llama's Q and K rows permuted into interleaved-pair RoPE order (the
-converter's ``LlamaModel.permute``; the other families keep theirs), 2-D
-weights in the format asked for and norms in F32, and the directory's
-tokenizer files copied beside the file (or a vocabulary in its metadata).
+:func:`write_gguf` writes a model directory's weights (Llama, Qwen2, Qwen3,
+Phi-3, Gemma 3) with the ``gguf`` package's writer and quantizers: the
+architecture's metadata, tensors under GGUF names (biases and Q/K norms
+where the model has them; Phi-3's joined Q/K/V and gate/up weights as its
+``attn_qkv`` and ``ffn_up``; Gemma 3's pre- and post-norms, each norm
+weight written as 1 + w, as Gemma multiplies by), a Llama's Q and K rows
+permuted into interleaved-pair RoPE order (the converter's
+``LlamaModel.permute``; the other families keep theirs), 2-D weights in the
+format asked for and norms in F32, and the directory's tokenizer files
+copied beside the file (or a vocabulary in its metadata).
 K-quants, which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`.
 """
 
@@ -86,6 +88,14 @@ def write_gguf(
         "attn_q_norm.weight": "self_attn.q_norm.weight",
         "attn_k_norm.weight": "self_attn.k_norm.weight",
     }
+    gemma = config.model_type == "gemma3_text"
+    if gemma:  # its pre- and post-norms; every norm weight as 1 + w, as the converter writes it
+        parts.update(
+            ffn_norm="pre_feedforward_layernorm",
+            post_attention_norm="post_attention_layernorm",
+            post_ffw_norm="post_feedforward_layernorm",
+        )
+        tensors["output_norm.weight"] = tensors["output_norm.weight"] + 1
     if config.model_type == "phi3":  # llama.cpp's names of its fused weights
         parts = {k: v for k, v in parts.items() if k not in ("attn_q", "attn_k", "attn_v")}
         parts.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
@@ -101,9 +111,13 @@ def write_gguf(
         for ours, theirs in optional.items():
             if f"model.layers.{i}.{theirs}" in state:
                 tensors[f"blk.{i}.{ours}"] = state[f"model.layers.{i}.{theirs}"]
+        if gemma:
+            for name in [n for n in tensors if n.startswith(f"blk.{i}.") and "norm" in n]:
+                tensors[name] = tensors[name] + 1
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out, architecture or config.model_type)
+    arch = architecture or {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
+    writer = gguf.GGUFWriter(out, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -113,7 +127,10 @@ def write_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
+    if gemma:
+        writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if vocab is not None:

@@ -47,6 +47,16 @@ _KINDS: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "qwen3": {"head_dim": 32},
     "phi3": {},
+    # Sliding-window layers (8 keys) with their own RoPE base, every 6th global as
+    # llama.cpp lays Gemma 3 out; one KV head, query_pre_attn_scalar = head_dim.
+    "gemma3": {
+        "num_hidden_layers": 6,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "tie_word_embeddings": True,
+    },
 }
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 
@@ -54,6 +64,8 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 64
 def _classes(kind: str) -> tuple[Any, Any]:
     import transformers
 
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
     names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
     return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
 
@@ -67,8 +79,7 @@ def model_dir(
     config_class, model_class = _classes(kind)
     tokenizer = json.loads((tiny_model_dir / "config.json").read_text())
     config = config_class(
-        **_SHAPE,
-        **_KINDS[kind],
+        **{**_SHAPE, **_KINDS[kind]},
         vocab_size=tokenizer["vocab_size"],
         eos_token_id=tokenizer["eos_token_id"],
         pad_token_id=tokenizer["pad_token_id"],
@@ -141,10 +152,8 @@ def test_a_gguf_file_on_the_native_runner_gives_transformers_logits(
 ) -> None:
     path = write_gguf(model_dir, tmp_path / "gguf" / "m.gguf", "F32")
     file = GgufFile(path, has_kernels=True)
-    assert (
-        file.config.architecture.name
-        == json.loads((model_dir / "config.json").read_text())["model_type"]
-    )
+    model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    assert file.config.architecture is hf_architecture(model_type)
     model = NativeModel(file, cache_dir=tmp_path, progress=lambda _: None)
     runner = NativeRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_tokens=5)
     prompt = _prompt(30)
@@ -219,3 +228,32 @@ def test_an_engine_generates_transformers_greedy_tokens(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
         )
     assert ours == out[0, len(prompt) :].tolist()
+
+
+# llama-server's greedy continuation (llama.cpp 0.6.0-dev, ``-t 1``, temperature
+# 0, ``/completion`` with ``n_predict`` 16) on the same Gemma 3 270M Q4_K_M file
+# of "The capital of France is": " the capital of the country of France. It is
+# the largest city in France."
+_LLAMA_SERVER_GEMMA3 = [
+    506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001, 236761
+]  # fmt: skip
+
+
+def test_the_gemma3_270m_file_runs_natively_and_continues_as_llama_server(
+    gemma3_gguf: Path, tmp_path: Path
+) -> None:
+    """The real file (Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors; 18 layers, 5 local
+    of window 512 to 1 global, one KV head of 256) on the native runner. Greedy
+    tokens agree with llama-server's up to where the two engines' roundings
+    meet a near-tie ("capital" or "largest" after " It is the")."""
+    from tokenizers import Tokenizer
+
+    core = small_core(gemma3_gguf, cache_dir=str(tmp_path), gguf_activations="fp32")
+    assert isinstance(core.runner, NativeRunner)
+    tokenizer = Tokenizer.from_file(str(core.model_path / "tokenizer.json"))
+    prompt = tokenizer.encode("The capital of France is").ids
+    assert prompt == [2, 818, 5279, 529, 7001, 563]  # llama-server's /tokenize
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ours = generated(core, AddRequest("r", prompt, params))
+    assert ours[:11] == _LLAMA_SERVER_GEMMA3[:11]
+    assert tokenizer.decode(ours).startswith(" the capital of the country of France. It is the")

@@ -28,8 +28,10 @@ class Architecture:
     """What one decoder family's layer does beyond Llama's.
 
     Every layer: RMSNorm, Q/K/V product, RoPE (rotate-half) on Q and K,
-    attention, output product, add; RMSNorm, gate/up product,
-    ``silu(gate) * up``, down product, add. The fields below change that.
+    attention (scaled by ``head_dim ** -0.5``, or by transformers'
+    ``query_pre_attn_scalar ** -0.5`` where a config states it), output
+    product, add; RMSNorm, gate/up product, ``silu(gate) * up``, down
+    product, add. The fields below change that.
     """
 
     name: str
@@ -47,6 +49,27 @@ class Architecture:
     ``qkv_proj`` and ``gate_up_proj``, GGUF ``blk.N.attn_qkv.weight`` and
     ``blk.N.ffn_up.weight`` (gate rows first). The forward pass joins them
     anyway, so they are used as they are."""
+    activation: str = "silu"
+    """The MLP gate's activation: ``silu`` or ``gelu_tanh`` (Gemma's
+    ``gelu_pytorch_tanh``)."""
+    norm_offset: float = 0.0
+    """transformers stores every RMSNorm weight (Q/K head norms included) less
+    this and multiplies by weight + offset (Gemma: 1); llama.cpp's converter
+    writes the sum, so a GGUF file's weights are used as they are."""
+    post_norms: bool = False
+    """RMSNorms of the attention's and the MLP's outputs before each is added to
+    the residual (Gemma 2/3): GGUF ``blk.N.post_attention_norm.weight`` and
+    ``blk.N.post_ffw_norm.weight``."""
+    embed_scale: bool = False
+    """The embeddings are multiplied by sqrt(hidden size) (Gemma)."""
+    sliding_pattern: int = 0
+    """In a GGUF file, every ``sliding_pattern``-th layer attends globally and
+    the others within ``{arch}.attention.sliding_window`` (llama.cpp's fixed
+    pattern for the family; 0: every layer global). transformers configs say it
+    per layer (``layer_types``)."""
+    local_rope_base: float = 0.0
+    """The RoPE base of sliding-window layers where a GGUF file states none
+    (``{arch}.rope.freq_base_swa``); 0: the global one."""
     gguf_interleaved_qk: bool = False
     """llama.cpp's converter stores Q and K rows (and biases) in interleaved-pair
     order (its ``LlamaModel.permute``, for llama.cpp's non-NeoX RoPE); tserve puts
@@ -60,6 +83,17 @@ ARCHITECTURES: Final[dict[str, Architecture]] = {
         Architecture("qwen2", ("qwen2",), qkv_bias=True),
         Architecture("qwen3", ("qwen3",), qk_norm=True),
         Architecture("phi3", ("phi3",), fused_products=True),
+        Architecture(
+            "gemma3",
+            ("gemma3_text",),
+            qk_norm=True,
+            activation="gelu_tanh",
+            norm_offset=1.0,
+            post_norms=True,
+            embed_scale=True,
+            sliding_pattern=6,
+            local_rope_base=10000.0,
+        ),
     )
 }
 """Every architecture tserve's own forward pass runs, by GGUF name."""

@@ -52,10 +52,12 @@ __all__ = [
     "F32",
     "GgufConfig",
     "GgufFile",
+    "embed_scale",
     "head_name",
     "layer_norms",
     "layer_products",
     "layer_vectors",
+    "layer_window",
     "read_vocab",
     "rope_tables",
     "sampling_metadata",
@@ -94,6 +96,8 @@ class GgufConfig:
     # Every id that ends a generation (EOS, EOT, end-of-turn markers), by the
     # file's vocabulary as llama.cpp reads it.
     end_of_generation_ids: tuple[int, ...] = ()
+    sliding_window: int = 0  # the keys of a sliding-window layer (0: none is)
+    local_rope_theta: float = 0.0  # the RoPE base of sliding-window layers (0: rope_theta)
 
 
 def _reader(path: Path) -> Any:
@@ -292,8 +296,9 @@ def layer_norms(i: int) -> dict[str, str]:
 def layer_vectors(config: GgufConfig, i: int) -> dict[str, list[str]]:
     """Layer ``i``'s optional fp32 vectors that its architecture has, each the
     tensors it joins: ``qkv_bias`` (Q, K and V's biases), ``q_norm`` and
-    ``k_norm`` (every Q and K head's RMSNorm weight); the names of
-    :class:`~tserve.gpu._decoder_abi.LayerPointers`."""
+    ``k_norm`` (every Q and K head's RMSNorm weight), ``post_attn_norm`` and
+    ``post_mlp_norm`` (the attention's and the MLP's output norms); the names
+    of :class:`~tserve.gpu._decoder_abi.LayerPointers`."""
     arch, block = config.architecture, f"blk.{i}"
     vectors = {}
     if arch.qkv_bias:
@@ -301,7 +306,26 @@ def layer_vectors(config: GgufConfig, i: int) -> dict[str, list[str]]:
     if arch.qk_norm:
         vectors["q_norm"] = [f"{block}.attn_q_norm.weight"]
         vectors["k_norm"] = [f"{block}.attn_k_norm.weight"]
+    if arch.post_norms:
+        vectors["post_attn_norm"] = [f"{block}.post_attention_norm.weight"]
+        vectors["post_mlp_norm"] = [f"{block}.post_ffw_norm.weight"]
     return vectors
+
+
+def layer_window(config: GgufConfig, i: int) -> int:
+    """The keys layer ``i`` attends to when it is a sliding-window layer (its
+    architecture's pattern), else 0: every key."""
+    pattern = config.architecture.sliding_pattern
+    if not pattern or not config.sliding_window or (i + 1) % pattern == 0:
+        return 0
+    return config.sliding_window
+
+
+def embed_scale(config: GgufConfig) -> float:
+    """What the embedding's rows are multiplied by (Gemma: sqrt(hidden), in fp32)."""
+    if not config.architecture.embed_scale:
+        return 1.0
+    return float(np.float32(config.hidden_size**0.5))
 
 
 def sampling_metadata(path: Path) -> dict[str, Any]:
@@ -311,8 +335,10 @@ def sampling_metadata(path: Path) -> dict[str, Any]:
     return _Metadata(_open(path), path).with_prefix(GGUF_SAMPLING_PREFIX)
 
 
-def rope_tables(config: GgufConfig) -> tuple[np.ndarray, np.ndarray]:
-    """``(cos, sin)``, each fp32 ``[max_position_embeddings, head_dim / 2]``.
+def rope_tables(config: GgufConfig, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(cos, sin)``, each fp32 ``[max_position_embeddings, head_dim / 2]``: the
+    global layers' (``local``: the sliding-window layers', on their own base
+    where they have one, unscaled).
 
     The angles are transformers' (default and linear RoPE): the same fp32
     operations, though torch's vectorized ``pow`` may round an inverse
@@ -321,8 +347,10 @@ def rope_tables(config: GgufConfig) -> tuple[np.ndarray, np.ndarray]:
     not correctly rounded)."""
     dim = config.head_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)
-    inv_freq = inv_freq / np.float32(config.rope_linear_factor)
+    own = local and config.local_rope_theta > 0
+    theta = config.local_rope_theta if own else config.rope_theta
+    inv_freq = np.float32(1.0) / np.power(np.float32(theta), exponents)
+    inv_freq = inv_freq / np.float32(1.0 if own else config.rope_linear_factor)
     positions = np.arange(config.max_position_embeddings, dtype=np.float32)
     angles = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -387,6 +415,12 @@ def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        sliding_window=int(meta.get(f"{arch}.attention.sliding_window", 0))
+        if architecture.sliding_pattern
+        else 0,
+        local_rope_theta=float(
+            meta.get(f"{arch}.rope.freq_base_swa", architecture.local_rope_base)
+        ),
     )
 
 

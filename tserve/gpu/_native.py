@@ -47,6 +47,7 @@ from typing import Final
 import numpy as np
 
 from tserve.gpu._decoder_abi import (
+    ACTIVATIONS,
     MAX_FUSED_TOKENS,
     DecoderShape,
     DecoderStep,
@@ -64,10 +65,12 @@ from tserve.gpu._gguf_file import (
     F32,
     OUTPUT_NORM,
     GgufFile,
+    embed_scale,
     head_name,
     layer_norms,
     layer_products,
     layer_vectors,
+    layer_window,
     rope_tables,
     tokenizer_dir,
 )
@@ -140,10 +143,16 @@ class NativeModel:
         self._held: list[np.ndarray] = []  # every array a pointer below points into
         self.product_bytes = 0
         """Bytes of the products' weights: what one decode step reads."""
+        self.rope_cos, self.rope_sin = (self._hold(t) for t in rope_tables(config))
+        self.local_rope: tuple[int, int] | None = None
+        """The sliding-window layers' own RoPE table (addresses), or None: the global one."""
+        if config.local_rope_theta:
+            cos, sin = (_address(self._hold(t)) for t in rope_tables(config, local=True))
+            self.local_rope = cos, sin
+        self.embed_scale = np.float32(embed_scale(config))
         self.layers = [self._layer(i) for i in range(config.num_hidden_layers)]
         self.head, self._head_packed = self._product([head_name(config)], [None])
         self.norm = self._hold(file.vector(OUTPUT_NORM))
-        self.rope_cos, self.rope_sin = (self._hold(t) for t in rope_tables(config))
         self._embed_rows: np.ndarray | None = None  # an F32 table's rows
         if config.tie_word_embeddings and self._head_packed:
             # One copy of the tied rows, packed: the head's bytes, unpacked per token.
@@ -187,6 +196,9 @@ class NativeModel:
             name: _address(self._hold(self._file.joined(names)))
             for name, names in layer_vectors(self.config, i).items()
         }
+        window = extras["window"] = layer_window(self.config, i)
+        if window and self.local_rope is not None:
+            extras["rope_cos"], extras["rope_sin"] = self.local_rope
         return tuple(products), tuple(norms), extras
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
@@ -194,13 +206,15 @@ class NativeModel:
         hidden = self.config.hidden_size
         if self._embed_rows is not None:
             rows: np.ndarray = self._embed_rows[tokens]
-            return rows
-        out = np.empty((len(tokens), hidden), dtype=np.float32)
-        index = np.ascontiguousarray(tokens, dtype=np.int64)
-        self.quant.dequantize_rows(
-            self._embed_fmt, self._embed_data, hidden, index, out, packed=self._embed_packed
-        )
-        return out
+        else:
+            rows = np.empty((len(tokens), hidden), dtype=np.float32)
+            index = np.ascontiguousarray(tokens, dtype=np.int64)
+            self.quant.dequantize_rows(
+                self._embed_fmt, self._embed_data, hidden, index, rows, packed=self._embed_packed
+            )
+        if self.embed_scale != 1:
+            rows *= self.embed_scale  # a copy already (fancy indexing or the dequantized rows)
+        return rows
 
 
 class NativeRunner:
@@ -253,6 +267,7 @@ class NativeRunner:
             eps=config.rms_norm_eps,
             kv_type=KV_CODES[kv_dtype],
             isa=model.quant.best_isa,
+            activation=ACTIVATIONS[config.architecture.activation],
         )
         self.progress = np.zeros(1, dtype=np.int64)
         """Layers run so far (int64 ``[1]``): the C code adds one after each layer

@@ -7,7 +7,8 @@ where the model has them; Phi-3's joined Q/K/V and gate/up weights as its
 ``attn_qkv`` and ``ffn_up``; Gemma 3's pre- and post-norms, each norm
 weight written as 1 + w, as Gemma multiplies by), a Llama's Q and K rows
 permuted into interleaved-pair RoPE order (the converter's
-``LlamaModel.permute``; the other families keep theirs), 2-D weights in the
+``LlamaModel.permute``; the other families keep theirs; Llama 3.1 RoPE
+scaling as ``rope_freqs`` factors), 2-D weights in the
 format asked for and norms in F32, and the directory's tokenizer files
 copied beside the file (or a vocabulary in its metadata).
 K-quants, which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`.
@@ -16,6 +17,7 @@ K-quants, which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_block
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +37,26 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
+
+
+def _llama3_factors(rope: dict[str, Any], dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's ``rope_freqs`` of Llama 3.1 RoPE scaling: the factor
+    each inverse frequency is divided by."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 def write_gguf(
@@ -129,6 +151,8 @@ def write_gguf(
     writer.add_rope_dimension_count(head_dim)
     rope = config.rope_parameters
     writer.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
+    if rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
     if gemma:
         writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)

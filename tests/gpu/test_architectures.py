@@ -44,6 +44,17 @@ _SHAPE: dict[str, Any] = {
 }
 # What each family sets beyond the shape: head_dim apart from hidden / heads where it may be.
 _KINDS: dict[str, dict[str, Any]] = {
+    # Llama 3.1's RoPE scaling, its low and high frequencies both within the head.
+    "llama3": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
     "qwen2": {},
     "qwen3": {"head_dim": 32},
     "phi3": {},
@@ -66,7 +77,7 @@ def _classes(kind: str) -> tuple[Any, Any]:
 
     if kind == "gemma3":
         return transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
-    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
+    names = {"llama3": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
     return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
 
 

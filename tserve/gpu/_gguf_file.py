@@ -97,6 +97,9 @@ class GgufConfig:
     # file's vocabulary as llama.cpp reads it.
     end_of_generation_ids: tuple[int, ...] = ()
     sliding_window: int = 0  # the keys of a sliding-window layer (0: none is)
+    # Each inverse frequency is divided by its factor (``rope_freqs.weight``: Llama 3.1's
+    # "llama3" scaling as llama.cpp's converter writes it); empty: none.
+    rope_freq_factors: tuple[float, ...] = ()
     local_rope_theta: float = 0.0  # the RoPE base of sliding-window layers (0: rope_theta)
 
 
@@ -340,7 +343,8 @@ def rope_tables(config: GgufConfig, local: bool = False) -> tuple[np.ndarray, np
     global layers' (``local``: the sliding-window layers', on their own base
     where they have one, unscaled).
 
-    The angles are transformers' (default and linear RoPE): the same fp32
+    The angles are transformers' (default, linear and llama3 RoPE, the last
+    through the file's per-frequency factors): the same fp32
     operations, though torch's vectorized ``pow`` may round an inverse
     frequency a unit or two differently (its AVX-512 path does); their cosines
     and sines are rounded from float64 (torch's fp32 ``cos`` and ``sin`` are
@@ -351,6 +355,8 @@ def rope_tables(config: GgufConfig, local: bool = False) -> tuple[np.ndarray, np
     theta = config.local_rope_theta if own else config.rope_theta
     inv_freq = np.float32(1.0) / np.power(np.float32(theta), exponents)
     inv_freq = inv_freq / np.float32(1.0 if own else config.rope_linear_factor)
+    if config.rope_freq_factors and not own:
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float32)
     positions = np.arange(config.max_position_embeddings, dtype=np.float32)
     angles = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -377,7 +383,7 @@ def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dic
 def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture) -> GgufConfig:
     """The model that the metadata describes."""
     arch = architecture.name
-    rope_factors = any(name.startswith(("rope_freqs.", "rope_factors_")) for name in tensors)
+    rope_factors = any(name.startswith("rope_factors_") for name in tensors)
     if rope_factors or meta.get(f"{arch}.rope.scaling.type") not in (
         None,
         "none",
@@ -397,6 +403,15 @@ def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture
             f"{meta._path.name}: RoPE on {rope_dims} of each head's {head_dim} dimensions "
             "(partial rotary) is not one tserve runs"
         )
+    factors: tuple[float, ...] = ()
+    if "rope_freqs.weight" in tensors:
+        data = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1)
+        if data.shape[0] != head_dim // 2 or int(tensors["rope_freqs.weight"].tensor_type) != F32:
+            raise ModelLoadError(
+                f"{meta._path.name}: 'rope_freqs.weight' holds {data.shape[0]} factors, "
+                f"not one F32 factor for each of its {head_dim // 2} RoPE frequencies"
+            )
+        factors = tuple(float(x) for x in data)
     embed = tensors[EMBEDDING]
     return GgufConfig(
         architecture=architecture,
@@ -415,6 +430,7 @@ def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        rope_freq_factors=factors,
         sliding_window=int(meta.get(f"{arch}.attention.sliding_window", 0))
         if architecture.sliding_pattern
         else 0,

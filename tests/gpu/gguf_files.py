@@ -1,10 +1,10 @@
 """GGUF files made from the tiny test models, as llama.cpp's converter lays them out.
 
 :func:`write_gguf` writes a model directory's weights (Llama, Qwen2, Qwen3,
-Phi-3, Gemma 3) with the ``gguf`` package's writer and quantizers: the
+Phi-3, Gemma 2 and 3) with the ``gguf`` package's writer and quantizers: the
 architecture's metadata, tensors under GGUF names (biases and Q/K norms
 where the model has them; Phi-3's joined Q/K/V and gate/up weights as its
-``attn_qkv`` and ``ffn_up``; Gemma 3's pre- and post-norms, each norm
+``attn_qkv`` and ``ffn_up``; Gemma's pre- and post-norms and soft-caps, each norm
 weight written as 1 + w, as Gemma multiplies by), a Llama's Q and K rows
 permuted into interleaved-pair RoPE order (the converter's
 ``LlamaModel.permute``; the other families keep theirs; Llama 3.1 RoPE
@@ -110,7 +110,7 @@ def write_gguf(
         "attn_q_norm.weight": "self_attn.q_norm.weight",
         "attn_k_norm.weight": "self_attn.k_norm.weight",
     }
-    gemma = config.model_type == "gemma3_text"
+    gemma = config.model_type in ("gemma2", "gemma3_text")
     if gemma:  # its pre- and post-norms; every norm weight as 1 + w, as the converter writes it
         parts.update(
             ffn_norm="pre_feedforward_layernorm",
@@ -155,6 +155,9 @@ def write_gguf(
         tensors["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
     if gemma:
         writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if vocab is not None:

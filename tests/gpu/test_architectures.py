@@ -58,6 +58,17 @@ _KINDS: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "qwen3": {"head_dim": 32},
     "phi3": {},
+    # Sliding-window layers (8 keys) alternating with global ones; soft-caps small
+    # enough that the random model's scores and logits reach them.
+    "gemma2": {
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+        "tie_word_embeddings": True,
+    },
     # Sliding-window layers (8 keys) with their own RoPE base, every 6th global as
     # llama.cpp lays Gemma 3 out; one KV head, query_pre_attn_scalar = head_dim.
     "gemma3": {
@@ -77,6 +88,8 @@ def _classes(kind: str) -> tuple[Any, Any]:
 
     if kind == "gemma3":
         return transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
+    if kind == "gemma2":
+        return transformers.Gemma2Config, transformers.Gemma2ForCausalLM
     names = {"llama3": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
     return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
 

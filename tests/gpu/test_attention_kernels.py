@@ -43,6 +43,7 @@ class Case:
     block_size: int
     chunks: tuple[Chunk, ...]
     window: int = 0  # a sliding window's keys (0: none)
+    softcap: float = 0.0  # scores capped by tanh (0: none)
 
 
 CASES = {
@@ -63,6 +64,8 @@ CASES = {
     "window": Case(
         4, 1, 32, 4, (Chunk(0, 0, 150), Chunk(1, 80, 1), Chunk(2, 3, 1), Chunk(3, 40, 30)), 20
     ),
+    # Gemma 2's soft-capped scores (a small cap, so that it bites) within a window.
+    "softcap": Case(8, 4, 16, 4, (Chunk(0, 0, 90), Chunk(1, 30, 1), Chunk(2, 7, 3)), 40, 0.5),
     # A window longer than a key tile, a resumed prefill crossing it.
     "long window": Case(9, 3, 64, 16, (Chunk(0, 0, 70), Chunk(0, 70, 130), Chunk(1, 150, 1)), 100),
 }
@@ -124,7 +127,8 @@ class Step:
             isa, qkv.ctypes.data, qkv.shape[1], len(qkv), positions.ctypes.data,
             self.tables.ctypes.data, self.width, rows.ctypes.data, self.k.ctypes.data,
             self.v.ctypes.data, self.num_slots, case.block_size, case.heads, case.kv_heads,
-            case.head_dim, case.head_dim**-0.5, case.window, KV_CODES[self.kv], out.ctypes.data,
+            case.head_dim, case.head_dim**-0.5, case.window, case.softcap, KV_CODES[self.kv],
+            out.ctypes.data,
         )  # fmt: skip
         assert failed == 0
         return out
@@ -142,6 +146,8 @@ class Step:
             for h in range(case.heads):
                 k, v = keys[h // group, slots], values[h // group, slots]
                 scores = k @ q[h] * dim**-0.5
+                if case.softcap:
+                    scores = case.softcap * np.tanh(scores / case.softcap)
                 weights = np.exp(scores - scores.max())
                 out[t, h] = weights @ v / weights.sum()
         return out.reshape(len(self.positions), -1)

@@ -251,7 +251,7 @@ def test_another_architecture_is_an_error_naming_it(tiny_model_dir: Path, tmp_pa
         _load(path, tmp_path)
     message = str(raised.value)
     assert "\n" not in message
-    supported = "llama, qwen2, qwen3, phi3, gemma3"
+    supported = "llama, qwen2, qwen3, phi3, gemma2, gemma3"
     assert message == f"m.gguf: architecture 'mamba' is not supported; tserve runs {supported}"
 
 

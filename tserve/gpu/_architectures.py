@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
+import numpy as np
+
 __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "UnknownArchitecture",
     "gguf_architecture",
     "hf_architecture",
+    "soft_cap",
 ]
 
 
@@ -70,6 +73,12 @@ class Architecture:
     local_rope_base: float = 0.0
     """The RoPE base of sliding-window layers where a GGUF file states none
     (``{arch}.rope.freq_base_swa``); 0: the global one."""
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    """Soft-caps (``cap * tanh(x / cap)``) of the attention scores and of the
+    logits where a GGUF file states none (``{arch}.attn_logit_softcapping``,
+    ``{arch}.final_logit_softcapping``; llama.cpp's defaults for the family);
+    0: none. transformers configs state theirs."""
     gguf_interleaved_qk: bool = False
     """llama.cpp's converter stores Q and K rows (and biases) in interleaved-pair
     order (its ``LlamaModel.permute``, for llama.cpp's non-NeoX RoPE); tserve puts
@@ -83,6 +92,17 @@ ARCHITECTURES: Final[dict[str, Architecture]] = {
         Architecture("qwen2", ("qwen2",), qkv_bias=True),
         Architecture("qwen3", ("qwen3",), qk_norm=True),
         Architecture("phi3", ("phi3",), fused_products=True),
+        Architecture(
+            "gemma2",
+            ("gemma2",),
+            activation="gelu_tanh",
+            norm_offset=1.0,
+            post_norms=True,
+            embed_scale=True,
+            sliding_pattern=2,
+            attn_softcap=50.0,
+            final_softcap=30.0,
+        ),
         Architecture(
             "gemma3",
             ("gemma3_text",),
@@ -120,3 +140,11 @@ def gguf_architecture(name: object) -> Architecture:
 def hf_architecture(model_type: object) -> Architecture | None:
     """The architecture of a transformers config's ``model_type``, or None."""
     return _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+
+
+def soft_cap(logits: np.ndarray, cap: float) -> None:
+    """``logits`` (fp32) become ``cap * tanh(logits / cap)`` in place, in
+    transformers' order (divide, tanh, multiply): both runners' final soft-cap,
+    one function so that they agree bit for bit."""
+    c = np.float32(cap)
+    np.multiply(np.tanh(logits / c), c, out=logits)

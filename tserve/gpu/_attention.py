@@ -125,14 +125,16 @@ class AttentionGroup:
     kv_lengths: tuple[int, ...] = ()  # each sequence's keys
 
     def window_mask(self, window: int, device: torch.device) -> torch.Tensor:
-        """``[B, 1, Qmax, Kmax]`` bool: True where a query may attend in a layer
-        with a sliding ``window`` (its last ``window`` keys, causal, within its
-        sequence); padding queries see their sequence's first valid key."""
+        """``[B, 1, Qmax, Kmax]`` bool: True where a query may attend (causal,
+        within its sequence; with a sliding ``window`` > 0, its last ``window``
+        keys); padding queries see their sequence's first valid key."""
         _, q_max, kv_max = self.shape
         k_pos = torch.arange(kv_max)[None, None, :]
         q_pos = torch.tensor(self.starts)[:, None, None] + torch.arange(q_max)[None, :, None]
         valid = k_pos < torch.tensor(self.kv_lengths)[:, None, None]
-        mask = (k_pos <= q_pos) & (k_pos > q_pos - window) & valid
+        mask = (k_pos <= q_pos) & valid
+        if window:
+            mask &= k_pos > q_pos - window
         mask[:, :, 0] |= ~mask.any(-1)  # a padding query past its sequence: any one key
         return mask.unsqueeze(1).to(device)
 
@@ -346,15 +348,19 @@ def attend_groups(
     scaling: float | None,
     faster: Callable[[AttentionGroup, Tokens], torch.Tensor | None] | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of this step's packed queries ``new.q [T, H, D]`` over the pool
     (this step's keys and values already written): ``[T, H, D]``, group by group;
     ``faster(group, new)`` gives a group's ``[B * Qmax, H, D]`` or None (torch's turn).
-    ``window`` > 0: each query attends to its last ``window`` keys only."""
+    ``window`` > 0: each query attends to its last ``window`` keys only;
+    ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``."""
 
     def attend(group: AttentionGroup) -> torch.Tensor:
         o = None if faster is None else faster(group, new)
-        return _attend(group, new, k_pool, v_pool, scaling, window) if o is None else o
+        if o is None:
+            return _attend(group, new, k_pool, v_pool, scaling, window, softcap)
+        return o
 
     num_tokens = new.q.shape[0]
     if len(groups) == 1 and groups[0].packed == (0, num_tokens):  # one group, in packed order
@@ -377,6 +383,7 @@ def _attend(
     v_pool: torch.Tensor,
     scaling: float | None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention for one group; returns ``[B * Qmax, H, D]`` (rows in ``[B, Qmax]`` order)."""
     batch, _, kv_max = group.shape
@@ -393,9 +400,12 @@ def _attend(
     else:  # [KVH, B, Kmax, D], widened (or narrowed) from the pool's dtype to the queries'
         k = _gather(k_pool, group.kv_slots, q.dtype).view(-1, batch, kv_max, k_pool.shape[-1])
         v = _gather(v_pool, group.kv_slots, q.dtype).view(-1, batch, kv_max, v_pool.shape[-1])
-        if group.products:
+        if group.products and not softcap:
             return _attend_decode(q, k, v, key_bias, scaling)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if softcap:  # SDPA has no soft-cap: the products, the cap and the softmax in torch
+        full = group.window_mask(window, q.device)
+        return _attend_capped(q, k, v, full, scaling, softcap)
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [B, H, Qmax, D]
         k,  # [B, KVH, Kmax, D]
@@ -406,6 +416,29 @@ def _attend(
         enable_gqa=True,
     )
     return o.transpose(1, 2).flatten(0, 1)
+
+
+def _attend_capped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Soft-capped attention: ``q [B, Qmax, H, D]``, ``k``/``v`` ``[B, KVH, Kmax,
+    D]``, ``mask [B, 1, Qmax, Kmax]`` -> ``[B * Qmax, H, D]``, as transformers'
+    eager Gemma 2 attention (scale, divide by the cap, tanh, times the cap, mask,
+    softmax)."""
+    heads, dim = q.shape[2], q.shape[3]
+    group = heads // k.shape[1]
+    keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = dim**-0.5 if scaling is None else scaling
+    scores = torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, -math.inf)
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, H, Qmax, D]
+    return out.transpose(1, 2).flatten(0, 1)
 
 
 def _attend_decode(

@@ -98,13 +98,18 @@ TILE_TARGET INLINE_ALWAYS void values_tile(const buffers *b, int64_t rows, int64
  * key yet (m = -inf) gets P = 0 and alpha = 0 (its O and l are 0). */
 TILE_TARGET INLINE_ALWAYS void softmax_tile(const buffers *b, int64_t rows, int64_t keys,
                                             int64_t first_key, int64_t lowest, int64_t highest,
-                                            int64_t window) {
+                                            int64_t window, float softcap) {
     int64_t edge = window ? highest - window : -1; /* keys up to it may be outside a window */
     for (int64_t v0 = 0; v0 < rows; v0 += VL) {
         vi pos = *(const vi *)(b->pos + v0);
         vf top = splat(-INFINITY);
         for (int64_t k = 0; k < keys; k++) {
             vf *s = (vf *)(b->s + k * rows + v0);
+            if (softcap > 0.0f) { /* tanh x = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) */
+                vf x = *s / softcap, a = pick(x < 0.0f, -x, x);
+                vf e = exp_nonpositive(-2.0f * a), t = (1.0f - e) / (1.0f + e);
+                *s = softcap * pick(x < 0.0f, -t, t);
+            }
             if (first_key + k > lowest)
                 *s = pick(pos < (int32_t)(first_key + k), splat(-INFINITY), *s);
             if (first_key + k <= edge)
@@ -154,7 +159,7 @@ TILE_TARGET INLINE_ALWAYS void query_tile(const step *c, const buffers *b, const
 #undef SCORES
             }
         }
-        softmax_tile(b, rows, keys, first_key, lowest, highest, c->window);
+        softmax_tile(b, rows, keys, first_key, lowest, highest, c->window, c->softcap);
         for (int64_t v0 = 0; v0 < vectors; v0 += O_VECTORS) {
             int64_t left = vectors - v0 < O_VECTORS ? vectors - v0 : O_VECTORS, d0 = 0;
 #define VALUES(N) values_tile(b, rows, keys, d0, v0, O_DIMS, N)

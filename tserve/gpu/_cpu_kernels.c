@@ -258,7 +258,8 @@ CLONES void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, in
  * where they lie (no gather). q: [batch] rows of `q_stride` floats holding
  * `heads` heads; out: [batch, heads, head_dim]. Sequence b has lens[b] keys
  * at positions 0.. (with a sliding `window`, > 0, only its last `window` are
- * read), position p in slot tables[b * width + p / block_size] *
+ * read; with `softcap` > 0 each score s becomes softcap * tanh(s / softcap)),
+ * position p in slot tables[b * width + p / block_size] *
  * block_size + p % block_size. Query head h reads KV head h / (heads /
  * kv_heads). `scores` is scratch of (heads / kv_heads) * max(lens) floats.
  * The pools are of `kv_type`; a row of another type than fp32 is widened
@@ -267,7 +268,7 @@ static inline __attribute__((always_inline)) void paged_decode(
     const float *q, int64_t q_stride, const void *k_pool, const void *v_pool, int64_t num_slots,
     const int64_t *tables, int64_t width, const int64_t *lens, int64_t block_size,
     int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-    int64_t window, float *out, float *scores, int kv_type) {
+    int64_t window, float softcap, float *out, float *scores, int kv_type) {
     int64_t group = heads / kv_heads;
     float widened[head_dim];
     for (int64_t b = 0; b < batch; b++) {
@@ -282,6 +283,10 @@ static inline __attribute__((always_inline)) void paged_decode(
                 for (int64_t j = 0; j < group; j++)
                     scores[j * len + p] = dot(qg + j * head_dim, k, head_dim) * scale;
             }
+            if (softcap > 0.0f)
+                for (int64_t j = 0; j < group; j++)
+                    for (int64_t p = first; p < len; p++)
+                        scores[j * len + p] = softcap * tanhf(scores[j * len + p] / softcap);
             for (int64_t j = 0; j < group; j++) {
                 float *row = scores + j * len;
                 float top = row[first];
@@ -312,11 +317,11 @@ CLONES void tserve_paged_decode(const float *q, int64_t q_stride, const void *k_
                                 const void *v_pool, int64_t num_slots, const int64_t *tables,
                                 int64_t width, const int64_t *lens, int64_t block_size,
                                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                float scale, int64_t window, float *out, float *scores,
-                                int kv_type) {
+                                float scale, int64_t window, float softcap, float *out,
+                                float *scores, int kv_type) {
 #define PAGED_DECODE(T)                                                                      \
     paged_decode(q, q_stride, k_pool, v_pool, num_slots, tables, width, lens, block_size,    \
-                 batch, heads, kv_heads, head_dim, scale, window, out, scores, T)
+                 batch, heads, kv_heads, head_dim, scale, window, softcap, out, scores, T)
     switch (kv_type_here(kv_type)) { /* one copy of the loop per type, conversion inlined */
     case KV_F16_F16C: PAGED_DECODE(KV_F16_F16C); break;
     case KV_F16: PAGED_DECODE(KV_F16); break;

@@ -73,7 +73,7 @@ class CpuKernels:
         self._gelu_tanh_mul = _declare(library.tserve_gelu_tanh_mul, ptr, i64, i64, ptr, ptr)
         self._paged_decode = _declare(
             library.tserve_paged_decode, ptr, i64, ptr, ptr, i64, ptr, i64, ptr,
-            i64, i64, i64, i64, i64, _F32, i64, ptr, ptr, _INT,
+            i64, i64, i64, i64, i64, _F32, i64, _F32, ptr, ptr, _INT,
         )  # fmt: skip
         self._linear = _declare(library.tserve_linear, ptr, i64, i64, ptr, ptr, i64, ptr)
         library.tserve_linear_available.restype = _INT
@@ -194,11 +194,13 @@ class CpuKernels:
         block_size: int,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Attention of ``q`` (``[B, >= heads * D]`` rows, any row stride, unit
         column stride) over each sequence's ``lens[b]`` keys in the pool (fp32,
         fp16 or bf16, both alike; with a sliding ``window`` > 0, its last
-        ``window`` keys), its blocks ``tables [B, width]``: fp32 ``[B, heads, D]``."""
+        ``window`` keys; ``softcap`` > 0: scores capped to it by tanh), its
+        blocks ``tables [B, width]``: fp32 ``[B, heads, D]``."""
         batch = q.shape[0]
         kv_heads, num_slots, head_dim = k_pool.shape
         out = torch.empty(batch, heads, head_dim)
@@ -219,6 +221,7 @@ class CpuKernels:
             head_dim,
             scale,
             window,
+            softcap,
             out.data_ptr(),
             scores.data_ptr(),
             KV_TYPES[k_pool.dtype],

@@ -175,6 +175,7 @@ def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDe
         isa=kernels.best_isa,
         scale=model.scaling,
         activation=ACTIVATIONS[model.activation],
+        softcap=model.attn_softcap,
     )
     step = decoder_step(library, layers, shape, max_tokens, progress)
     return None if step is None else FusedDecoder(step)

@@ -133,6 +133,7 @@ class _Decoder(ctypes.Structure):
         ("block_size", _I64),
         ("eps", _F32),
         ("scale", _F32),
+        ("softcap", _F32),
         ("kv_type", _I32),
         ("isa", _I32),
         ("activation", _I32),
@@ -173,8 +174,8 @@ class LayerPointers:
 class DecoderShape:
     """The model around the layers: sizes, RoPE tables (fp32 ``[positions, D/2]``
     addresses), the pool's geometry and element type (``KV_CODES``), the
-    attention's scale (0: ``head_dim ** -0.5``) and the MLP's activation
-    (:data:`ACTIVATIONS`)."""
+    attention's scale (0: ``head_dim ** -0.5``) and soft-cap of its scores (0:
+    none) and the MLP's activation (:data:`ACTIVATIONS`)."""
 
     hidden: int
     heads: int
@@ -189,6 +190,7 @@ class DecoderShape:
     isa: int
     scale: float = 0.0
     activation: int = 0
+    softcap: float = 0.0
 
 
 @functools.cache
@@ -217,7 +219,7 @@ def add_rms_norm(library: ctypes.CDLL) -> Any:
 def attend(library: ctypes.CDLL) -> Any:
     """``tserve_attend(isa, qkv, qkv_stride, tokens, positions, tables, width,
     token_rows, k_pool, v_pool, num_slots, block_size, heads, kv_heads,
-    head_dim, scale, window, kv_type, out)``: a fused step's attention, as each
+    head_dim, scale, window, softcap, kv_type, out)``: a fused step's attention, as each
     layer runs it (``_attention_kernels.c``). Token ``t``'s Q heads are the first
     ``heads * head_dim`` floats of row ``t`` of ``qkv``; it attends over keys
     ``0..positions[t]`` (the last ``window`` of them where ``window`` > 0) of
@@ -228,7 +230,7 @@ def attend(library: ctypes.CDLL) -> Any:
     return declare(
         library.tserve_attend,
         c_int, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, _F32,
-        i64, c_int, ptr,
+        i64, _F32, c_int, ptr,
         restype=c_int,
     )  # fmt: skip
 

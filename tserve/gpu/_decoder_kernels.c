@@ -81,7 +81,7 @@ typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim;
     const float *rope_cos, *rope_sin; /* [positions, head_dim / 2] */
     int64_t num_slots, block_size;
-    float eps, scale;
+    float eps, scale, softcap; /* softcap > 0: attention scores capped (tserve_attend) */
     int32_t kv_type, isa, activation;
     int64_t *progress; /* NULL, or a counter that grows by one per layer run */
 } tserve_decoder;
@@ -162,7 +162,7 @@ static int attend(const tserve_decoder *model, const tserve_layer *layer, int64_
     return tserve_attend(model->isa, s->qkv, layer->qkv.n, tokens, positions, tables, width,
                          token_rows, layer->k_pool, layer->v_pool, model->num_slots,
                          model->block_size, model->heads, model->kv_heads, model->head_dim,
-                         model->scale, layer->window, model->kv_type, s->attn);
+                         model->scale, layer->window, model->softcap, model->kv_type, s->attn);
 }
 
 /* The architecture's steps between the Q/K/V product and RoPE, in place on

@@ -136,6 +136,8 @@ def load_gguf(
         local_rope=_rope(config, local=True) if config.local_rope_theta else None,
         embed_scale=embed_scale(config),
         activation=config.architecture.activation,
+        attn_softcap=config.attn_softcap,
+        final_softcap=config.final_softcap,
     )
     file.release_unused((t.data_ptr(), t.data_ptr() + t.nbytes) for t in _held_tensors(model))
     tokenizer = tokenizer_dir(path, cache_dir, progress, file.vocab)

@@ -97,6 +97,8 @@ class GgufConfig:
     # file's vocabulary as llama.cpp reads it.
     end_of_generation_ids: tuple[int, ...] = ()
     sliding_window: int = 0  # the keys of a sliding-window layer (0: none is)
+    attn_softcap: float = 0.0  # attention scores soft-capped to it (0: not)
+    final_softcap: float = 0.0  # logits soft-capped to it (0: not)
     # Each inverse frequency is divided by its factor (``rope_freqs.weight``: Llama 3.1's
     # "llama3" scaling as llama.cpp's converter writes it); empty: none.
     rope_freq_factors: tuple[float, ...] = ()
@@ -431,6 +433,10 @@ def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         rope_freq_factors=factors,
+        attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", architecture.attn_softcap)),
+        final_softcap=float(
+            meta.get(f"{arch}.final_logit_softcapping", architecture.final_softcap)
+        ),
         sliding_window=int(meta.get(f"{arch}.attention.sliding_window", 0))
         if architecture.sliding_pattern
         else 0,

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tserve.gpu._architectures import ARCHITECTURES, Architecture, hf_architecture
+from tserve.gpu._architectures import ARCHITECTURES, Architecture, hf_architecture, soft_cap
 from tserve.gpu._attention import AttentionGroup, StepMetadata, Tokens, attend_groups
 
 __all__ = [
@@ -80,9 +80,6 @@ def unsupported_reason(model: Any) -> str | None:
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     if _HF_ACTIVATIONS.get(str(act)) != arch.activation:
         return f"activation {act!r} is not {arch.activation}"
-    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, cap, None) is not None:
-            return f"{cap} is not supported"
     if getattr(config, "mlp_bias", False):
         return "the MLP has biases"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
@@ -143,10 +140,12 @@ class StepOps(Protocol):
         block_size: int,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor | None:
         """Decode attention read where the keys lie (``[B, heads, D]``; with a
-        sliding ``window`` > 0, over the last ``window`` keys), or None: the
-        group goes through :func:`~tserve.gpu._attention.attend_groups`' own."""
+        sliding ``window`` > 0, over the last ``window`` keys; ``softcap`` > 0:
+        scores capped by tanh), or None: the group goes through
+        :func:`~tserve.gpu._attention.attend_groups`' own."""
         ...
 
 
@@ -200,6 +199,7 @@ class TorchOps:
         block_size: int,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor | None:
         return None
 
@@ -316,6 +316,8 @@ class PagedLlama(torch.nn.Module):
         scale: float | None = None,
         embed_scale: float = 1.0,
         activation: str = "silu",
+        attn_softcap: float = 0.0,
+        final_softcap: float = 0.0,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -324,6 +326,10 @@ class PagedLlama(torch.nn.Module):
         self.scaling: float = head_dim**-0.5 if scale is None else scale
         self.embed_scale = embed_scale
         """What the embedding's rows are multiplied by (Gemma: sqrt(hidden))."""
+        self.attn_softcap = attn_softcap
+        """Attention scores become ``cap * tanh(score / cap)`` (0: not; Gemma 2)."""
+        self.final_softcap = final_softcap
+        """The logits likewise (0: not)."""
         self.activation = activation
         """The MLP gate's: an :attr:`~tserve.gpu._architectures.Architecture.activation`."""
         self.embed = embed
@@ -388,6 +394,8 @@ class PagedLlama(torch.nn.Module):
             local_rope=local,
             scale=None if scalar is None else scalar**-0.5,
             activation=arch.activation,
+            attn_softcap=getattr(config, "attn_logit_softcapping", None) or 0.0,
+            final_softcap=getattr(config, "final_logit_softcapping", None) or 0.0,
         )
 
     def forward(
@@ -434,7 +442,7 @@ class PagedLlama(torch.nn.Module):
             rows = qkv[slice(*group.packed)] if group.packed else qkv[group.q_index]
             return ops.paged_decode(
                 rows, heads, k_pool, v_pool, group.block_tables, group.kv_lens,
-                group.shape[2], pool.block_size, self.scaling, window,
+                group.shape[2], pool.block_size, self.scaling, window, self.attn_softcap,
             )  # fmt: skip
 
         mlp = ops.gelu_tanh_mul if self.activation == "gelu_tanh" else ops.silu_mul
@@ -459,7 +467,9 @@ class PagedLlama(torch.nn.Module):
             )
             split = qkv.view(tokens, heads + 2 * kv_heads, dim)
             new = Tokens(split[:, :heads], split[:, heads : heads + kv_heads], split[:, -kv_heads:])
-            out = attend_groups(step.groups, new, k_pool, v_pool, self.scaling, decode, window)
+            out = attend_groups(
+                step.groups, new, k_pool, v_pool, self.scaling, decode, window, self.attn_softcap
+            )
             hidden = layer.o(out.reshape(tokens, heads * dim))
             if layer.post_attn_norm is not None:
                 hidden = ops.add_rms_norm(hidden, None, layer.post_attn_norm, self.eps)
@@ -497,6 +507,10 @@ class PagedLlama(torch.nn.Module):
         # On the step's ops like every other norm: the native runner's head is
         # the same C kernel (tserve/gpu/_native.py), so their logits agree bit for bit.
         logits: torch.Tensor = self.lm_head(self.ops.add_rms_norm(last, tail, self.norm, self.eps))
+        if self.final_softcap and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            soft_cap(logits.numpy(), self.final_softcap)  # the native runner's, in place
+        elif self.final_softcap:  # transformers' order: divide, tanh, multiply
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
 

@@ -46,6 +46,7 @@ from typing import Final
 
 import numpy as np
 
+from tserve.gpu._architectures import soft_cap
 from tserve.gpu._decoder_abi import (
     ACTIVATIONS,
     MAX_FUSED_TOKENS,
@@ -268,6 +269,7 @@ class NativeRunner:
             kv_type=KV_CODES[kv_dtype],
             isa=model.quant.best_isa,
             activation=ACTIVATIONS[config.architecture.activation],
+            softcap=config.attn_softcap,
         )
         self.progress = np.zeros(1, dtype=np.int64)
         """Layers run so far (int64 ``[1]``): the C code adds one after each layer
@@ -328,4 +330,6 @@ class NativeRunner:
             )  # fmt: skip
             run_product(self._library, model.head, model.quant.best_isa, _address(normed),
                         rows, _address(logits))  # fmt: skip
+            if model.config.final_softcap:
+                soft_cap(logits, model.config.final_softcap)
         return logits

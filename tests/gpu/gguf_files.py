@@ -68,6 +68,8 @@ def write_gguf(
     architecture: str | None = None,
     sampling: dict[str, float | int] | None = None,
     vocab: Callable[[Any], None] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    rope_dimensions: int | None = None,
 ) -> Path:
     """``model_dir``'s model as ``out`` (a .gguf in a directory of its own), under
     its own architecture unless ``architecture`` names another, every
@@ -75,7 +77,8 @@ def write_gguf(
     ``sampling``: ``general.sampling.<key>`` metadata (ints as int32, floats as
     float32, as llama.cpp's converter writes them). ``vocab`` writes the
     file's ``tokenizer.*`` metadata (given the ``GGUFWriter``); without it the
-    directory's tokenizer files are copied beside the file."""
+    directory's tokenizer files are copied beside the file. ``extra_tensors``
+    are written too; ``rope_dimensions`` overrides ``rope.dimension_count``."""
     import gguf
     import torch
     from transformers import AutoModelForCausalLM
@@ -148,7 +151,7 @@ def write_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(rope_dimensions or head_dim)
     rope = config.rope_parameters
     writer.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
     if rope.get("rope_type") == "llama3":
@@ -169,6 +172,7 @@ def write_gguf(
             writer.add_int32(f"general.sampling.{key}", value)
         else:
             writer.add_float32(f"general.sampling.{key}", value)
+    tensors.update(extra_tensors or {})
     for name, weight in tensors.items():
         kind = (formats or {}).get(name, fmt) if weight.ndim == 2 else "F32"
         qtype = gguf.GGMLQuantizationType[kind]

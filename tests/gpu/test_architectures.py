@@ -254,30 +254,48 @@ def test_an_engine_generates_transformers_greedy_tokens(
     assert ours == out[0, len(prompt) :].tolist()
 
 
-# llama-server's greedy continuation (llama.cpp 0.6.0-dev, ``-t 1``, temperature
-# 0, ``/completion`` with ``n_predict`` 16) on the same Gemma 3 270M Q4_K_M file
+# llama-server's greedy continuations (llama.cpp 0.6.0-dev, ``-t 1``, temperature
+# 0, ``/completion`` with ``n_predict`` 16) on the same Gemma 3 270M Q4_K_M file:
 # of "The capital of France is": " the capital of the country of France. It is
-# the largest city in France."
-_LLAMA_SERVER_GEMMA3 = [
-    506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001, 236761
-]  # fmt: skip
+# the largest city in France."; of the first 3,000 characters of
+# benchmarks/sonnet.txt (789 tokens, past the 512-key window): "ry dew\nWere the
+# most beautiful of all, and the most\nOf all".
+_LLAMA_SERVER_GEMMA3 = {
+    "The capital of France is": [
+        506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001, 236761
+    ],
+    "sonnet": [
+        824, 58343, 107, 114498, 506, 1346, 4148, 529, 784, 236764, 532, 506, 1346, 107, 4088, 784
+    ],
+}  # fmt: skip
 
 
 def test_the_gemma3_270m_file_runs_natively_and_continues_as_llama_server(
     gemma3_gguf: Path, tmp_path: Path
 ) -> None:
     """The real file (Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors; 18 layers, 5 local
-    of window 512 to 1 global, one KV head of 256) on the native runner. Greedy
+    of window 512 to 1 global, one KV head of 256) on the native runner, a
+    short prompt and one longer than the window (in 256-token chunks). Greedy
     tokens agree with llama-server's up to where the two engines' roundings
-    meet a near-tie ("capital" or "largest" after " It is the")."""
+    meet a near-tie ("capital" or "largest" after " It is the"; "," or " of"
+    after "beautiful")."""
     from tokenizers import Tokenizer
 
-    core = small_core(gemma3_gguf, cache_dir=str(tmp_path), gguf_activations="fp32")
+    core = small_core(
+        gemma3_gguf, cache_dir=str(tmp_path), gguf_activations="fp32", max_num_batched_tokens=256
+    )
     assert isinstance(core.runner, NativeRunner)
     tokenizer = Tokenizer.from_file(str(core.model_path / "tokenizer.json"))
-    prompt = tokenizer.encode("The capital of France is").ids
-    assert prompt == [2, 818, 5279, 529, 7001, 563]  # llama-server's /tokenize
+    sonnet = Path(__file__).parents[2] / "benchmarks" / "sonnet.txt"
+    prompts = {
+        "The capital of France is": "The capital of France is",
+        "sonnet": sonnet.read_text()[:3000],
+    }
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    ours = generated(core, AddRequest("r", prompt, params))
-    assert ours[:11] == _LLAMA_SERVER_GEMMA3[:11]
-    assert tokenizer.decode(ours).startswith(" the capital of the country of France. It is the")
+    agree = {"The capital of France is": 11, "sonnet": 7}
+    for name, text in prompts.items():
+        prompt = tokenizer.encode(text).ids
+        assert len(prompt) == (6 if name != "sonnet" else 789)  # llama-server's counts
+        ours = generated(core, AddRequest(name, prompt, params))
+        assert ours[: agree[name]] == _LLAMA_SERVER_GEMMA3[name][: agree[name]]
+    assert tokenizer.decode(ours).startswith("ry dew\nWere the most beautiful")

@@ -1,17 +1,23 @@
 """GGUF files made from the tiny test models, as llama.cpp's converter lays them out.
 
-:func:`write_gguf` writes a Llama directory's weights with the ``gguf``
-package's writer and quantizers: llama metadata, tensors under GGUF names,
-Q and K rows permuted into interleaved-pair RoPE order (the converter's
-``LlamaModel.permute``), 2-D weights in the format asked for and norms in
-F32, and the directory's tokenizer files copied beside the file (or a
-vocabulary in its metadata). K-quants,
-which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`.
+:func:`write_gguf` writes a model directory's weights (Llama, Qwen2, Qwen3,
+Phi-3, Gemma 2 and 3) with the ``gguf`` package's writer and quantizers: the
+architecture's metadata, tensors under GGUF names (biases and Q/K norms
+where the model has them; Phi-3's joined Q/K/V and gate/up weights as its
+``attn_qkv`` and ``ffn_up``; Gemma's pre- and post-norms and soft-caps, each norm
+weight written as 1 + w, as Gemma multiplies by), a Llama's Q and K rows
+permuted into interleaved-pair RoPE order (the converter's
+``LlamaModel.permute``; the other families keep theirs; Llama 3.1 RoPE
+scaling as ``rope_freqs`` factors), 2-D weights in the
+format asked for and norms in F32, and the directory's tokenizer files
+copied beside the file (or a vocabulary in its metadata).
+K-quants, which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -33,29 +39,55 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def _llama3_factors(rope: dict[str, Any], dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's ``rope_freqs`` of Llama 3.1 RoPE scaling: the factor
+    each inverse frequency is divided by."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
 def write_gguf(
     model_dir: Path,
     out: Path,
     fmt: str,
     *,
     formats: dict[str, str] | None = None,
-    architecture: str = "llama",
+    architecture: str | None = None,
     sampling: dict[str, float | int] | None = None,
     vocab: Callable[[Any], None] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    rope_dimensions: int | None = None,
 ) -> Path:
-    """``model_dir``'s Llama as ``out`` (a .gguf in a directory of its own), every
+    """``model_dir``'s model as ``out`` (a .gguf in a directory of its own), under
+    its own architecture unless ``architecture`` names another, every
     2-D weight in ``fmt`` unless ``formats`` names another for a GGUF tensor name;
     ``sampling``: ``general.sampling.<key>`` metadata (ints as int32, floats as
     float32, as llama.cpp's converter writes them). ``vocab`` writes the
     file's ``tokenizer.*`` metadata (given the ``GGUFWriter``); without it the
-    directory's tokenizer files are copied beside the file."""
+    directory's tokenizer files are copied beside the file. ``extra_tensors``
+    are written too; ``rope_dimensions`` overrides ``rope.dimension_count``."""
     import gguf
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model: Any = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    interleave = config.model_type == "llama"
     state = {name: t.detach().numpy() for name, t in model.state_dict().items()}
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": state["model.embed_tokens.weight"],
@@ -74,25 +106,61 @@ def write_gguf(
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
     }
+    optional = {
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+    }
+    gemma = config.model_type in ("gemma2", "gemma3_text")
+    if gemma:  # its pre- and post-norms; every norm weight as 1 + w, as the converter writes it
+        parts.update(
+            ffn_norm="pre_feedforward_layernorm",
+            post_attention_norm="post_attention_layernorm",
+            post_ffw_norm="post_feedforward_layernorm",
+        )
+        tensors["output_norm.weight"] = tensors["output_norm.weight"] + 1
+    if config.model_type == "phi3":  # llama.cpp's names of its fused weights
+        parts = {k: v for k, v in parts.items() if k not in ("attn_q", "attn_k", "attn_v")}
+        parts.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
+        del parts["ffn_gate"]
     for i in range(config.num_hidden_layers):
         for ours, theirs in parts.items():
             weight = state[f"model.layers.{i}.{theirs}.weight"]
-            if ours == "attn_q":
+            if ours == "attn_q" and interleave:
                 weight = _permute(weight, heads)
-            elif ours == "attn_k":
+            elif ours == "attn_k" and interleave:
                 weight = _permute(weight, kv_heads)
             tensors[f"blk.{i}.{ours}.weight"] = weight
+        for ours, theirs in optional.items():
+            if f"model.layers.{i}.{theirs}" in state:
+                tensors[f"blk.{i}.{ours}"] = state[f"model.layers.{i}.{theirs}"]
+        if gemma:
+            for name in [n for n in tensors if n.startswith(f"blk.{i}.") and "norm" in n]:
+                tensors[name] = tensors[name] + 1
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out, architecture)
+    arch = architecture or {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
+    writer = gguf.GGUFWriter(out, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(config.hidden_size // heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(rope_dimensions or head_dim)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
+    if rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
+    if gemma:
+        writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if vocab is not None:
@@ -104,6 +172,7 @@ def write_gguf(
             writer.add_int32(f"general.sampling.{key}", value)
         else:
             writer.add_float32(f"general.sampling.{key}", value)
+    tensors.update(extra_tensors or {})
     for name, weight in tensors.items():
         kind = (formats or {}).get(name, fmt) if weight.ndim == 2 else "F32"
         qtype = gguf.GGMLQuantizationType[kind]

@@ -42,6 +42,8 @@ class Case:
     head_dim: int
     block_size: int
     chunks: tuple[Chunk, ...]
+    window: int = 0  # a sliding window's keys (0: none)
+    softcap: float = 0.0  # scores capped by tanh (0: none)
 
 
 CASES = {
@@ -57,6 +59,15 @@ CASES = {
     "mha": Case(3, 3, 32, 5, (Chunk(0, 0, 33), Chunk(1, 17, 1), Chunk(2, 64, 66))),
     # Five heads of a group: rows that fill no whole vector.
     "group of five": Case(10, 2, 24, 8, (Chunk(0, 0, 97), Chunk(0, 97, 3))),
+    # A sliding window shorter than a key tile: query tiles whose first key tiles
+    # are wholly outside some rows' windows, decodes beside them.
+    "window": Case(
+        4, 1, 32, 4, (Chunk(0, 0, 150), Chunk(1, 80, 1), Chunk(2, 3, 1), Chunk(3, 40, 30)), 20
+    ),
+    # Gemma 2's soft-capped scores (a small cap, so that it bites) within a window.
+    "softcap": Case(8, 4, 16, 4, (Chunk(0, 0, 90), Chunk(1, 30, 1), Chunk(2, 7, 3)), 40, 0.5),
+    # A window longer than a key tile, a resumed prefill crossing it.
+    "long window": Case(9, 3, 64, 16, (Chunk(0, 0, 70), Chunk(0, 70, 130), Chunk(1, 150, 1)), 100),
 }
 
 
@@ -116,24 +127,27 @@ class Step:
             isa, qkv.ctypes.data, qkv.shape[1], len(qkv), positions.ctypes.data,
             self.tables.ctypes.data, self.width, rows.ctypes.data, self.k.ctypes.data,
             self.v.ctypes.data, self.num_slots, case.block_size, case.heads, case.kv_heads,
-            case.head_dim, case.head_dim**-0.5, KV_CODES[self.kv], out.ctypes.data,
+            case.head_dim, case.head_dim**-0.5, case.window, case.softcap, KV_CODES[self.kv],
+            out.ctypes.data,
         )  # fmt: skip
         assert failed == 0
         return out
 
     def reference(self) -> np.ndarray:
-        """Causal softmax attention in float64 over the widened pool."""
+        """Causal softmax attention (within the window) in float64 over the widened pool."""
         case = self.case
         dim, group = case.head_dim, case.heads // case.kv_heads
         out = np.empty((len(self.positions), case.heads, dim))
         keys, values = self.widened
         for t, (position, row) in enumerate(zip(self.positions, self.rows, strict=True)):
-            p = np.arange(position + 1)
+            p = np.arange(max(0, position + 1 - case.window) if case.window else 0, position + 1)
             slots = self.tables[row, p // case.block_size] * case.block_size + p % case.block_size
             q = self.qkv[t, : case.heads * dim].astype(np.float64).reshape(case.heads, dim)
             for h in range(case.heads):
                 k, v = keys[h // group, slots], values[h // group, slots]
                 scores = k @ q[h] * dim**-0.5
+                if case.softcap:
+                    scores = case.softcap * np.tanh(scores / case.softcap)
                 weights = np.exp(scores - scores.max())
                 out[t, h] = weights @ v / weights.sum()
         return out.reshape(len(self.positions), -1)
@@ -152,7 +166,12 @@ def test_attention_is_causal_softmax_attention_on_every_isa(name: str, kv: str) 
 
 @pytest.mark.parametrize(
     ("name", "cuts"),
-    [("smollm2", [2, 33, 35, 99]), ("group of five", [2, 33, 35, 98]), ("mha", [2, 34, 36])],
+    [
+        ("smollm2", [2, 33, 35, 99]),
+        ("group of five", [2, 33, 35, 98]),
+        ("mha", [2, 34, 36]),
+        ("window", [2, 33, 35, 99]),
+    ],
 )
 def test_splitting_a_prefill_into_calls_changes_no_bit(name: str, cuts: list[int]) -> None:
     """Each row's sums run in one order whatever tile it lands in, so calls over

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests.gpu.gguf_files import write_gguf
+from tserve.gpu._architectures import ARCHITECTURES
 from tserve.gpu._gguf import load_gguf
 from tserve.gpu._gguf_file import GgufConfig, rope_tables
 from tserve.gpu._llama import rope_table
@@ -190,6 +191,7 @@ def test_the_rope_table_is_the_one_transformers_computes(factor: float) -> None:
         rope_parameters=rope_parameters,
     )
     ours = GgufConfig(
+        architecture=ARCHITECTURES["llama"],
         vocab_size=512,
         hidden_size=576,
         intermediate_size=1536,

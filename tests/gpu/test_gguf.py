@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -246,9 +247,40 @@ def test_a_format_without_a_kernel_is_an_error_naming_the_tensor(
 
 
 def test_another_architecture_is_an_error_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
-    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "q.gguf", "Q8_0", architecture="qwen3")
-    with pytest.raises(ModelLoadError, match=r"architecture 'qwen3'.*--dequantize"):
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "m.gguf", "Q8_0", architecture="mamba")
+    with pytest.raises(ModelLoadError) as raised:
         _load(path, tmp_path)
+    message = str(raised.value)
+    assert "\n" not in message
+    supported = "llama, qwen2, qwen3, phi3, gemma2, gemma3"
+    assert message == f"m.gguf: architecture 'mamba' is not supported; tserve runs {supported}"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"rope_dimensions": 8},
+            r"^q\.gguf: RoPE on 8 of each head's 16 dimensions \(partial rotary\) is not one",
+        ),
+        (
+            {"extra_tensors": {"rope_factors_long.weight": np.ones(8, np.float32)}},
+            r"^q\.gguf: its RoPE scaling is not one tserve reads from GGUF",
+        ),
+        (
+            {"extra_tensors": {"rope_freqs.weight": np.ones(3, np.float32)}},
+            r"^q\.gguf: 'rope_freqs\.weight' holds 3 factors, not one F32 factor for each of its 8",
+        ),
+    ],
+    ids=["partial-rotary", "longrope", "rope-freqs-length"],
+)
+def test_a_rope_tserve_cannot_run_is_one_line_naming_it(
+    tiny_model_dir: Path, tmp_path: Path, extra: dict[str, Any], message: str
+) -> None:
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "q.gguf", "Q8_0", **extra)
+    with pytest.raises(ModelLoadError, match=message) as raised:
+        _load(path, tmp_path)
+    assert "\n" not in str(raised.value)
 
 
 def _greedy(core: EngineCore, prompt: list[int], n: int) -> list[int]:

@@ -40,8 +40,11 @@ Modules:
   KV pool; the one place that decides the device path (``resolve_device``,
   the glue kernels, decode attention, tuning) and the forward pass
   (``model_impl``).
-* ``_llama.py`` — :class:`PagedLlama`, tserve's own forward pass for
-  Llama-family models (Llama, Mistral, Qwen2): fused products over the loaded
+* ``_architectures.py`` — the decoder architectures tserve's own forward pass
+  runs, as data: one :class:`Architecture` row per family (biases, Q/K norms,
+  GGUF Q/K order), looked up by GGUF or transformers name; no torch.
+* ``_llama.py`` — :class:`PagedLlama`, tserve's own forward pass for every
+  architecture of ``_architectures.py``: fused products over the loaded
   weights, the head on sampled rows only; its glue as :class:`StepOps`.
 * ``_native.py`` — a GGUF file served without torch: :class:`NativeModel`
   (its weights as numpy arrays the C kernels read) and :class:`NativeRunner`

@@ -121,6 +121,22 @@ class AttentionGroup:
     fresh: bool = False  # every sequence starts at 0: keys/values are this step's
     # A decode group that reads the pool runs as two batched products, not SDPA.
     products: bool = False
+    starts: tuple[int, ...] = ()  # each sequence's first query position
+    kv_lengths: tuple[int, ...] = ()  # each sequence's keys
+
+    def window_mask(self, window: int, device: torch.device) -> torch.Tensor:
+        """``[B, 1, Qmax, Kmax]`` bool: True where a query may attend (causal,
+        within its sequence; with a sliding ``window`` > 0, its last ``window``
+        keys); padding queries see their sequence's first valid key."""
+        _, q_max, kv_max = self.shape
+        k_pos = torch.arange(kv_max)[None, None, :]
+        q_pos = torch.tensor(self.starts)[:, None, None] + torch.arange(q_max)[None, :, None]
+        valid = k_pos < torch.tensor(self.kv_lengths)[:, None, None]
+        mask = (k_pos <= q_pos) & valid
+        if window:
+            mask &= k_pos > q_pos - window
+        mask[:, :, 0] |= ~mask.any(-1)  # a padding query past its sequence: any one key
+        return mask.unsqueeze(1).to(device)
 
     def to(self, device: torch.device) -> AttentionGroup:
         if self.kv_slots.device == device:
@@ -263,6 +279,8 @@ def _group(
         is_causal=is_causal,
         fresh=fresh,
         products=decode_products and q_max == 1 and not fresh,
+        starts=tuple(starts),
+        kv_lengths=tuple(kv_lens),
     )
 
 
@@ -329,14 +347,20 @@ def attend_groups(
     v_pool: torch.Tensor,
     scaling: float | None,
     faster: Callable[[AttentionGroup, Tokens], torch.Tensor | None] | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of this step's packed queries ``new.q [T, H, D]`` over the pool
     (this step's keys and values already written): ``[T, H, D]``, group by group;
-    ``faster(group, new)`` gives a group's ``[B * Qmax, H, D]`` or None (torch's turn)."""
+    ``faster(group, new)`` gives a group's ``[B * Qmax, H, D]`` or None (torch's turn).
+    ``window`` > 0: each query attends to its last ``window`` keys only;
+    ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``."""
 
     def attend(group: AttentionGroup) -> torch.Tensor:
         o = None if faster is None else faster(group, new)
-        return _attend(group, new, k_pool, v_pool, scaling) if o is None else o
+        if o is None:
+            return _attend(group, new, k_pool, v_pool, scaling, window, softcap)
+        return o
 
     num_tokens = new.q.shape[0]
     if len(groups) == 1 and groups[0].packed == (0, num_tokens):  # one group, in packed order
@@ -358,29 +382,63 @@ def _attend(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     scaling: float | None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention for one group; returns ``[B * Qmax, H, D]`` (rows in ``[B, Qmax]`` order)."""
     batch, _, kv_max = group.shape
     q = _take(new.q, group)
+    mask, key_bias, is_causal = group.mask, group.key_bias, group.is_causal
+    if window:
+        mask, is_causal = group.window_mask(window, q.device), False
+        if group.products:  # one query per sequence: the mask as a bias
+            key_bias = torch.zeros(batch, 1, kv_max, device=q.device, dtype=q.dtype)
+            key_bias.masked_fill_(~mask[:, 0], -math.inf)
     if group.fresh:  # the keys of these queries are their own tokens: [B, KVH, Qmax, D]
         k = _as_stored(_take(new.k, group), k_pool.dtype).transpose(1, 2)
         v = _as_stored(_take(new.v, group), v_pool.dtype).transpose(1, 2)
     else:  # [KVH, B, Kmax, D], widened (or narrowed) from the pool's dtype to the queries'
         k = _gather(k_pool, group.kv_slots, q.dtype).view(-1, batch, kv_max, k_pool.shape[-1])
         v = _gather(v_pool, group.kv_slots, q.dtype).view(-1, batch, kv_max, v_pool.shape[-1])
-        if group.products:
-            return _attend_decode(q, k, v, group.key_bias, scaling)
+        if group.products and not softcap:
+            return _attend_decode(q, k, v, key_bias, scaling)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if softcap:  # SDPA has no soft-cap: the products, the cap and the softmax in torch
+        full = group.window_mask(window, q.device)
+        return _attend_capped(q, k, v, full, scaling, softcap)
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [B, H, Qmax, D]
         k,  # [B, KVH, Kmax, D]
         v,
-        attn_mask=group.mask,
-        is_causal=group.is_causal,
+        attn_mask=mask,
+        is_causal=is_causal,
         scale=scaling,
         enable_gqa=True,
     )
     return o.transpose(1, 2).flatten(0, 1)
+
+
+def _attend_capped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Soft-capped attention: ``q [B, Qmax, H, D]``, ``k``/``v`` ``[B, KVH, Kmax,
+    D]``, ``mask [B, 1, Qmax, Kmax]`` -> ``[B * Qmax, H, D]``, as transformers'
+    eager Gemma 2 attention (scale, divide by the cap, tanh, times the cap, mask,
+    softmax)."""
+    heads, dim = q.shape[2], q.shape[3]
+    group = heads // k.shape[1]
+    keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = dim**-0.5 if scaling is None else scaling
+    scores = torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, -math.inf)
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, H, Qmax, D]
+    return out.transpose(1, 2).flatten(0, 1)
 
 
 def _attend_decode(

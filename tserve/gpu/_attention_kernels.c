@@ -11,14 +11,17 @@
  * multiple of LANES. Keys go in key tiles of KEY_TILE positions aligned to
  * position 0. For each key tile the tile's K and V rows are read once (fp32
  * where they lie in the pool, fp16/bf16 widened into a buffer), then
- * S = Q K^T, the causal mask (key position > query position: -inf), the
+ * S = Q K^T (soft-capped: cap * tanh(S / cap), where the layer caps), the causal mask (key position > query position: -inf; with a
+ * sliding window, key position <= query position - window too), the
  * online softmax (running max m, sum l, the old output scaled by
  * exp(m_old - m_new)) and O += P V. Q, S, P and O keep the rows in vector
  * lanes, so every sum runs along keys or head_dim in one fixed order and no
  * operation mixes rows: a row's value does not depend on the tile it sits in,
  * and a key tile that lies wholly past a row's position leaves it exactly as
  * it was (m unchanged, alpha 1, P 0). Splitting a prefill into calls
- * therefore changes no bit.
+ * therefore changes no bit. A layer with a sliding window reads only the key
+ * tiles that reach into its rows' windows; a row none of whose keys a tile
+ * holds keeps m = -inf and is left as it was too.
  *
  * Instruction sets: each ISA_* variant (tserve_quant_isa()'s codes, the
  * decoder's `isa`) is the same code in 16-float GCC vectors compiled for it,
@@ -56,6 +59,8 @@ typedef struct {
     const void *k_pool, *v_pool;
     int64_t num_slots, block_size, heads, kv_heads, group, head_dim;
     float scale;
+    int64_t window; /* a sliding window's keys (0: none): keys past it are masked */
+    float softcap;  /* > 0: each score s is softcap * tanh(s / softcap) before the masks */
     int kv_type;
     float *out;
     int64_t tile_tokens, rows; /* a query tile: tokens, rows padded to LANES */
@@ -214,13 +219,15 @@ static tile_fn tile_variant(int isa) {
     return attend_tile_portable;
 }
 
-/* A decode token: every head over keys 0..its position, as the forward pass's decode. */
+/* A decode token: every head over keys 0..its position (the last `window` of
+ * them with a window), as the forward pass's decode. */
 static void attend_one(const step *c, const buffers *b, int64_t t) {
     int64_t len = c->positions[t] + 1;
     tserve_paged_decode(c->qkv + t * c->qkv_stride, c->qkv_stride, c->k_pool, c->v_pool,
                         c->num_slots, c->tables + c->token_rows[t] * c->width, c->width, &len,
                         c->block_size, 1, c->heads, c->kv_heads, c->head_dim, c->scale,
-                        c->out + t * c->attn_width, b->scores, c->kv_type);
+                        c->window, c->softcap, c->out + t * c->attn_width, b->scores,
+                        c->kv_type);
 }
 
 static int more_work_first(const void *a, const void *b) {
@@ -245,6 +252,7 @@ static item *work_items(const step *c, int64_t tokens, int64_t *count) {
         for (int64_t first = t; first < end; first += c->tile_tokens) {
             int64_t size = end - first < c->tile_tokens ? end - first : c->tile_tokens;
             int64_t keys = c->positions[first + size - 1] + 1;
+            if (c->window && keys > c->window + size) keys = c->window + size;
             for (int64_t g = 0; g < c->kv_heads; g++)
                 items[n++] = (item){first, size, g, keys * size * c->group};
         }
@@ -258,13 +266,14 @@ int tserve_attend(int isa, const float *qkv, int64_t qkv_stride, int64_t tokens,
                   const int64_t *positions, const int64_t *tables, int64_t width,
                   const int64_t *token_rows, const void *k_pool, const void *v_pool,
                   int64_t num_slots, int64_t block_size, int64_t heads, int64_t kv_heads,
-                  int64_t head_dim, float scale, int kv_type, float *out) {
+                  int64_t head_dim, float scale, int64_t window, float softcap, int kv_type,
+                  float *out) {
     step c = {
         .qkv = qkv, .qkv_stride = qkv_stride, .attn_width = heads * head_dim,
         .positions = positions, .tables = tables, .token_rows = token_rows, .width = width,
         .k_pool = k_pool, .v_pool = v_pool, .num_slots = num_slots, .block_size = block_size,
         .heads = heads, .kv_heads = kv_heads, .group = heads / kv_heads, .head_dim = head_dim,
-        .scale = scale, .kv_type = kv_type, .out = out,
+        .scale = scale, .window = window, .softcap = softcap, .kv_type = kv_type, .out = out,
     };
     c.tile_tokens = QUERY_ROWS / c.group > 1 ? QUERY_ROWS / c.group : 1;
     c.rows = round_up(c.tile_tokens * c.group, LANES);

@@ -92,26 +92,39 @@ TILE_TARGET INLINE_ALWAYS void values_tile(const buffers *b, int64_t rows, int64
 
 /* The softmax step of one key tile: S becomes P in place (keys at positions
  * past a row's own masked first, where the tile reaches past `lowest`, the
- * tile's first position); m, l and alpha (the factor of the old O) updated. */
+ * tile's first position; with a sliding `window`, keys at or before a row's
+ * position - window too, where the tile starts at or before `highest` -
+ * window); m, l and alpha (the factor of the old O) updated. A row with no
+ * key yet (m = -inf) gets P = 0 and alpha = 0 (its O and l are 0). */
 TILE_TARGET INLINE_ALWAYS void softmax_tile(const buffers *b, int64_t rows, int64_t keys,
-                                            int64_t first_key, int64_t lowest) {
+                                            int64_t first_key, int64_t lowest, int64_t highest,
+                                            int64_t window, float softcap) {
+    int64_t edge = window ? highest - window : -1; /* keys up to it may be outside a window */
     for (int64_t v0 = 0; v0 < rows; v0 += VL) {
         vi pos = *(const vi *)(b->pos + v0);
         vf top = splat(-INFINITY);
         for (int64_t k = 0; k < keys; k++) {
             vf *s = (vf *)(b->s + k * rows + v0);
+            if (softcap > 0.0f) { /* tanh x = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) */
+                vf x = *s / softcap, a = pick(x < 0.0f, -x, x);
+                vf e = exp_nonpositive(-2.0f * a), t = (1.0f - e) / (1.0f + e);
+                *s = softcap * pick(x < 0.0f, -t, t);
+            }
             if (first_key + k > lowest)
                 *s = pick(pos < (int32_t)(first_key + k), splat(-INFINITY), *s);
+            if (first_key + k <= edge)
+                *s = pick(pos - (int32_t)window >= (int32_t)(first_key + k), splat(-INFINITY), *s);
             top = vmax(top, *s);
         }
         vf m_old = *(const vf *)(b->m + v0), m_new = vmax(m_old, top);
+        vf m_use = window ? pick(m_new == splat(-INFINITY), splat(0.0f), m_new) : m_new;
         vf sum = splat(0.0f);
         for (int64_t k = 0; k < keys; k++) {
             vf *s = (vf *)(b->s + k * rows + v0);
-            *s = exp_nonpositive(*s - m_new);
+            *s = exp_nonpositive(*s - m_use);
             sum += *s;
         }
-        vf alpha = exp_nonpositive(m_old - m_new);
+        vf alpha = exp_nonpositive(m_old - m_use);
         *(vf *)(b->alpha + v0) = alpha;
         *(vf *)(b->l + v0) = *(const vf *)(b->l + v0) * alpha + sum;
         *(vf *)(b->m + v0) = m_new;
@@ -126,7 +139,9 @@ TILE_TARGET INLINE_ALWAYS void query_tile(const step *c, const buffers *b, const
     const int64_t *table = c->tables + c->token_rows[w->first] * c->width;
     load_queries(c, b, w);
     int64_t head_row = g * c->num_slots, vectors = rows / VL;
-    for (int64_t first_key = 0; first_key <= highest; first_key += KEY_TILE) {
+    int64_t start = c->window && lowest >= c->window ? lowest - c->window + 1 : 0;
+    for (int64_t first_key = start / KEY_TILE * KEY_TILE; first_key <= highest;
+         first_key += KEY_TILE) {
         int64_t keys = highest + 1 - first_key < KEY_TILE ? highest + 1 - first_key : KEY_TILE;
         for (int64_t k = 0; k < keys; k++) {
             int64_t p = first_key + k;
@@ -144,7 +159,7 @@ TILE_TARGET INLINE_ALWAYS void query_tile(const step *c, const buffers *b, const
 #undef SCORES
             }
         }
-        softmax_tile(b, rows, keys, first_key, lowest);
+        softmax_tile(b, rows, keys, first_key, lowest, highest, c->window, c->softcap);
         for (int64_t v0 = 0; v0 < vectors; v0 += O_VECTORS) {
             int64_t left = vectors - v0 < O_VECTORS ? vectors - v0 : O_VECTORS, d0 = 0;
 #define VALUES(N) values_tile(b, rows, keys, d0, v0, O_DIMS, N)

@@ -171,6 +171,28 @@ CLONES void tserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, f
     }
 }
 
+/* out[r, i] = gelu_tanh(gate) * up for gate_up rows [gate (inter) | up (inter)]:
+ * gelu_tanh(g) = g (1 + tanh u) / 2 = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3),
+ * written with e = exp(-2|u|) so exp sees only x <= 0. */
+CLONES void tserve_gelu_tanh_mul(const float *gate_up, int64_t rows, int64_t inter, float *out,
+                                 float *scratch) {
+    const float c = 0.7978845608028654f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            float g = gate[i];
+            scratch[i] = -2.0f * fabsf(c * (g + 0.044715f * g * g * g));
+        }
+        exp_nonpositive(scratch, inter);
+        for (int64_t i = 0; i < inter; i++) {
+            float e = scratch[i], g = gate[i];
+            float u = c * (g + 0.044715f * g * g * g);
+            o[i] = (u >= 0.0f ? g : g * e) / (1.0f + e) * up[i];
+        }
+    }
+}
+
 /* residual += hidden (when add), then out = RMSNorm(residual) * weight, row by row. */
 CLONES void tserve_add_rms_norm(float *residual, const float *hidden, const float *weight, float *out,
                          int64_t rows, int64_t dim, float eps, int add) {
@@ -235,7 +257,9 @@ CLONES void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, in
 /* Attention of one query per sequence over its keys in the paged pool, read
  * where they lie (no gather). q: [batch] rows of `q_stride` floats holding
  * `heads` heads; out: [batch, heads, head_dim]. Sequence b has lens[b] keys
- * at positions 0.., position p in slot tables[b * width + p / block_size] *
+ * at positions 0.. (with a sliding `window`, > 0, only its last `window` are
+ * read; with `softcap` > 0 each score s becomes softcap * tanh(s / softcap)),
+ * position p in slot tables[b * width + p / block_size] *
  * block_size + p % block_size. Query head h reads KV head h / (heads /
  * kv_heads). `scores` is scratch of (heads / kv_heads) * max(lens) floats.
  * The pools are of `kv_type`; a row of another type than fp32 is widened
@@ -243,36 +267,40 @@ CLONES void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, in
 static inline __attribute__((always_inline)) void paged_decode(
     const float *q, int64_t q_stride, const void *k_pool, const void *v_pool, int64_t num_slots,
     const int64_t *tables, int64_t width, const int64_t *lens, int64_t block_size,
-    int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, float *out,
-    float *scores, int kv_type) {
+    int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+    int64_t window, float softcap, float *out, float *scores, int kv_type) {
     int64_t group = heads / kv_heads;
     float widened[head_dim];
     for (int64_t b = 0; b < batch; b++) {
-        int64_t len = lens[b];
+        int64_t len = lens[b], first = window && len > window ? len - window : 0;
         const int64_t *table = tables + b * width;
         for (int64_t g = 0; g < kv_heads; g++) {
             int64_t head_row = g * num_slots;
             const float *qg = q + b * q_stride + g * group * head_dim;
-            for (int64_t p = 0; p < len; p++) {
+            for (int64_t p = first; p < len; p++) {
                 int64_t slot = table[p / block_size] * block_size + p % block_size;
                 const float *k = kv_row(k_pool, head_row + slot, head_dim, kv_type, widened);
                 for (int64_t j = 0; j < group; j++)
                     scores[j * len + p] = dot(qg + j * head_dim, k, head_dim) * scale;
             }
+            if (softcap > 0.0f)
+                for (int64_t j = 0; j < group; j++)
+                    for (int64_t p = first; p < len; p++)
+                        scores[j * len + p] = softcap * tanhf(scores[j * len + p] / softcap);
             for (int64_t j = 0; j < group; j++) {
                 float *row = scores + j * len;
-                float top = row[0];
-                for (int64_t p = 1; p < len; p++) top = row[p] > top ? row[p] : top;
-                for (int64_t p = 0; p < len; p++) row[p] -= top;
-                exp_nonpositive(row, len);
+                float top = row[first];
+                for (int64_t p = first + 1; p < len; p++) top = row[p] > top ? row[p] : top;
+                for (int64_t p = first; p < len; p++) row[p] -= top;
+                exp_nonpositive(row + first, len - first);
                 float total = 0;
-                for (int64_t p = 0; p < len; p++) total += row[p];
+                for (int64_t p = first; p < len; p++) total += row[p];
                 float inv = 1.0f / total;
-                for (int64_t p = 0; p < len; p++) row[p] *= inv;
+                for (int64_t p = first; p < len; p++) row[p] *= inv;
             }
             float *o = out + (b * heads + g * group) * head_dim;
             memset(o, 0, (size_t)(group * head_dim) * sizeof(float));
-            for (int64_t p = 0; p < len; p++) {
+            for (int64_t p = first; p < len; p++) {
                 int64_t slot = table[p / block_size] * block_size + p % block_size;
                 const float *v = kv_row(v_pool, head_row + slot, head_dim, kv_type, widened);
                 for (int64_t j = 0; j < group; j++) {
@@ -289,10 +317,11 @@ CLONES void tserve_paged_decode(const float *q, int64_t q_stride, const void *k_
                                 const void *v_pool, int64_t num_slots, const int64_t *tables,
                                 int64_t width, const int64_t *lens, int64_t block_size,
                                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                float scale, float *out, float *scores, int kv_type) {
+                                float scale, int64_t window, float softcap, float *out,
+                                float *scores, int kv_type) {
 #define PAGED_DECODE(T)                                                                      \
     paged_decode(q, q_stride, k_pool, v_pool, num_slots, tables, width, lens, block_size,    \
-                 batch, heads, kv_heads, head_dim, scale, out, scores, T)
+                 batch, heads, kv_heads, head_dim, scale, window, softcap, out, scores, T)
     switch (kv_type_here(kv_type)) { /* one copy of the loop per type, conversion inlined */
     case KV_F16_F16C: PAGED_DECODE(KV_F16_F16C); break;
     case KV_F16: PAGED_DECODE(KV_F16); break;

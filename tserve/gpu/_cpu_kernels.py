@@ -70,9 +70,10 @@ class CpuKernels:
             ptr, ptr, ptr, ptr, ptr, ptr, i64, _INT,
         )  # fmt: skip
         self._silu_mul = _declare(library.tserve_silu_mul, ptr, i64, i64, ptr, ptr)
+        self._gelu_tanh_mul = _declare(library.tserve_gelu_tanh_mul, ptr, i64, i64, ptr, ptr)
         self._paged_decode = _declare(
             library.tserve_paged_decode, ptr, i64, ptr, ptr, i64, ptr, i64, ptr,
-            i64, i64, i64, i64, i64, _F32, ptr, ptr, _INT,
+            i64, i64, i64, i64, i64, _F32, i64, _F32, ptr, ptr, _INT,
         )  # fmt: skip
         self._linear = _declare(library.tserve_linear, ptr, i64, i64, ptr, ptr, i64, ptr)
         library.tserve_linear_available.restype = _INT
@@ -143,6 +144,16 @@ class CpuKernels:
         self._silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr(), scratch.data_ptr())
         return out
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` of ``gate_up [T, 2 I]`` (gate first): a new ``[T, I]``."""
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2)
+        scratch = torch.empty(width // 2)
+        self._gelu_tanh_mul(
+            gate_up.data_ptr(), rows, width // 2, out.data_ptr(), scratch.data_ptr()
+        )
+        return out
+
     @staticmethod
     def pack_linear(weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` in :meth:`linear`'s layout: column panels of
@@ -182,11 +193,14 @@ class CpuKernels:
         max_len: int,
         block_size: int,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Attention of ``q`` (``[B, >= heads * D]`` rows, any row stride, unit
         column stride) over each sequence's ``lens[b]`` keys in the pool (fp32,
-        fp16 or bf16, both alike), its blocks ``tables [B, width]``: fp32
-        ``[B, heads, D]``."""
+        fp16 or bf16, both alike; with a sliding ``window`` > 0, its last
+        ``window`` keys; ``softcap`` > 0: scores capped to it by tanh), its
+        blocks ``tables [B, width]``: fp32 ``[B, heads, D]``."""
         batch = q.shape[0]
         kv_heads, num_slots, head_dim = k_pool.shape
         out = torch.empty(batch, heads, head_dim)
@@ -206,6 +220,8 @@ class CpuKernels:
             kv_heads,
             head_dim,
             scale,
+            window,
+            softcap,
             out.data_ptr(),
             scores.data_ptr(),
             KV_TYPES[k_pool.dtype],

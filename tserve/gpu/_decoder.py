@@ -33,6 +33,7 @@ import torch
 from tserve.gpu._attention import KVPool, StepMetadata
 from tserve.gpu._cpu_kernels import KV_TYPES
 from tserve.gpu._decoder_abi import (
+    ACTIVATIONS,
     MAX_FUSED_TOKENS,
     MAX_PARTS,
     DecoderShape,
@@ -124,7 +125,10 @@ def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDe
     counter that grows by one per layer run (0: none), outliving the decoder."""
     library, kernels = kernel_library(), quant_kernels()
     rope = [_vector(model.rope_cos), _vector(model.rope_sin)]
+    local_cos, local_sin = _vector(model.local_rope_cos), _vector(model.local_rope_sin)
     if library is None or kernels is None or pool.k.dtype not in KV_TYPES or None in rope:
+        return None
+    if local_cos is None or local_sin is None:
         return None
     layers = []
     max_tokens = MAX_FUSED_TOKENS
@@ -132,7 +136,11 @@ def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDe
         assert isinstance(layer, LayerWeights)
         products = [_product(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         norms = [_vector(layer.attn_norm), _vector(layer.mlp_norm)]
-        if any(p is None for p in products) or None in norms:
+        extras = [
+            layer.qkv_bias, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_mlp_norm
+        ]  # fmt: skip
+        extra = [0 if t is None else _vector(t) for t in extras]
+        if any(p is None for p in products) or None in norms or None in extra:
             return None
         found = [p for p in products if p is not None]
         for _, kernel_rows in found:
@@ -141,7 +149,18 @@ def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDe
         qkv, o, gate_up, down = (product for product, _ in found)
         attn_norm, mlp_norm = (n for n in norms if n is not None)
         k_pool, v_pool = pool.k[layer.layer_idx].data_ptr(), pool.v[layer.layer_idx].data_ptr()
-        layers.append(LayerPointers(qkv, o, gate_up, down, attn_norm, mlp_norm, k_pool, v_pool))
+        qkv_bias, q_norm, k_norm, post_attn_norm, post_mlp_norm = (x or 0 for x in extra)
+        local = layer.window > 0 and model.local_rope_cos is not model.rope_cos
+        layers.append(
+            LayerPointers(
+                qkv, o, gate_up, down, attn_norm, mlp_norm, k_pool, v_pool,
+                qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
+                post_attn_norm=post_attn_norm, post_mlp_norm=post_mlp_norm,
+                rope_cos=local_cos if local else 0,
+                rope_sin=local_sin if local else 0,
+                window=layer.window,
+            )
+        )  # fmt: skip
     shape = DecoderShape(
         hidden=model.norm.shape[0],
         heads=model.num_heads,
@@ -154,6 +173,9 @@ def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDe
         eps=model.eps,
         kv_type=KV_TYPES[pool.k.dtype],
         isa=kernels.best_isa,
+        scale=model.scaling,
+        activation=ACTIVATIONS[model.activation],
+        softcap=model.attn_softcap,
     )
     step = decoder_step(library, layers, shape, max_tokens, progress)
     return None if step is None else FusedDecoder(step)

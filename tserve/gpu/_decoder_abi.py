@@ -25,6 +25,7 @@ from tserve.gpu._library import declare
 from tserve.gpu._quant_abi import K_FORMATS, Activations, format_spec, product_activations
 
 __all__ = [
+    "ACTIVATIONS",
     "MAX_FUSED_TOKENS",
     "DecoderShape",
     "DecoderStep",
@@ -61,6 +62,9 @@ def product_route(fmt: int, activations: Activations) -> tuple[int, bool]:
         return _K_INT8, False  # int8 on the file's layout: K-quants alone
     return (_K_FP32 if fmt in K_FORMATS else _FP32), False
 
+
+ACTIVATIONS: Final = {"silu": 0, "gelu_tanh": 1}
+"""The MLP gate's activations ``_decoder_kernels.c`` runs (its ``ACT_*`` codes)."""
 
 MAX_PARTS: Final = 3
 """The most formats one product joins (Q, K and V, each its own)."""
@@ -102,6 +106,14 @@ class _Layer(ctypes.Structure):
         ("mlp_norm", _PTR),
         ("k_pool", _PTR),
         ("v_pool", _PTR),
+        ("qkv_bias", _PTR),
+        ("q_norm", _PTR),
+        ("k_norm", _PTR),
+        ("post_attn_norm", _PTR),
+        ("post_mlp_norm", _PTR),
+        ("rope_cos", _PTR),
+        ("rope_sin", _PTR),
+        ("window", _I64),
     )
 
 
@@ -121,8 +133,10 @@ class _Decoder(ctypes.Structure):
         ("block_size", _I64),
         ("eps", _F32),
         ("scale", _F32),
+        ("softcap", _F32),
         ("kv_type", _I32),
         ("isa", _I32),
+        ("activation", _I32),
         ("progress", _PTR),
     )
 
@@ -130,8 +144,13 @@ class _Decoder(ctypes.Structure):
 @dataclasses.dataclass(frozen=True)
 class LayerPointers:
     """One layer as the C code reads it: its four products (each of one or more
-    formats), its two fp32 norm
-    vectors and its ``[kv_heads, slots, D]`` K and V pools (addresses)."""
+    formats), its two fp32 norm vectors, its ``[kv_heads, slots, D]`` K and V
+    pools, and its architecture's optional parts
+    (:mod:`tserve.gpu._architectures`; 0 where it has none): the fp32 Q/K/V
+    biases ``[qkv.n]``, the Q and K heads' norm weights ``[D]``, the post-norms
+    of the attention's and the MLP's outputs ``[hidden]``, a RoPE table of its
+    own (``[positions, D/2]`` each, else the model's) (addresses), and a
+    sliding window's keys."""
 
     qkv: Product
     o: Product
@@ -141,12 +160,22 @@ class LayerPointers:
     mlp_norm: int
     k_pool: int
     v_pool: int
+    qkv_bias: int = 0
+    q_norm: int = 0
+    k_norm: int = 0
+    post_attn_norm: int = 0
+    post_mlp_norm: int = 0
+    rope_cos: int = 0
+    rope_sin: int = 0
+    window: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderShape:
     """The model around the layers: sizes, RoPE tables (fp32 ``[positions, D/2]``
-    addresses), the pool's geometry and element type (``KV_CODES``)."""
+    addresses), the pool's geometry and element type (``KV_CODES``), the
+    attention's scale (0: ``head_dim ** -0.5``) and soft-cap of its scores (0:
+    none) and the MLP's activation (:data:`ACTIVATIONS`)."""
 
     hidden: int
     heads: int
@@ -159,6 +188,9 @@ class DecoderShape:
     eps: float
     kv_type: int
     isa: int
+    scale: float = 0.0
+    activation: int = 0
+    softcap: float = 0.0
 
 
 @functools.cache
@@ -187,18 +219,18 @@ def add_rms_norm(library: ctypes.CDLL) -> Any:
 def attend(library: ctypes.CDLL) -> Any:
     """``tserve_attend(isa, qkv, qkv_stride, tokens, positions, tables, width,
     token_rows, k_pool, v_pool, num_slots, block_size, heads, kv_heads,
-    head_dim, scale, kv_type, out)``: a fused step's attention, as each layer
-    runs it (``_attention_kernels.c``). Token ``t``'s Q heads are the first
+    head_dim, scale, window, softcap, kv_type, out)``: a fused step's attention, as each
+    layer runs it (``_attention_kernels.c``). Token ``t``'s Q heads are the first
     ``heads * head_dim`` floats of row ``t`` of ``qkv``; it attends over keys
-    ``0..positions[t]`` of the sequence whose blocks are row ``token_rows[t]``
-    of ``tables``, in the pools ``[kv_heads, num_slots, head_dim]`` of
-    ``kv_type``; ``out [tokens, heads * head_dim]``. Returns nonzero when its
-    scratch cannot be had."""
+    ``0..positions[t]`` (the last ``window`` of them where ``window`` > 0) of
+    the sequence whose blocks are row ``token_rows[t]`` of ``tables``, in the
+    pools ``[kv_heads, num_slots, head_dim]`` of ``kv_type``; ``out [tokens,
+    heads * head_dim]``. Returns nonzero when its scratch cannot be had."""
     i64, ptr, c_int = _I64, _PTR, ctypes.c_int
     return declare(
         library.tserve_attend,
         c_int, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, _F32,
-        c_int, ptr,
+        i64, _F32, c_int, ptr,
         restype=c_int,
     )  # fmt: skip
 
@@ -261,11 +293,9 @@ def decoder_step(
     for entry, layer in zip(entries, layers, strict=True):
         for field in dataclasses.fields(LayerPointers):
             setattr(entry, field.name, getattr(layer, field.name))
-    scale = shape.head_dim**-0.5
     fields = dataclasses.asdict(shape)
-    decoder = _Decoder(
-        layers=entries, num_layers=len(layers), scale=scale, progress=progress or None, **fields
-    )
+    fields["scale"] = shape.scale or shape.head_dim**-0.5
+    decoder = _Decoder(layers=entries, num_layers=len(layers), progress=progress or None, **fields)
     return DecoderStep(library, decoder, entries, max_tokens)
 
 

@@ -1,11 +1,14 @@
-/* A whole step of a Llama-family decoder over quantized weights in one call
+/* A whole step of a decoder of any architecture tserve runs
+ * (tserve/gpu/_architectures.py) over quantized weights in one call
  * (tserve/gpu/_decoder.py).
  *
  * The same arithmetic as PagedLlama's forward pass on the CPU kernels
  * (tserve/gpu/_llama.py), layer after layer, with no Python between the
- * pieces: per layer the residual add and RMSNorm, the Q/K/V product, RoPE and
- * the K/V write, attention, the output product, the add and norm again, the
- * gate/up product, silu(gate) * up and the down product; after the last layer
+ * pieces: per layer the residual add and RMSNorm, the Q/K/V product (and the
+ * architecture's Q/K/V biases and Q/K head norms where it has them), RoPE and
+ * the K/V write, attention (within a sliding window on a local layer), the
+ * output product (and its post-norm), the add and norm again, the gate/up
+ * product, act(gate) * up and the down product (and its post-norm); after the last layer
  * its output added to the residual. Each piece is the library's own entry
  * point (_kernels.h), so a decode step gives the logits the forward pass
  * does, bit for bit.
@@ -53,12 +56,24 @@ typedef struct {
     tserve_part parts[MAX_PARTS];
 } tserve_product;
 
-/* One decoder layer; the pools are its [kv_heads, num_slots, head_dim] slices. _Layer. */
+/* One decoder layer; the pools are its [kv_heads, num_slots, head_dim] slices. _Layer.
+ * The architecture's optional parts are NULL (0) where it has none
+ * (tserve/gpu/_architectures.py): qkv_bias [qkv.n] added to the Q/K/V
+ * product; q_norm and k_norm [head_dim] the RMSNorm weights of every Q and K
+ * head before RoPE; post_attn_norm and post_mlp_norm [hidden] RMSNorms of the
+ * attention's and the MLP's outputs before each is added to the residual;
+ * rope_cos and rope_sin a table of the layer's own (else the model's); window
+ * the keys a sliding-window layer attends to (its last ones). */
 typedef struct {
     tserve_product qkv, o, gate_up, down;
     const float *attn_norm, *mlp_norm;
     void *k_pool, *v_pool;
+    const float *qkv_bias, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
+    const float *rope_cos, *rope_sin;
+    int64_t window;
 } tserve_layer;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* the MLP's gate activation: _decoder_abi.py's */
 
 /* The model; `layers` holds num_layers of them. _Decoder. */
 typedef struct {
@@ -66,8 +81,8 @@ typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim;
     const float *rope_cos, *rope_sin; /* [positions, head_dim / 2] */
     int64_t num_slots, block_size;
-    float eps, scale;
-    int32_t kv_type, isa;
+    float eps, scale, softcap; /* softcap > 0: attention scores capped (tserve_attend) */
+    int32_t kv_type, isa, activation;
     int64_t *progress; /* NULL, or a counter that grows by one per layer run */
 } tserve_decoder;
 
@@ -147,7 +162,23 @@ static int attend(const tserve_decoder *model, const tserve_layer *layer, int64_
     return tserve_attend(model->isa, s->qkv, layer->qkv.n, tokens, positions, tables, width,
                          token_rows, layer->k_pool, layer->v_pool, model->num_slots,
                          model->block_size, model->heads, model->kv_heads, model->head_dim,
-                         model->scale, model->kv_type, s->attn);
+                         model->scale, layer->window, model->softcap, model->kv_type, s->attn);
+}
+
+/* The architecture's steps between the Q/K/V product and RoPE, in place on
+ * qkv [tokens, qkv.n]: the biases, then each Q and K head's RMSNorm. */
+static void qkv_extras(const tserve_decoder *model, const tserve_layer *layer, int64_t tokens,
+                       float *qkv) {
+    int64_t n = layer->qkv.n, dim = model->head_dim;
+    if (layer->qkv_bias)
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t j = 0; j < n; j++) qkv[t * n + j] += layer->qkv_bias[j];
+    if (layer->q_norm)
+        for (int64_t t = 0; t < tokens; t++) {
+            float *q = qkv + t * n, *k = q + model->heads * dim;
+            tserve_add_rms_norm(q, 0, layer->q_norm, q, model->heads, dim, model->eps, 0);
+            tserve_add_rms_norm(k, 0, layer->k_norm, k, model->kv_heads, dim, model->eps, 0);
+        }
 }
 
 /* Every layer over `tokens` packed tokens. residual [tokens, hidden]: their
@@ -168,15 +199,27 @@ int tserve_decoder_step(const tserve_decoder *model, float *residual, int64_t to
         tserve_add_rms_norm(residual, s.out, layer->attn_norm, s.x, tokens, hidden, model->eps,
                             i > 0);
         failed |= product(&layer->qkv, isa, s.x, tokens, s.qkv);
+        qkv_extras(model, layer, tokens, s.qkv);
         tserve_rope_store(s.qkv, tokens, layer->qkv.n, model->heads, model->kv_heads,
-                          model->head_dim, positions, model->rope_cos, model->rope_sin, slots,
+                          model->head_dim, positions,
+                          layer->rope_cos ? layer->rope_cos : model->rope_cos,
+                          layer->rope_sin ? layer->rope_sin : model->rope_sin, slots,
                           layer->k_pool, layer->v_pool, model->num_slots, model->kv_type);
         failed |= attend(model, layer, tokens, positions, tables, width, token_rows, &s);
         failed |= product(&layer->o, isa, s.attn, tokens, s.out);
+        if (layer->post_attn_norm)
+            tserve_add_rms_norm(s.out, 0, layer->post_attn_norm, s.out, tokens, hidden,
+                                model->eps, 0);
         tserve_add_rms_norm(residual, s.out, layer->mlp_norm, s.x, tokens, hidden, model->eps, 1);
         failed |= product(&layer->gate_up, isa, s.x, tokens, s.gate_up);
-        tserve_silu_mul(s.gate_up, tokens, layer->down.k, s.act, s.silu);
+        if (model->activation == ACT_GELU_TANH)
+            tserve_gelu_tanh_mul(s.gate_up, tokens, layer->down.k, s.act, s.silu);
+        else
+            tserve_silu_mul(s.gate_up, tokens, layer->down.k, s.act, s.silu);
         failed |= product(&layer->down, isa, s.act, tokens, s.out);
+        if (layer->post_mlp_norm)
+            tserve_add_rms_norm(s.out, 0, layer->post_mlp_norm, s.out, tokens, hidden,
+                                model->eps, 0);
         if (model->progress) __atomic_fetch_add(model->progress, 1, __ATOMIC_RELAXED);
     }
     for (int64_t j = 0; j < tokens * hidden && !failed; j++) residual[j] += s.out[j];

@@ -36,9 +36,12 @@ from tserve.gpu._gguf_file import (
     OUTPUT_NORM,
     GgufConfig,
     GgufFile,
+    embed_scale,
     head_name,
     layer_norms,
     layer_products,
+    layer_vectors,
+    layer_window,
     rope_tables,
     tokenizer_dir,
 )
@@ -96,6 +99,9 @@ def load_gguf(
         p = {name: weights.linear(*spec) for name, spec in layer_products(config, i).items()}
         norms = layer_norms(i)
         attn_norm, mlp_norm = (weights.vector(norms[n]) for n in ("attn_norm", "mlp_norm"))
+        extras: dict[str, Any] = {
+            name: weights.joined(names) for name, names in layer_vectors(config, i).items()
+        }
         layers.append(
             LayerWeights(
                 i,
@@ -105,6 +111,8 @@ def load_gguf(
                 down=p["down"],
                 attn_norm=attn_norm,
                 mlp_norm=mlp_norm,
+                window=layer_window(config, i),
+                **extras,
             )
         )
     lm_head = weights.linear([head_name(config)])
@@ -125,14 +133,19 @@ def load_gguf(
         head_dim=config.head_dim,
         eps=config.rms_norm_eps,
         vocab_size=config.vocab_size,
+        local_rope=_rope(config, local=True) if config.local_rope_theta else None,
+        embed_scale=embed_scale(config),
+        activation=config.architecture.activation,
+        attn_softcap=config.attn_softcap,
+        final_softcap=config.final_softcap,
     )
     file.release_unused((t.data_ptr(), t.data_ptr() + t.nbytes) for t in _held_tensors(model))
     tokenizer = tokenizer_dir(path, cache_dir, progress, file.vocab)
     return GgufModel(path, config, tokenizer, model, file.formats, file.sampling)
 
 
-def _rope(config: GgufConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rope_tables(config)
+def _rope(config: GgufConfig, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope_tables(config, local)
     return torch.from_numpy(cos), torch.from_numpy(sin)
 
 
@@ -179,6 +192,9 @@ class _Weights:
 
     def vector(self, name: str) -> torch.Tensor:
         return torch.from_numpy(self._file.vector(name))
+
+    def joined(self, names: list[str]) -> torch.Tensor:
+        return torch.from_numpy(self._file.joined(names))
 
 
 def _held_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:

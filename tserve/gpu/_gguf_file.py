@@ -2,15 +2,16 @@
 as a config, its tokenizer's directory; no torch.
 
 :class:`GgufFile` maps the file (``gguf.GGUFReader``, copy-on-write, so
-nothing is written back), checks its architecture (``llama``: Llama,
-SmolLM, Mistral-style files) and that every tensor is in a format tserve
+nothing is written back), checks its architecture (one of
+:data:`~tserve.gpu._architectures.ARCHITECTURES`; any other is refused in one
+line) and that every tensor is in a format tserve
 multiplies by (one of :data:`~tserve.gpu._quant_abi.FORMATS`; any
 other is a :class:`~tserve.gpu._models.ModelLoadError` naming the tensor
 and its format: ``--dequantize`` serves the file through the fp32 conversion
 instead), and reads its metadata into a :class:`GgufConfig`. Weights come
 out as raw rows (one per output feature, as GGUF stores them), Q and K rows
-back in the rotate-half order tserve's RoPE uses (llama.cpp's converter
-stores them in interleaved-pair order). The torch forward pass builds its
+in the rotate-half order tserve's RoPE uses (llama.cpp's converter stores a
+``llama`` file's in interleaved-pair order: they are put back). The torch forward pass builds its
 modules over them (:mod:`tserve.gpu._gguf`), the native runner its arrays
 (:mod:`tserve.gpu._native`); whatever a model holds a copy of, the file's
 pages can leave the process's resident set (:meth:`GgufFile.release_unused`).
@@ -36,6 +37,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from tserve.gpu._architectures import Architecture, UnknownArchitecture, gguf_architecture
 from tserve.gpu._gguf_vocab import (
     GgufVocab,
     VocabError,
@@ -50,16 +52,18 @@ __all__ = [
     "F32",
     "GgufConfig",
     "GgufFile",
+    "embed_scale",
     "head_name",
     "layer_norms",
     "layer_products",
+    "layer_vectors",
+    "layer_window",
     "read_vocab",
     "rope_tables",
     "sampling_metadata",
     "tokenizer_dir",
 ]
 
-_ARCHITECTURE: Final = "llama"
 F32: Final = 0
 """GGML's id of F32, the format of plain fp32 tensors (no kernel of its own)."""
 _TOKENIZER_COMPLETE: Final = ".tserve-tokenizer"
@@ -70,8 +74,10 @@ _TOKENIZER_VERSION: Final = 2
 @dataclasses.dataclass(frozen=True)
 class GgufConfig:
     """What a file's metadata says of its model, under the names of a
-    transformers ``LlamaConfig`` (the engine reads either alike)."""
+    transformers ``LlamaConfig`` (the engine reads either alike), and its
+    architecture."""
 
+    architecture: Architecture
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -90,6 +96,13 @@ class GgufConfig:
     # Every id that ends a generation (EOS, EOT, end-of-turn markers), by the
     # file's vocabulary as llama.cpp reads it.
     end_of_generation_ids: tuple[int, ...] = ()
+    sliding_window: int = 0  # the keys of a sliding-window layer (0: none is)
+    attn_softcap: float = 0.0  # attention scores soft-capped to it (0: not)
+    final_softcap: float = 0.0  # logits soft-capped to it (0: not)
+    # Each inverse frequency is divided by its factor (``rope_freqs.weight``: Llama 3.1's
+    # "llama3" scaling as llama.cpp's converter writes it); empty: none.
+    rope_freq_factors: tuple[float, ...] = ()
+    local_rope_theta: float = 0.0  # the RoPE base of sliding-window layers (0: rope_theta)
 
 
 def _reader(path: Path) -> Any:
@@ -142,7 +155,7 @@ class _Metadata:
 
 
 class GgufFile:
-    """A GGUF file of a Llama-family model whose every tensor tserve runs.
+    """A GGUF file of an architecture tserve runs whose every tensor it runs.
 
     ``has_kernels`` False (the compiled library is absent) makes any tensor
     not in F32 an error. Raises ModelLoadError naming the file, and the
@@ -155,18 +168,16 @@ class GgufFile:
         reader = _open(path)
         self._tensors: dict[str, Any] = {tensor.name: tensor for tensor in reader.tensors}
         meta = _Metadata(reader, path)
-        arch = meta.get("general.architecture")
-        if arch != _ARCHITECTURE:
-            raise ModelLoadError(
-                f"{path.name}: architecture {arch!r}: tserve runs GGUF files of "
-                f"{_ARCHITECTURE!r} as they are; --dequantize serves others through transformers"
-            )
+        try:
+            arch = gguf_architecture(meta.get("general.architecture"))
+        except UnknownArchitecture as exc:
+            raise ModelLoadError(f"{path.name}: {exc}") from exc
         self.formats = _check_formats(path, self._tensors.values(), has_kernels)
         """GGUF format name -> tensors in it."""
         self.vocab = None if _tokenizer_beside(path) else _vocab(meta)
         """Its ``tokenizer.*`` metadata (a vocabulary tserve builds), or None
         where a ``tokenizer.json`` beside the file is its tokenizer."""
-        config = _config(meta, self._tensors)
+        config = _config(meta, self._tensors, arch)
         if self.vocab is not None:
             eog = end_of_generation_ids(self.vocab)
             config = dataclasses.replace(config, end_of_generation_ids=eog)
@@ -232,6 +243,10 @@ class GgufFile:
         data: np.ndarray = tensor.data.reshape(-1)
         return data
 
+    def joined(self, names: Sequence[str]) -> np.ndarray:
+        """The 1-D weights ``names`` one after another, in fp32 (a new array)."""
+        return np.concatenate([self.vector(name) for name in names])
+
     def release_unused(self, held: Iterable[tuple[int, int]]) -> None:
         """Let go of the pages of every tensor whose bytes lie in none of the
         address ranges ``held`` (``[start, end)``: what a model holds in place;
@@ -256,10 +271,14 @@ def head_name(config: GgufConfig) -> str:
 
 def layer_products(config: GgufConfig, i: int) -> dict[str, tuple[list[str], list[int | None]]]:
     """Layer ``i``'s four products (``qkv``, ``o``, ``gate_up``, ``down``): the
-    tensors each joins, in order, and the heads to permute each by (Q and K)."""
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    tensors each joins, in order, and the heads to permute each by (Q and K
+    where the file interleaves them)."""
+    heads: int | None = config.num_attention_heads
+    kv_heads: int | None = config.num_key_value_heads
+    if not config.architecture.gguf_interleaved_qk:
+        heads = kv_heads = None
     block = f"blk.{i}"
-    return {
+    products: dict[str, tuple[list[str], list[int | None]]] = {
         "qkv": (
             [f"{block}.attn_q.weight", f"{block}.attn_k.weight", f"{block}.attn_v.weight"],
             [heads, kv_heads, None],
@@ -268,11 +287,50 @@ def layer_products(config: GgufConfig, i: int) -> dict[str, tuple[list[str], lis
         "gate_up": ([f"{block}.ffn_gate.weight", f"{block}.ffn_up.weight"], [None, None]),
         "down": ([f"{block}.ffn_down.weight"], [None]),
     }
+    if config.architecture.fused_products:
+        products["qkv"] = ([f"{block}.attn_qkv.weight"], [None])
+        products["gate_up"] = ([f"{block}.ffn_up.weight"], [None])
+    return products
 
 
 def layer_norms(i: int) -> dict[str, str]:
     """Layer ``i``'s two RMSNorm weights (``attn_norm``, ``mlp_norm``)."""
     return {"attn_norm": f"blk.{i}.attn_norm.weight", "mlp_norm": f"blk.{i}.ffn_norm.weight"}
+
+
+def layer_vectors(config: GgufConfig, i: int) -> dict[str, list[str]]:
+    """Layer ``i``'s optional fp32 vectors that its architecture has, each the
+    tensors it joins: ``qkv_bias`` (Q, K and V's biases), ``q_norm`` and
+    ``k_norm`` (every Q and K head's RMSNorm weight), ``post_attn_norm`` and
+    ``post_mlp_norm`` (the attention's and the MLP's output norms); the names
+    of :class:`~tserve.gpu._decoder_abi.LayerPointers`."""
+    arch, block = config.architecture, f"blk.{i}"
+    vectors = {}
+    if arch.qkv_bias:
+        vectors["qkv_bias"] = [f"{block}.attn_{x}.bias" for x in "qkv"]
+    if arch.qk_norm:
+        vectors["q_norm"] = [f"{block}.attn_q_norm.weight"]
+        vectors["k_norm"] = [f"{block}.attn_k_norm.weight"]
+    if arch.post_norms:
+        vectors["post_attn_norm"] = [f"{block}.post_attention_norm.weight"]
+        vectors["post_mlp_norm"] = [f"{block}.post_ffw_norm.weight"]
+    return vectors
+
+
+def layer_window(config: GgufConfig, i: int) -> int:
+    """The keys layer ``i`` attends to when it is a sliding-window layer (its
+    architecture's pattern), else 0: every key."""
+    pattern = config.architecture.sliding_pattern
+    if not pattern or not config.sliding_window or (i + 1) % pattern == 0:
+        return 0
+    return config.sliding_window
+
+
+def embed_scale(config: GgufConfig) -> float:
+    """What the embedding's rows are multiplied by (Gemma: sqrt(hidden), in fp32)."""
+    if not config.architecture.embed_scale:
+        return 1.0
+    return float(np.float32(config.hidden_size**0.5))
 
 
 def sampling_metadata(path: Path) -> dict[str, Any]:
@@ -282,18 +340,25 @@ def sampling_metadata(path: Path) -> dict[str, Any]:
     return _Metadata(_open(path), path).with_prefix(GGUF_SAMPLING_PREFIX)
 
 
-def rope_tables(config: GgufConfig) -> tuple[np.ndarray, np.ndarray]:
-    """``(cos, sin)``, each fp32 ``[max_position_embeddings, head_dim / 2]``.
+def rope_tables(config: GgufConfig, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(cos, sin)``, each fp32 ``[max_position_embeddings, head_dim / 2]``: the
+    global layers' (``local``: the sliding-window layers', on their own base
+    where they have one, unscaled).
 
-    The angles are transformers' (default and linear RoPE): the same fp32
+    The angles are transformers' (default, linear and llama3 RoPE, the last
+    through the file's per-frequency factors): the same fp32
     operations, though torch's vectorized ``pow`` may round an inverse
     frequency a unit or two differently (its AVX-512 path does); their cosines
     and sines are rounded from float64 (torch's fp32 ``cos`` and ``sin`` are
     not correctly rounded)."""
     dim = config.head_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)
-    inv_freq = inv_freq / np.float32(config.rope_linear_factor)
+    own = local and config.local_rope_theta > 0
+    theta = config.local_rope_theta if own else config.rope_theta
+    inv_freq = np.float32(1.0) / np.power(np.float32(theta), exponents)
+    inv_freq = inv_freq / np.float32(1.0 if own else config.rope_linear_factor)
+    if config.rope_freq_factors and not own:
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float32)
     positions = np.arange(config.max_position_embeddings, dtype=np.float32)
     angles = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -317,10 +382,11 @@ def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dic
     return counts
 
 
-def _config(meta: _Metadata, tensors: dict[str, Any]) -> GgufConfig:
+def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture) -> GgufConfig:
     """The model that the metadata describes."""
-    arch = _ARCHITECTURE
-    if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type") not in (
+    arch = architecture.name
+    rope_factors = any(name.startswith("rope_factors_") for name in tensors)
+    if rope_factors or meta.get(f"{arch}.rope.scaling.type") not in (
         None,
         "none",
         "linear",
@@ -332,15 +398,32 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> GgufConfig:
     heads = int(meta.need(f"{arch}.attention.head_count"))
     hidden = int(meta.need(f"{arch}.embedding_length"))
     linear = meta.get(f"{arch}.rope.scaling.type") == "linear"
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelLoadError(
+            f"{meta._path.name}: RoPE on {rope_dims} of each head's {head_dim} dimensions "
+            "(partial rotary) is not one tserve runs"
+        )
+    factors: tuple[float, ...] = ()
+    if "rope_freqs.weight" in tensors:
+        data = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1)
+        if data.shape[0] != head_dim // 2 or int(tensors["rope_freqs.weight"].tensor_type) != F32:
+            raise ModelLoadError(
+                f"{meta._path.name}: 'rope_freqs.weight' holds {data.shape[0]} factors, "
+                f"not one F32 factor for each of its {head_dim // 2} RoPE frequencies"
+            )
+        factors = tuple(float(x) for x in data)
     embed = tensors[EMBEDDING]
     return GgufConfig(
+        architecture=architecture,
         vocab_size=int(embed.shape[1]),
         hidden_size=hidden,
         intermediate_size=int(meta.need(f"{arch}.feed_forward_length")),
         num_hidden_layers=int(meta.need(f"{arch}.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
@@ -349,6 +432,17 @@ def _config(meta: _Metadata, tensors: dict[str, Any]) -> GgufConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        rope_freq_factors=factors,
+        attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", architecture.attn_softcap)),
+        final_softcap=float(
+            meta.get(f"{arch}.final_logit_softcapping", architecture.final_softcap)
+        ),
+        sliding_window=int(meta.get(f"{arch}.attention.sliding_window", 0))
+        if architecture.sliding_pattern
+        else 0,
+        local_rope_theta=float(
+            meta.get(f"{arch}.rope.freq_base_swa", architecture.local_rope_base)
+        ),
     )
 
 

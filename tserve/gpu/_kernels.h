@@ -15,6 +15,8 @@ void tserve_add_rms_norm(float *residual, const float *hidden, const float *weig
                          int64_t rows, int64_t dim, float eps, int add);
 void tserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out,
                      float *scratch);
+void tserve_gelu_tanh_mul(const float *gate_up, int64_t rows, int64_t inter, float *out,
+                          float *scratch);
 void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, const int64_t *positions,
                        const float *cos_table, const float *sin_table, const int64_t *slots,
@@ -23,14 +25,16 @@ void tserve_paged_decode(const float *q, int64_t q_stride, const void *k_pool,
                          const void *v_pool, int64_t num_slots, const int64_t *tables,
                          int64_t width, const int64_t *lens, int64_t block_size, int64_t batch,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                         float *out, float *scores, int kv_type);
+                         int64_t window, float softcap, float *out, float *scores,
+                         int kv_type);
 
 /* _attention_kernels.c: returns 0, or -1 when scratch cannot be had */
 int tserve_attend(int isa, const float *qkv, int64_t qkv_stride, int64_t tokens,
                   const int64_t *positions, const int64_t *tables, int64_t width,
                   const int64_t *token_rows, const void *k_pool, const void *v_pool,
                   int64_t num_slots, int64_t block_size, int64_t heads, int64_t kv_heads,
-                  int64_t head_dim, float scale, int kv_type, float *out);
+                  int64_t head_dim, float scale, int64_t window, float softcap, int kv_type,
+                  float *out);
 
 /* _quant_kernels.c */
 void tserve_quantize_q8(int isa, const float *x, int64_t m, int64_t k, int8_t *q, float *d,

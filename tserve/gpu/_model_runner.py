@@ -1,8 +1,8 @@
 """Runs one step of the model over every scheduled chunk: ONE forward pass.
 
 The runner owns the KV pool (allocated once) and the model it was given. A
-Llama-family model runs on tserve's own forward pass
-(:mod:`tserve.gpu._llama`, ``model_impl="auto"``); any other, or any model
+model of an architecture in :mod:`tserve.gpu._architectures` runs on tserve's
+own forward pass (:mod:`tserve.gpu._llama`, ``model_impl="auto"``); any other, or any model
 with ``model_impl="hf"``, runs on its Hugging Face modules with their
 attention switched to tserve's paged attention (:mod:`tserve.gpu._attention`).
 Either way the model must not be used for anything else afterwards. It does
@@ -123,8 +123,9 @@ class ModelRunner:
     measured fastest for it (``cpu_gemm="auto"``: :mod:`tserve.gpu._gemm`;
     blocks while it measures), or on the one ``cpu_gemm`` names.
     Raises :class:`ModelLoadError` if the model's attention is not pluggable
-    through transformers' ``AttentionInterface``. Layers with sliding-window
-    attention get full attention here (exact only within the window).
+    through transformers' ``AttentionInterface``. On transformers' modules,
+    layers with sliding-window attention get full attention (exact only
+    within the window); tserve's own forward pass honours the window.
     """
 
     def __init__(
@@ -261,10 +262,13 @@ def _take_over(model: Any, device: torch.device, dtype: torch.dtype, model_impl:
     """The module the runner calls: tserve's own for the models it covers."""
     text = model.config.get_text_config()
     window = getattr(text, "sliding_window", None)
-    if window and getattr(text, "use_sliding_window", True):
-        log.warning("sliding-window attention (%s) runs as full attention here", window)
     model = model.to(device=device, dtype=dtype).eval()
     reason = "asked for" if model_impl == "hf" else unsupported_reason(model)
+    # tserve's own forward pass honours the window of each layer its config calls
+    # sliding (layer_types); transformers' modules over paged attention honour none.
+    per_layer = reason is None and getattr(text, "layer_types", None) is not None
+    if window and getattr(text, "use_sliding_window", True) and not per_layer:
+        log.warning("sliding-window attention (%s) runs as full attention here", window)
     if reason is None:
         return PagedLlama.from_hf(model)
     log.info("%s runs on its Hugging Face modules (%s)", type(model).__name__, reason)

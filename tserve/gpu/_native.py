@@ -46,7 +46,9 @@ from typing import Final
 
 import numpy as np
 
+from tserve.gpu._architectures import soft_cap
 from tserve.gpu._decoder_abi import (
+    ACTIVATIONS,
     MAX_FUSED_TOKENS,
     DecoderShape,
     DecoderStep,
@@ -64,9 +66,12 @@ from tserve.gpu._gguf_file import (
     F32,
     OUTPUT_NORM,
     GgufFile,
+    embed_scale,
     head_name,
     layer_norms,
     layer_products,
+    layer_vectors,
+    layer_window,
     rope_tables,
     tokenizer_dir,
 )
@@ -139,10 +144,16 @@ class NativeModel:
         self._held: list[np.ndarray] = []  # every array a pointer below points into
         self.product_bytes = 0
         """Bytes of the products' weights: what one decode step reads."""
+        self.rope_cos, self.rope_sin = (self._hold(t) for t in rope_tables(config))
+        self.local_rope: tuple[int, int] | None = None
+        """The sliding-window layers' own RoPE table (addresses), or None: the global one."""
+        if config.local_rope_theta:
+            cos, sin = (_address(self._hold(t)) for t in rope_tables(config, local=True))
+            self.local_rope = cos, sin
+        self.embed_scale = np.float32(embed_scale(config))
         self.layers = [self._layer(i) for i in range(config.num_hidden_layers)]
         self.head, self._head_packed = self._product([head_name(config)], [None])
         self.norm = self._hold(file.vector(OUTPUT_NORM))
-        self.rope_cos, self.rope_sin = (self._hold(t) for t in rope_tables(config))
         self._embed_rows: np.ndarray | None = None  # an F32 table's rows
         if config.tie_word_embeddings and self._head_packed:
             # One copy of the tied rows, packed: the head's bytes, unpacked per token.
@@ -176,24 +187,35 @@ class NativeModel:
             packs.append(packed)
         return product(k, parts), packs[0]
 
-    def _layer(self, i: int) -> tuple[tuple[Product, ...], tuple[int, ...]]:
-        """Layer ``i``'s ``(qkv, o, gate_up, down)`` and ``(attn_norm, mlp_norm)``."""
+    def _layer(self, i: int) -> tuple[tuple[Product, ...], tuple[int, ...], dict[str, int]]:
+        """Layer ``i``'s ``(qkv, o, gate_up, down)``, ``(attn_norm, mlp_norm)`` and
+        the addresses of its architecture's optional vectors by
+        :class:`~tserve.gpu._decoder_abi.LayerPointers` field."""
         products = [self._product(*spec)[0] for spec in layer_products(self.config, i).values()]
         norms = [_address(self._hold(self._file.vector(n))) for n in layer_norms(i).values()]
-        return tuple(products), tuple(norms)
+        extras = {
+            name: _address(self._hold(self._file.joined(names)))
+            for name, names in layer_vectors(self.config, i).items()
+        }
+        window = extras["window"] = layer_window(self.config, i)
+        if window and self.local_rope is not None:
+            extras["rope_cos"], extras["rope_sin"] = self.local_rope
+        return tuple(products), tuple(norms), extras
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """fp32 ``[len(tokens), hidden]``: the embedding rows of ``tokens`` (int64)."""
         hidden = self.config.hidden_size
         if self._embed_rows is not None:
             rows: np.ndarray = self._embed_rows[tokens]
-            return rows
-        out = np.empty((len(tokens), hidden), dtype=np.float32)
-        index = np.ascontiguousarray(tokens, dtype=np.int64)
-        self.quant.dequantize_rows(
-            self._embed_fmt, self._embed_data, hidden, index, out, packed=self._embed_packed
-        )
-        return out
+        else:
+            rows = np.empty((len(tokens), hidden), dtype=np.float32)
+            index = np.ascontiguousarray(tokens, dtype=np.int64)
+            self.quant.dequantize_rows(
+                self._embed_fmt, self._embed_data, hidden, index, rows, packed=self._embed_packed
+            )
+        if self.embed_scale != 1:
+            rows *= self.embed_scale  # a copy already (fancy indexing or the dequantized rows)
+        return rows
 
 
 class NativeRunner:
@@ -229,9 +251,11 @@ class NativeRunner:
         library = model.quant.library
         self._library = library
         layers = []
-        for i, ((qkv, o, gate_up, down), (attn_norm, mlp_norm)) in enumerate(model.layers):
+        for i, ((qkv, o, gate_up, down), (attn_norm, mlp_norm), extras) in enumerate(model.layers):
             pools = _address(self.k_pool[i]), _address(self.v_pool[i])
-            layers.append(LayerPointers(qkv, o, gate_up, down, attn_norm, mlp_norm, *pools))
+            layers.append(
+                LayerPointers(qkv, o, gate_up, down, attn_norm, mlp_norm, *pools, **extras)
+            )
         shape_ = DecoderShape(
             hidden=config.hidden_size,
             heads=config.num_attention_heads,
@@ -244,6 +268,8 @@ class NativeRunner:
             eps=config.rms_norm_eps,
             kv_type=KV_CODES[kv_dtype],
             isa=model.quant.best_isa,
+            activation=ACTIVATIONS[config.architecture.activation],
+            softcap=config.attn_softcap,
         )
         self.progress = np.zeros(1, dtype=np.int64)
         """Layers run so far (int64 ``[1]``): the C code adds one after each layer
@@ -304,4 +330,6 @@ class NativeRunner:
             )  # fmt: skip
             run_product(self._library, model.head, model.quant.best_isa, _address(normed),
                         rows, _address(logits))  # fmt: skip
+            if model.config.final_softcap:
+                soft_cap(logits, model.config.final_softcap)
         return logits

@@ -1,0 +1,301 @@
+"""Every architecture tserve's own forward pass runs, against transformers' own.
+
+For each, a tiny random model from its transformers config (seed fixed; its
+biases and norm weights random too, so that each part counts) is saved as a
+directory and written as a GGUF file as llama.cpp's converter lays it out.
+The file runs on the native runner (the C decoder), the directory on the
+torch forward pass; both give transformers' eager logits on the same
+weights, for a prompt run in chunks and for decode steps after it over the
+paged KV pool, and an engine on either generates ``generate``'s greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.gpu.cores import generated, small_core
+from tests.gpu.gguf_files import write_gguf
+from tserve.gpu._architectures import ARCHITECTURES, hf_architecture
+from tserve.gpu._gguf_file import GgufFile
+from tserve.gpu._llama import PagedLlama
+from tserve.gpu._model_runner import ModelRunner
+from tserve.gpu._models import load_model
+from tserve.gpu._native import NativeModel, NativeRunner
+from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.protocol import AddRequest, SamplingParams
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,
+    "tie_word_embeddings": False,
+}
+# What each family sets beyond the shape: head_dim apart from hidden / heads where it may be.
+_KINDS: dict[str, dict[str, Any]] = {
+    # Llama 3.1's RoPE scaling, its low and high frequencies both within the head.
+    "llama3": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+    "qwen2": {},
+    "qwen3": {"head_dim": 32},
+    "phi3": {},
+    # Sliding-window layers (8 keys) alternating with global ones; soft-caps small
+    # enough that the random model's scores and logits reach them.
+    "gemma2": {
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+        "tie_word_embeddings": True,
+    },
+    # Sliding-window layers (8 keys) with their own RoPE base, every 6th global as
+    # llama.cpp lays Gemma 3 out; one KV head, query_pre_attn_scalar = head_dim.
+    "gemma3": {
+        "num_hidden_layers": 6,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "tie_word_embeddings": True,
+    },
+}
+BLOCK_SIZE, NUM_BLOCKS = 4, 64
+
+
+def _classes(kind: str) -> tuple[Any, Any]:
+    import transformers
+
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
+    if kind == "gemma2":
+        return transformers.Gemma2Config, transformers.Gemma2ForCausalLM
+    names = {"llama3": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
+    return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
+
+
+@pytest.fixture(scope="module", params=sorted(_KINDS))
+def model_dir(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A tiny random model of one architecture with the tiny model's tokenizer."""
+    kind = request.param
+    config_class, model_class = _classes(kind)
+    tokenizer = json.loads((tiny_model_dir / "config.json").read_text())
+    config = config_class(
+        **{**_SHAPE, **_KINDS[kind]},
+        vocab_size=tokenizer["vocab_size"],
+        eos_token_id=tokenizer["eos_token_id"],
+        pad_token_id=tokenizer["pad_token_id"],
+        attn_implementation="eager",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = model_class(config).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim == 1:  # biases (zero) and norm weights (one) as initialized
+                    p.add_(torch.randn_like(p) * 0.3)
+                    assert "norm" in name or "bias" in name
+    out = tmp_path_factory.mktemp(kind)
+    model.save_pretrained(out)
+    for name in _TOKENIZER_FILES:
+        if (tiny_model_dir / name).is_file():
+            shutil.copy(tiny_model_dir / name, out / name)
+    return out
+
+
+def _reference(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def _prompt(length: int) -> list[int]:
+    return [(i * 37 + 5) % 500 for i in range(length)]
+
+
+def _chunked_logits(execute: Any, prompt: list[int], chunk: int, decodes: int) -> np.ndarray:
+    """Logits after every position from ``chunk - 1`` on: the first ``len(prompt)
+    - decodes`` tokens as prefill chunks of ``chunk`` (each sampled), then one
+    decode step per remaining token, over blocks in reverse order."""
+    seq = Sequence("s", prompt, SamplingParams())
+    seq.block_table = list(range(NUM_BLOCKS))[::-1]
+    prefill = len(prompt) - decodes
+    rows = []
+    for start in range(0, prefill, chunk):
+        piece = prompt[start : min(start + chunk, prefill)]
+        rows.append(np.asarray(execute([ScheduledChunk(seq, start, piece, True)])))
+    for p in range(prefill, len(prompt)):
+        rows.append(np.asarray(execute([ScheduledChunk(seq, p, [prompt[p]], True)])))
+    return np.concatenate(rows)
+
+
+def _expected(model_dir: Path, prompt: list[int], chunk: int, decodes: int) -> np.ndarray:
+    """transformers' logits at the positions :func:`_chunked_logits` samples."""
+    prefill = len(prompt) - decodes
+    sampled = [min(s + chunk, prefill) - 1 for s in range(0, prefill, chunk)]
+    sampled += list(range(prefill, len(prompt)))
+    with torch.inference_mode():
+        logits = _reference(model_dir)(torch.tensor([prompt])).logits[0]
+    expected: np.ndarray = logits[sampled].numpy()
+    return expected
+
+
+def test_every_architecture_is_in_the_table(model_dir: Path) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = hf_architecture(config["model_type"])
+    assert arch is not None and ARCHITECTURES[arch.name] is arch
+
+
+def test_a_gguf_file_on_the_native_runner_gives_transformers_logits(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    path = write_gguf(model_dir, tmp_path / "gguf" / "m.gguf", "F32")
+    file = GgufFile(path, has_kernels=True)
+    model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    assert file.config.architecture is hf_architecture(model_type)
+    model = NativeModel(file, cache_dir=tmp_path, progress=lambda _: None)
+    runner = NativeRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_tokens=5)
+    prompt = _prompt(30)
+    ours = _chunked_logits(runner.execute, prompt, chunk=7, decodes=6)
+    np.testing.assert_allclose(ours, _expected(model_dir, prompt, 7, 6), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+def test_a_quantized_file_runs_as_the_torch_path_s_fused_steps_bit_for_bit(
+    model_dir: Path, tmp_path: Path, fmt: str
+) -> None:
+    """Native and torch runners on one quantized file: the same C decoder."""
+    from tserve.gpu._gguf import load_gguf
+    from tserve.gpu._quant import quant_kernels
+
+    path = write_gguf(model_dir, tmp_path / "gguf" / f"m-{fmt}.gguf", fmt)
+    file = GgufFile(path, has_kernels=True)
+    native = NativeRunner(
+        NativeModel(file, cache_dir=tmp_path, progress=lambda _: None, activations="int8"),
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+    )
+    loaded = load_gguf(
+        path, kernels=quant_kernels(), cache_dir=tmp_path, progress=lambda _: None,
+        activations="int8",
+    )  # fmt: skip
+    torch_runner = ModelRunner(loaded.model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    prompt = _prompt(20)
+    ours = _chunked_logits(native.execute, prompt, chunk=6, decodes=5)
+    theirs = _chunked_logits(lambda c: torch_runner.execute(c).numpy(), prompt, 6, 5)
+    assert isinstance(loaded.model, PagedLlama) and loaded.model.decoder is not None
+    assert np.array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_a_directory_on_the_torch_forward_pass_gives_transformers_logits(
+    model_dir: Path, fused: bool
+) -> None:
+    from tserve.gpu._llama import TORCH_OPS
+
+    model, _ = load_model(model_dir, device="cpu", dtype=torch.float32)
+    runner = ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, cpu_gemm="blas")
+    assert isinstance(runner.model, PagedLlama)
+    if not fused:
+        runner.model.ops = TORCH_OPS
+    prompt = _prompt(30)
+    ours = _chunked_logits(lambda c: runner.execute(c).numpy(), prompt, chunk=7, decodes=6)
+    np.testing.assert_allclose(ours, _expected(model_dir, prompt, 7, 6), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("source", ["gguf", "directory"])
+def test_an_engine_generates_transformers_greedy_tokens(
+    model_dir: Path, tmp_path: Path, source: str
+) -> None:
+    """Chunked prefill (8-token steps) then decodes, on the native runner for the
+    file and the torch forward pass for the directory."""
+    served = write_gguf(model_dir, tmp_path / "gguf" / "m.gguf", "F32")
+    core = small_core(
+        served if source == "gguf" else model_dir,
+        cache_dir=str(tmp_path),
+        max_num_batched_tokens=8,
+        max_num_seqs=2,
+        block_size=4,
+    )
+    kind = NativeRunner if source == "gguf" else ModelRunner
+    assert isinstance(core.runner, kind)
+    prompt = _prompt(19)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ours = generated(core, AddRequest("r", prompt, params))
+    with torch.inference_mode():
+        out = _reference(model_dir).generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )
+    assert ours == out[0, len(prompt) :].tolist()
+
+
+# llama-server's greedy continuations (llama.cpp 0.6.0-dev, ``-t 1``, temperature
+# 0, ``/completion`` with ``n_predict`` 16) on the same Gemma 3 270M Q4_K_M file:
+# of "The capital of France is": " the capital of the country of France. It is
+# the largest city in France."; of the first 3,000 characters of
+# benchmarks/sonnet.txt (789 tokens, past the 512-key window): "ry dew\nWere the
+# most beautiful of all, and the most\nOf all".
+_LLAMA_SERVER_GEMMA3 = {
+    "The capital of France is": [
+        506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001, 236761
+    ],
+    "sonnet": [
+        824, 58343, 107, 114498, 506, 1346, 4148, 529, 784, 236764, 532, 506, 1346, 107, 4088, 784
+    ],
+}  # fmt: skip
+
+
+def test_the_gemma3_270m_file_runs_natively_and_continues_as_llama_server(
+    gemma3_gguf: Path, tmp_path: Path
+) -> None:
+    """The real file (Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors; 18 layers, 5 local
+    of window 512 to 1 global, one KV head of 256) on the native runner, a
+    short prompt and one longer than the window (in 256-token chunks). Greedy
+    tokens agree with llama-server's up to where the two engines' roundings
+    meet a near-tie ("capital" or "largest" after " It is the"; "," or " of"
+    after "beautiful")."""
+    from tokenizers import Tokenizer
+
+    core = small_core(
+        gemma3_gguf, cache_dir=str(tmp_path), gguf_activations="fp32", max_num_batched_tokens=256
+    )
+    assert isinstance(core.runner, NativeRunner)
+    tokenizer = Tokenizer.from_file(str(core.model_path / "tokenizer.json"))
+    sonnet = Path(__file__).parents[2] / "benchmarks" / "sonnet.txt"
+    prompts = {
+        "The capital of France is": "The capital of France is",
+        "sonnet": sonnet.read_text()[:3000],
+    }
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    agree = {"The capital of France is": 11, "sonnet": 7}
+    for name, text in prompts.items():
+        prompt = tokenizer.encode(text).ids
+        assert len(prompt) == (6 if name != "sonnet" else 789)  # llama-server's counts
+        ours = generated(core, AddRequest(name, prompt, params))
+        assert ours[: agree[name]] == _LLAMA_SERVER_GEMMA3[name][: agree[name]]
+    assert tokenizer.decode(ours).startswith("ry dew\nWere the most beautiful")

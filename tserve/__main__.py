@@ -18,6 +18,7 @@ refused us; 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -67,6 +68,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         _usage_error("serve", "--metrics-port must be a port number (0: any free port)")
     if args.metrics_port and args.metrics_port == args.port:
         _usage_error("serve", "--metrics-port must differ from --port")
+    if args.responses_store_bytes < 1 or args.responses_store_ttl <= 0:
+        _usage_error("serve", "--responses-store-bytes and --responses-store-ttl must be positive")
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     return ServerConfig(
         host=args.host,
@@ -81,6 +84,9 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
             allowed_hosts=hosts,
             max_body_bytes=args.max_body_bytes,
             request_log=not args.no_request_log,
+            responses_store_dir=args.responses_store_dir,
+            responses_store_bytes=args.responses_store_bytes,
+            responses_store_ttl=args.responses_store_ttl,
         ),
     )
 
@@ -139,7 +145,12 @@ def _serve(args: argparse.Namespace) -> int:
     async def run() -> int:
         async with _llm(args) as llm:
             if _children(args):
-                return await _serve_with_workers(llm, server, args)
+                from tserve.web._response_store import responses_store_dir
+
+                with responses_store_dir(server.app.responses_store_dir) as store:
+                    app = dataclasses.replace(server.app, responses_store_dir=store)
+                    shared = dataclasses.replace(server, app=app)
+                    return await _serve_with_workers(llm, shared, args)
             codes: list[int] = []
 
             async def run_server(task_status: trio.TaskStatus[str]) -> None:
@@ -228,8 +239,6 @@ async def _serve_with_workers(llm: LLM, server: ServerConfig, args: argparse.Nam
     exits on its own shuts the whole server down. Non-zero if any process
     failed.
     """
-    import dataclasses
-
     import trio
 
     from tserve.web import serve

@@ -187,8 +187,10 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     entry per token in ``token_ids``. ``error`` is set only with
     ``FinishReason.ERROR``. ``embedding`` is set only by an embedding engine,
     in its one output per request (``FinishReason.STOP``, no token ids): the
-    vector as little-endian float32 (4 bytes per dimension). Trailing and
-    defaulted, so frames from before it still decode.
+    vector as little-endian float32 (4 bytes per dimension). ``cached_tokens``
+    is set only on a request's first output with tokens: how many of its
+    prompt tokens the prefix cache held when it was admitted. Trailing and
+    defaulted, so frames from before them still decode.
     """
 
     request_id: str
@@ -197,6 +199,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     embedding: bytes | None = None
+    cached_tokens: int | None = None
 
 
 class OutputMerge:
@@ -206,7 +209,8 @@ class OutputMerge:
     that waiting coalesces instead of queueing (the engine's outbox, the API
     process's mailboxes): token ids and logprobs are concatenated in order;
     the finish reason, error and embedding are those of the output with a
-    finish reason (the last one: only it carries an error or an embedding).
+    finish reason (the last one: only it carries an error or an embedding);
+    ``cached_tokens`` is the first output's (only a request's first carries it).
     O(1) per token: a lone output is kept as it is, and a second one starts
     lists that later ones extend in place. Synchronous; not shared between
     threads.
@@ -259,7 +263,13 @@ class OutputMerge:
             return first
         last = self._last
         if last is None:
-            merged = RequestOutput(first.request_id, token_ids, None, self._logprobs)
+            merged = RequestOutput(
+                first.request_id,
+                token_ids,
+                None,
+                self._logprobs,
+                cached_tokens=first.cached_tokens,
+            )
         else:
             merged = RequestOutput(
                 first.request_id,
@@ -268,6 +278,7 @@ class OutputMerge:
                 self._logprobs,
                 last.error,
                 last.embedding,
+                first.cached_tokens,
             )
         self._token_ids = self._logprobs = self._last = None
         return merged

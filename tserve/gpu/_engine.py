@@ -328,6 +328,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.output_token_ids[seq.num_sent :]
+        cached = seq.num_cached_prompt_tokens if new and seq.num_sent == 0 else None
         seq.num_sent = len(seq.output_token_ids)
         logprobs = None
         if seq.params.logprobs is not None:
@@ -337,7 +338,9 @@ class EngineCore(CoreBookkeeping[Sequence]):
             self._logprobs.pop(seq.request_id, None)
             self.sampler.release(seq.request_id)
             self.constraints.release(seq.request_id)
-        return RequestOutput(seq.request_id, new, seq.finish_reason, logprobs, seq.error)
+        return RequestOutput(
+            seq.request_id, new, seq.finish_reason, logprobs, seq.error, cached_tokens=cached
+        )
 
 
 def _tokenizer_json(tokenizer: object, model_dir: Path) -> str:

@@ -24,8 +24,10 @@ Rules (each refusal is a 400 naming the field):
 * ``tools``: function tools in the flat shape (``{"type": "function",
   "name", "parameters", "strict"}``); other types (OpenAI's hosted tools)
   are refused. ``tool_choice`` "none"/"auto"/"required" or ``{"type":
-  "function", "name"}``; ``parallel_tool_calls``. A required or named
-  choice cannot be combined with a structured ``text.format``.
+  "function", "name"}``; ``parallel_tool_calls``. With a required or named
+  choice the output is tool calls only, so ``text.format`` does not apply
+  to it (an agent asks for both: a forced call, then a formatted answer in
+  a later turn).
 * ``text.format``: ``text``, ``json_object``, or ``json_schema`` (with
   ``schema``) through the grammar path (:mod:`tserve.web._structured`).
 * ``max_output_tokens`` is a ceiling: past what the context leaves after
@@ -132,11 +134,8 @@ def parse_responses(body: bytes) -> ResponseRequest:
         raise InvalidRequest("'input' must not be empty", param="input")
     constraint, field, fmt = _text_format(req)
     tools = _tools(req)
-    if tools is not None and tools.enforced and constraint is not None:
-        raise InvalidRequest(
-            "a required or named 'tool_choice' cannot be combined with a structured 'text.format'",
-            param="tool_choice",
-        )
+    if tools is not None and tools.enforced:
+        constraint = field = None  # the output is calls only: no text to format
     params = SamplingParams(
         max_tokens=req.max_output_tokens or 1,  # set again once the prompt length is known
         temperature=req.temperature,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -20,7 +21,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.web.conftest import API_KEY, Server
+from tests.web.conftest import API_KEY, Server, keyed_server
 from tests.web.test_api_processes import start
 from tests.web.test_faults import PACED, StartServer, wait_for_a_started_stream
 from tests.web.test_live import _until_aborted
@@ -243,10 +244,11 @@ def test_a_tool_call_then_its_output_round_trip_through_previous_response_id(
         input="Weather in Paris?",
         tools=[WEATHER],
         tool_choice=choice,
+        parallel_tool_calls=False,
         max_output_tokens=200,
     )
     calls = [item for item in first.output if item.type == "function_call"]
-    assert first.status == "completed" and calls, first
+    assert first.status == "completed" and len(calls) == 1, first
     for call in calls:
         assert call.name == "get_weather" and call.call_id.startswith("call_")
         assert call.id is not None and call.id.startswith("fc_")
@@ -440,7 +442,10 @@ BAD_BODIES: Any = [
                                    "arguments": "[1]"}]}, "input[0].arguments"),
     ({"model": "tiny", "input": "hi", "temperature": 3}, "temperature"),
     ({"model": "tiny", "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"model": "tiny", "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"model": "tiny", "input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [
+        {"type": "web_search"}]}]}, "tools[0].tools[0].type"),
+    ({"model": "tiny", "input": "hi", "tools": [WEATHER, {"type": "namespace", "name": "n",
+                                                  "tools": [WEATHER]}]}, "tools[1].tools[0].name"),
     ({"model": "tiny", "input": "hi", "tools": [WEATHER, WEATHER]}, "tools[1].name"),
     ({"model": "tiny", "input": "hi", "tools": [WEATHER],
       "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
@@ -661,3 +666,44 @@ def test_a_continuation_get_and_cancel_land_on_another_api_process(
         for client in clients:
             client.close()
         server.stop()
+
+
+# -- a real agent's request ---------------------------------------------------------------
+
+# Codex CLI 0.171.0's first request of `codex exec "say hi"` (a custom provider with
+# wire_api "responses"), exactly as it sent it but cut to fit the test model: message
+# texts cut to 300 characters, and of its tools one function tool, the namespace tool
+# with one of its functions, and the hosted web_search tool (10 function tools left out).
+CODEX_REQUEST = Path(__file__).parent / "codex_request.json"
+
+
+@pytest.fixture(scope="module")
+def long_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny model with 8,192 positions (its rotary positions have no table to
+    outgrow), for a request the size of Codex's, cut."""
+    directory = tmp_path_factory.mktemp("long") / "model"
+    shutil.copytree(tiny_model_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    log = tmp_path_factory.mktemp("long-server") / "server.log"
+    with keyed_server(directory, log=log) as srv:
+        yield srv
+
+
+def test_the_codex_request_replays_as_a_well_formed_stream(long_server: Server) -> None:
+    body = json.loads(CODEX_REQUEST.read_text())
+    assert body["stream"] is True and body["store"] is False
+    headers = {"accept": "text/event-stream", "originator": "codex_exec"}
+    body["max_output_tokens"] = 64  # Codex sends none: the rest of the context
+    with long_server.client.stream("POST", "/v1/responses", json=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        events = events_of(r)
+    check_order(events)
+    final = events[-1]["response"]
+    assert final["store"] is False and final["tool_choice"] == "auto"
+    assert [t["type"] for t in final["tools"]] == ["function", "namespace", "web_search"]
+    for item in final["output"]:
+        if item["type"] == "function_call":
+            assert item["name"] in ("exec_command", "close_agent")
+            assert ("namespace" in item) == (item["name"] == "close_agent")
+    openai_error(long_server.client.get(f"/v1/responses/{final['id']}"), 404)  # store: false

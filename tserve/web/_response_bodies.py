@@ -46,18 +46,21 @@ class InputItem(msgspec.Struct, kw_only=True):
     call_id: str | None = None  # function_call, function_call_output
     name: str | None = None  # function_call
     arguments: str | None = None  # function_call: a JSON object, as text
+    namespace: str | None = None  # function_call: the namespace tool its function is in
     output: str | list[InputPart] | None = None  # function_call_output
     status: str | None = None
 
 
 class FunctionToolBody(msgspec.Struct, kw_only=True):
-    """A tool in the Responses shape (flat): ``{"type": "function", "name", "parameters"}``."""
+    """A tool in the Responses shape (flat): ``{"type": "function", "name", "parameters"}``,
+    a ``namespace`` of function tools (``tools``), or a hosted tool (only ``type`` read)."""
 
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: Annotated[list[FunctionToolBody], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
 
 
 class TextFormat(msgspec.Struct, kw_only=True):

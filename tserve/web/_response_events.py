@@ -78,8 +78,9 @@ class ResponseChoice:
     """The output items of one output. ``push`` returns that delta's item events
     (payloads without ``sequence_number``) in order."""
 
-    def __init__(self, plan: ToolPlan | None) -> None:
+    def __init__(self, plan: ToolPlan | None, namespaces: dict[str, str] | None = None) -> None:
         self._calls: ToolCallStream | None = None if plan is None else plan.stream(new_call_id)
+        self._namespaces = namespaces or {}  # function name -> the namespace tool it is in
         self.items: list[JSON] = []  # message items hold their text in content[0]["text"]
         self._open: str | None = None  # the type of the last item while it is open
         self.finish_reason: str | None = None
@@ -122,6 +123,8 @@ class ResponseChoice:
                 "name": event.name,
                 "arguments": "",
             }
+            if event.name in self._namespaces:
+                item["namespace"] = self._namespaces[event.name]
             return self._close("completed") + self._start(item)
         assert isinstance(event, Arguments) and self._open == "function_call"
         item = self.items[index]
@@ -195,12 +198,13 @@ class ResponseOutput:
         response_id: str,
         echo: JSON,
         on_end: Callable[[JSON], None] | None = None,
+        namespaces: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.id = response_id
         self.created_at = int(time.time())
         self.echo = echo
-        self.choice = ResponseChoice(plan)
+        self.choice = ResponseChoice(plan, namespaces)
         self.on_end = on_end
 
     @property

@@ -22,9 +22,13 @@ Rules (each refusal is a 400 naming the field):
   ``function_call`` items become one assistant message's ``tool_calls``
   (joined to the assistant message just before them).
 * ``tools``: function tools in the flat shape (``{"type": "function",
-  "name", "parameters", "strict"}``); other types (OpenAI's hosted tools)
-  are refused. ``tool_choice`` "none"/"auto"/"required" or ``{"type":
-  "function", "name"}``; ``parallel_tool_calls``. With a required or named
+  "name", "parameters", "strict"}``), and ``namespace`` tools, whose function
+  tools are offered by their own names (a call of one is a ``function_call``
+  with its ``namespace``). Other types are OpenAI's hosted tools (web search,
+  file search, code interpreter, ...), which this server does not run: they
+  are not offered to the model, and echoed by type. ``tool_choice``
+  "none"/"auto"/"required" or ``{"type": "function", "name"}``;
+  ``parallel_tool_calls``. With a required or named
   choice the output is tool calls only, so ``text.format`` does not apply
   to it (an agent asks for both: a forced call, then a formatted answer in
   a later turn).
@@ -89,6 +93,7 @@ class ResponseRequest:
     background: bool
     previous_response_id: str | None
     echo: JSON
+    namespaces: dict[str, str] = dataclasses.field(default_factory=dict)  # function -> its
 
     def chat(self, history: list[JSON]) -> ChatRequest:
         """The chat request for this input after ``history`` (a previous response's
@@ -133,7 +138,8 @@ def parse_responses(body: bytes) -> ResponseRequest:
     if not items and req.previous_response_id is None:
         raise InvalidRequest("'input' must not be empty", param="input")
     constraint, field, fmt = _text_format(req)
-    tools = _tools(req)
+    namespaces: dict[str, str] = {}
+    tools = _tools(req, namespaces)
     if tools is not None and tools.enforced:
         constraint = field = None  # the output is calls only: no text to format
     params = SamplingParams(
@@ -155,6 +161,7 @@ def parse_responses(body: bytes) -> ResponseRequest:
         background=bool(req.background),
         previous_response_id=req.previous_response_id,
         echo=_echo(req, store, fmt),
+        namespaces=namespaces,
     )
 
 
@@ -177,6 +184,16 @@ def _echo(req: ResponsesBody, store: bool, fmt: JSON) -> JSON:
 
 
 def _tool_echo(tool: FunctionToolBody) -> JSON:
+    if tool.type == "namespace":
+        inner = [_tool_echo(t) for t in tool.tools or ()]
+        return {
+            "type": "namespace",
+            "name": tool.name,
+            "description": tool.description,
+            "tools": inner,
+        }
+    if tool.type != "function":
+        return {"type": tool.type}
     return {
         "type": "function",
         "name": tool.name,
@@ -270,7 +287,7 @@ def _call_item(item: InputItem, param: str) -> JSON:
         raise InvalidRequest(
             f"'{param}.arguments' must be a JSON object, as text", param=f"{param}.arguments"
         )
-    return {
+    call = {
         "type": "function_call",
         "id": item.id or item_id("fc"),
         "call_id": item.call_id,
@@ -278,6 +295,9 @@ def _call_item(item: InputItem, param: str) -> JSON:
         "arguments": item.arguments,
         "status": "completed",
     }
+    if item.namespace is not None:
+        call["namespace"] = item.namespace
+    return call
 
 
 def _output_item(item: InputItem, param: str) -> JSON:
@@ -346,26 +366,33 @@ def conversation_messages(history: list[JSON], items: list[JSON]) -> list[JSON]:
 # -- tools and the text format -------------------------------------------------------
 
 
-def _tools(req: ResponsesBody) -> ToolRequest | None:
-    specs = []
+def _tools(req: ResponsesBody, namespaces: dict[str, str]) -> ToolRequest | None:
+    """The function tools offered (``namespaces`` filled: function name -> namespace)."""
+    specs: list[ToolSpec] = []
+    params: list[str] = []  # the name field of each spec, for a duplicate's 400
     for i, tool in enumerate(req.tools or ()):
-        if tool.type != "function":
-            raise InvalidRequest(
-                f"'tools[{i}].type': tools of type {tool.type!r} are not supported by this "
-                "server (only function tools)",
-                param=f"tools[{i}].type",
-            )
-        if tool.name is None:
-            raise InvalidRequest(
-                f"Missing required field 'tools[{i}].name'", param=f"tools[{i}].name"
-            )
-        function: JSON = {"name": tool.name}
-        if tool.description is not None:
-            function["description"] = tool.description
-        if tool.parameters is not None:
-            function["parameters"] = tool.parameters
-        definition = {"type": "function", "function": function}
-        specs.append(ToolSpec(tool.name, tool.parameters, definition))
+        if tool.type == "function":
+            specs.append(_spec(tool, f"tools[{i}]"))
+            params.append(f"tools[{i}].name")
+        elif tool.type == "namespace":
+            if tool.name is None:
+                raise InvalidRequest(
+                    f"Missing required field 'tools[{i}].name'", param=f"tools[{i}].name"
+                )
+            for j, inner in enumerate(tool.tools or ()):
+                where = f"tools[{i}].tools[{j}]"
+                if inner.type != "function":
+                    raise InvalidRequest(
+                        f"'{where}.type': a namespace holds function tools only here",
+                        param=f"{where}.type",
+                    )
+                specs.append(_spec(inner, where))
+                params.append(f"{where}.name")
+                namespaces[specs[-1].name] = tool.name
+    names = [spec.name for spec in specs]
+    for k, name in enumerate(names):
+        if name in names[:k]:
+            raise InvalidRequest(f"'{params[k]}': {name!r} is defined twice", param=params[k])
     return build_tool_request(
         specs,
         _choice(req.tool_choice),
@@ -373,6 +400,17 @@ def _tools(req: ResponsesBody) -> ToolRequest | None:
         name_param="tools[{i}].name",
         choice_param="tool_choice.name",
     )
+
+
+def _spec(tool: FunctionToolBody, where: str) -> ToolSpec:
+    if tool.name is None:
+        raise InvalidRequest(f"Missing required field '{where}.name'", param=f"{where}.name")
+    function: JSON = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    if tool.parameters is not None:
+        function["parameters"] = tool.parameters
+    return ToolSpec(tool.name, tool.parameters, {"type": "function", "function": function})
 
 
 def _choice(raw: Any) -> Mode | str | None:

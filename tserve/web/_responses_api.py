@@ -113,7 +113,14 @@ class Responses:
             if req.store:
                 on_end = lambda obj: self._put(obj, conversation)  # noqa: E731
             outputs.append(
-                ResponseOutput(model, plan, response_id=response_id, echo=req.echo, on_end=on_end)
+                ResponseOutput(
+                    model,
+                    plan,
+                    response_id=response_id,
+                    echo=req.echo,
+                    on_end=on_end,
+                    namespaces=req.namespaces,
+                )
             )
             return outputs[0]
 

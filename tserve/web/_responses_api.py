@@ -22,8 +22,10 @@ the server's nursery (:meth:`Responses.run`), not the request's, and writes
 the record as it goes ("in_progress", then "completed", "incomplete",
 "failed" or "cancelled"). A cancel aborts the engine request as a client
 hang-up does: at once in the owning process, through a marker file from
-another one (:data:`CANCEL_POLL`). Server shutdown cancels what still runs
-after the drain, and those records end "cancelled".
+another one (:data:`CANCEL_POLL`). A background run counts as in flight for
+the drain (it runs under :meth:`InFlight.abortable`); what still runs past
+the drain ends "failed", and a run cancelled from outside (the server's
+nursery) "cancelled".
 """
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
         "Cancel a background response (its engine request is aborted)",
         _json(_RESPONSE),
         None,
-        (400, 401, 404),
+        (400, 401, 404, 415),  # a POST, so declared JSON even without a body
     ),
     ("post", "/v1/embeddings"): Operation(
         "Embed texts or token ids", _json(_EMBEDDINGS), EmbeddingBody, (*_POST, 404, 422, 503, 504)

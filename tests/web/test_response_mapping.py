@@ -78,6 +78,14 @@ def test_history_comes_before_the_input_and_answers_its_calls() -> None:
     assert info.value.param == "input[0].call_id"
 
 
+def test_a_stored_call_cut_short_is_shown_with_no_arguments() -> None:
+    cut = {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "add",
+           "arguments": '{"a": 1', "status": "incomplete"}  # fmt: skip
+    req = parse(input=[{"type": "function_call_output", "call_id": "c1", "output": "?"}])
+    assistant = req.chat([cut]).messages[0]
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {}
+
+
 def test_namespaces_and_hosted_tools() -> None:
     req = parse(
         input="x",

@@ -336,7 +336,7 @@ def conversation_messages(history: list[JSON], items: list[JSON]) -> list[JSON]:
             call = {
                 "id": item["call_id"],
                 "type": "function",
-                "function": {"name": item["name"], "arguments": json.loads(item["arguments"])},
+                "function": {"name": item["name"], "arguments": _arguments(item["arguments"])},
             }
             last = out[-1] if out else None
             if last is None or last["role"] != "assistant":
@@ -361,6 +361,16 @@ def conversation_messages(history: list[JSON], items: list[JSON]) -> list[JSON]:
                 }
             )
     return out
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    """A call's arguments for the template; ``{}`` for a stored call that was cut short
+    (an input call was checked already)."""
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        return {}
+    return arguments if isinstance(arguments, dict) else {}
 
 
 # -- tools and the text format -------------------------------------------------------

@@ -479,8 +479,9 @@ def test_input_items_paging_errors_name_the_field(server: Server) -> None:
 
 
 def test_the_store_keeps_its_budget_by_evicting_the_oldest(start_server: StartServer) -> None:
-    """Fill a 64 KiB store with ~1 KiB responses: it never holds more than the budget
-    (plus one sweep's slack), the newest are found and the oldest are gone (404)."""
+    """Fill a 64 KiB store with ~1 KiB responses: it never holds much more than the
+    budget (what is written between two sweeps, and while one runs), the newest are
+    found and the oldest are gone (404)."""
     budget = 64 * 1024
     server = start_server("--responses-store-bytes", str(budget))
     ids = []
@@ -496,9 +497,9 @@ def test_the_store_keeps_its_budget_by_evicting_the_oldest(start_server: StartSe
         "response_id"
     )
     found = [i for i in ids if server.client.get(f"/v1/responses/{i}").status_code == 200]
-    # What is left is the newest, in order, and fits the budget with one sweep's slack.
+    # What is left is the newest, in order, and fits the budget with the sweeps' slack.
     assert found == ids[-len(found) :]
-    assert len(found) * min(sizes) <= budget + budget // 16
+    assert len(found) * min(sizes) <= budget + 2 * (budget // 16)
 
 
 # -- background, and faults on their own servers --------------------------------------

@@ -23,9 +23,11 @@ Rules:
   read past the age is "not found" at once; the bytes are enforced by a
   sweep that deletes the expired files, then the oldest ones, until the rest
   fit. Each process sweeps after it has written ``max_bytes / 16`` bytes
-  since its last sweep, so the directory exceeds the budget by at most that
-  much per process between sweeps. A record larger than ``max_bytes / 16``
-  is not stored (it is "not found" later, as an evicted one).
+  since its last sweep (in a worker thread when the server owns the store:
+  :meth:`Responses.run`), so the directory exceeds the budget by that much
+  per process between sweeps, and by what is written while one runs. A
+  record larger than ``max_bytes / 16`` is not stored (it is "not found"
+  later, as an evicted one).
 * Ids are ``resp_`` and 32 hex digits; any other id is "not found" without
   touching the filesystem.
 * Blocking: every call does small synchronous file operations (no fsync;
@@ -42,7 +44,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -84,6 +86,8 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.ttl = ttl
         self._written = 0  # bytes written since this process's last sweep
+        # Called (synchronously) when a sweep is due; None: sweep at once, here.
+        self.on_sweep_due: Callable[[], None] | None = None
 
     def close(self) -> None:
         """Remove the private directory, if this store made one. Synchronous."""
@@ -120,7 +124,11 @@ class ResponseStore:
             raise
         self._written += len(data)
         if self._written * _SWEEP_FRACTION >= self.max_bytes:
-            self.sweep()
+            self._written = 0
+            if self.on_sweep_due is None:
+                self.sweep()
+            else:
+                self.on_sweep_due()
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -163,8 +171,9 @@ class ResponseStore:
         return marker is not None and marker.exists()
 
     def sweep(self) -> None:
-        """Delete the expired records, then the oldest, until the rest fit the budget."""
-        self._written = 0
+        """Delete the expired records, then the oldest, until the rest fit the budget.
+        Blocking (a directory listing: about 20 ms for 5,000 records on ``/dev/shm``);
+        safe in a worker thread while the event loop reads and writes records."""
         now = time.time()
         entries = []
         for entry in _scan(self.directory):

@@ -83,13 +83,25 @@ class Responses:
         self._running: dict[str, _Running] = {}  # background responses of this process
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the background runs until cancelled (the server's life). Blocks."""
+        """Own the background runs and the store's sweeps until cancelled (the server's
+        life). Blocks. A sweep runs in a worker thread, one at a time; sweeps asked for
+        meanwhile are one more."""
+        due = trio.Event()
+
+        def sweep_due() -> None:
+            due.set()
+
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self.store.on_sweep_due = sweep_due
                 task_status.started()
-                await trio.sleep_forever()
+                while True:
+                    await due.wait()
+                    due = trio.Event()
+                    await trio.to_thread.run_sync(self.store.sweep, abandon_on_cancel=True)
         finally:
+            self.store.on_sweep_due = None
             self._nursery = None
             self.store.close()
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -55,7 +56,8 @@ _ENCODER: Final = msgspec.json.Encoder()
 
 
 def new_response_id() -> str:
-    return f"resp_{item_id('x')[2:]}"
+    """``resp_`` and 32 hex digits: the only ids the store takes."""
+    return f"resp_{uuid.uuid4().hex}"
 
 
 def _event(payload: JSON) -> bytes:

@@ -6,12 +6,13 @@ One :class:`EngineCore` on the default model (threads 1) decodes ``--rows``
 requests at once, twice: all plain, then half of them constrained by a JSON
 schema whose string field keeps every constrained row inside its grammar for
 the whole run. After the prompts are in, ``--steps`` decode steps are timed by
-the CPU time of the whole process (every thread: the mask fill runs on
-llguidance's, beside the forward pass) and by the wall clock. Reported per
+the CPU time of the whole process (every thread: the masks are computed in
+the mask threads, beside the forward pass) and by the wall clock. Reported per
 step: the whole step, the sampler, and the step ratios constrained / plain;
-then, on the same rows and fixed logits, the mask fill alone
-(``Constraints.masks``) and the sampler with and without the masks
-(``micro_*``, CPU ms per call). Writes JSON under ``results/``.
+then, on the same rows and fixed logits, the constrained rows' masks computed
+one after another in this thread (llguidance's ``compute_bitmask``) and the
+sampler with and without the masks (``micro_*``, CPU ms per call). Writes JSON
+under ``results/``.
 """
 
 from __future__ import annotations
@@ -100,10 +101,22 @@ def _micro(core: EngineCore, repeats: int) -> dict[str, float]:
     seqs = core.scheduler.running
     shape = (len(seqs), core.vocab_size)
     logits = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-    masks, _ = core.constraints.masks(seqs)
+    constraints = core.constraints
+    masks: dict[int, Any] = {}
+    for i, seq in enumerate(seqs):
+        mask = (
+            constraints.wait_mask(seq.request_id)
+            if constraints.constrained(seq.request_id)
+            else None
+        )
+        if mask is not None and mask.allowed is not None:
+            masks[i] = mask.allowed
+    matchers = [
+        constraints.matcher(s.request_id) for s in seqs if constraints.constrained(s.request_id)
+    ]
     out: dict[str, float] = {}
     calls: dict[str, Callable[[], object]] = {
-        "micro_mask_fill_ms": lambda: core.constraints.masks(seqs),
+        "micro_mask_fill_ms": lambda: [m.compute_bitmask() for m in matchers],
         "micro_sampler_ms": lambda: core.sampler.sample(logits, seqs),
         "micro_sampler_masked_ms": lambda: core.sampler.sample(logits, seqs, masks),
     }

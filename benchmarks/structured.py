@@ -23,6 +23,14 @@ through the ``openai`` SDK, on /v1/chat/completions, at temperature 0.8:
     128-tool schema (an ``anyOf`` of 128 call objects, new names each
     round, so no cache hit) starts after its 5th token. Rounds alternate
     alone / with, ``--rounds`` each; ratio = p99 with ÷ p99 alone (target <= 2).
+(c) hostile storm: the same plain stream's time to first token and ITL p99,
+    alone and while 16 expensive grammars compile and mask, sent just before
+    it: 8 new 128-tool schemas (compiles) and 8 regexes whose every mask takes
+    about a second (``((a{100}){100}){100}``-like, each its own), which the
+    engine ends once their masks keep exceeding ``--grammar-mask-budget``.
+    ``--storm-rounds`` of each, alternating; ratios = storm ÷ alone for the
+    median TTFT and the pooled ITL p99 (target <= 2 for both). How the storm's
+    requests ended (status codes) is in the JSON.
 
 Writes ``results/structured-<name>-<stamp>.json`` and ``.png``.
 """
@@ -196,6 +204,80 @@ async def stream_gaps(
     return [b - a for a, b in itertools.pairwise(times)], side_seconds
 
 
+def storm_requests(tag: str) -> list[dict[str, Any]]:
+    """The 16 hostile requests' extra bodies: 8 compiles, 8 slow masks (all new)."""
+    tools = [{"structured_outputs": {"json": tools_schema(f"{tag}s{i}")}} for i in range(8)]
+    regexes = [
+        {"structured_outputs": {"regex": f"(({chr(97 + i)}{{100}}){{100}}){{100}}{tag}"}}
+        for i in range(8)
+    ]
+    return tools + regexes
+
+
+async def hostile(client: openai.AsyncOpenAI, model: str, extra: dict[str, Any]) -> str:
+    """One storm request: how it ended (a finish reason or an error status)."""
+    try:
+        _, finish = await chat(client, model, "Fill this in.", 24, extra_body=extra)
+    except openai.APIStatusError as exc:
+        return str(exc.status_code)
+    return finish or "none"
+
+
+async def timed_stream(
+    client: openai.AsyncOpenAI, model: str, tokens: int
+) -> tuple[float, list[float]]:
+    """One plain stream: seconds to its first token, and its inter-token gaps."""
+    start = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Write a long story about a lighthouse."}],
+        max_tokens=tokens,
+        temperature=0.8,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    times: list[float] = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+    return times[0] - start, [b - a for a, b in itertools.pairwise(times)]
+
+
+async def storm(client: openai.AsyncOpenAI, model: str, tokens: int, rounds: int) -> dict[str, Any]:
+    """Part (c): TTFT and ITL of a plain stream alone and beside 16 hostile grammars."""
+    ttft_alone: list[float] = []
+    ttft_storm: list[float] = []
+    alone: list[float] = []
+    beside: list[float] = []
+    endings: list[str] = []
+    stamp = str(int(time.time()))
+    for r in range(rounds):
+        first, gaps = await timed_stream(client, model, tokens)
+        ttft_alone.append(first)
+        alone += gaps
+        tasks = [
+            asyncio.create_task(hostile(client, model, extra))
+            for extra in storm_requests(f"{stamp}r{r}")
+        ]
+        await asyncio.sleep(0.2)  # the storm is in: its checks and compiles have begun
+        first, gaps = await timed_stream(client, model, tokens)
+        ttft_storm.append(first)
+        beside += gaps
+        endings += await asyncio.gather(*tasks)
+    ttft_ratio = statistics.median(ttft_storm) / statistics.median(ttft_alone)
+    return {
+        "rounds": rounds,
+        "stream_tokens": tokens,
+        "ttft_alone_ms": [t * 1e3 for t in ttft_alone],
+        "ttft_storm_ms": [t * 1e3 for t in ttft_storm],
+        "ttft_ratio": ttft_ratio,
+        "itl_p99_alone_ms": p99(alone) * 1e3,
+        "itl_p99_storm_ms": p99(beside) * 1e3,
+        "itl_ratio": p99(beside) / p99(alone),
+        "storm_endings": {e: endings.count(e) for e in sorted(set(endings))},
+    }
+
+
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
@@ -233,8 +315,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    a, b = result["throughput"], result["latency"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    a, b, c = result["throughput"], result["latency"], result["storm"]
+    fig, (left, right, third) = plt.subplots(1, 3, figsize=(15, 4))
     rates = [a["tok_s_unconstrained"], a["tok_s_constrained"]]
     left.bar(["unconstrained", "32 constrained"], rates)
     left.set_ylabel("output tok/s (64 requests)")
@@ -242,6 +324,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     right.bar(["alone", "128-tool compile"], [b["itl_p99_alone_ms"], b["itl_p99_compiling_ms"]])
     right.set_ylabel("stream ITL p99 (ms)")
     right.set_title(f"p99 ratio {b['ratio']:.2f} (target <= 2)")
+    third.bar(["alone", "16 hostile grammars"], [c["itl_p99_alone_ms"], c["itl_p99_storm_ms"]])
+    third.set_ylabel("stream ITL p99 (ms)")
+    third.set_title(f"storm: ITL {c['itl_ratio']:.2f}, TTFT {c['ttft_ratio']:.2f} (target <= 2)")
     fig.suptitle(f"structured outputs: {result['name']} ({result['model']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -259,6 +344,7 @@ async def measure(args: argparse.Namespace, base_url: str, model: str) -> dict[s
             "max_tokens": args.max_tokens,
             "throughput": await throughput(client, model, args.max_tokens, args.throughput_rounds),
             "latency": await latency(client, model, args.stream_tokens, args.rounds),
+            "storm": await storm(client, model, args.stream_tokens, args.storm_rounds),
         }
 
 
@@ -272,6 +358,7 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3, help="latency rounds")
     parser.add_argument("--throughput-rounds", type=int, default=3)
+    parser.add_argument("--storm-rounds", type=int, default=3, help="hostile-storm rounds")
     args = parser.parse_args()
     process = None
     base_url = args.base_url
@@ -289,12 +376,14 @@ def main() -> None:
     stem = result_stem(f"structured-{args.name}")
     print(write_json(stem, result))
     plot(result, stem.with_suffix(".png"))
-    a, b = result["throughput"], result["latency"]
+    a, b, c = result["throughput"], result["latency"], result["storm"]
     print(
         f"{args.name}: throughput {a['tok_s_constrained']:.1f} / {a['tok_s_unconstrained']:.1f} "
         f"tok/s = {a['ratio']:.3f} (median of {[round(r, 3) for r in a['ratios']]}); "
         f"ITL p99 {b['itl_p99_compiling_ms']:.1f} / {b['itl_p99_alone_ms']:.1f} ms "
-        f"= {b['ratio']:.2f}"
+        f"= {b['ratio']:.2f}; storm: TTFT ratio {c['ttft_ratio']:.2f}, "
+        f"ITL p99 {c['itl_p99_storm_ms']:.1f} / {c['itl_p99_alone_ms']:.1f} ms "
+        f"= {c['itl_ratio']:.2f}, storm endings {c['storm_endings']}"
     )
 
 

@@ -8,6 +8,9 @@ import sys
 import pytest
 
 from tserve.__main__ import _server_config, main, parse_args
+from tserve._options import REASONING_PARSERS
+from tserve.web import AppConfig
+from tserve.web._reasoning import PARSER_NAMES
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -113,9 +116,29 @@ def test_metrics_port_from_the_flag_or_the_environment_and_apart_from_the_port(
         assert "--metrics-port" in capsys.readouterr().err
 
 
+def test_reasoning_parser_from_the_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert REASONING_PARSERS == PARSER_NAMES
+    assert _server_config(parse_args([])).app.reasoning_parser == "auto"
+    assert _server_config(parse_args(["--reasoning-parser", "qwen3"])).app.reasoning_parser == (
+        "qwen3"
+    )
+    monkeypatch.setenv("TSERVE_REASONING_PARSER", "deepseek_r1")
+    assert _server_config(parse_args([])).app.reasoning_parser == "deepseek_r1"
+    monkeypatch.setenv("TSERVE_REASONING_PARSER", "o1")
+    with pytest.raises(SystemExit) as info:
+        _server_config(parse_args([]))
+    assert info.value.code == 2
+    assert "--reasoning-parser" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        AppConfig(reasoning_parser="o1")
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
+        (["--reasoning-parser", "o1"], "--reasoning-parser"),
         (["--api-processes", "0"], "--api-processes"),
         (["--stall-timeout", "0"], "--stall-timeout"),
         (["--api-key", " "], "--api-key"),

@@ -175,3 +175,52 @@ def test_equal_constraints_give_equal_grammar_texts() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert grammar_text(JsonSchema(schema)) == grammar_text(JsonSchema(dict(schema)))
     assert grammar_text(Regex("a")) != grammar_text(Regex("b"))
+
+
+_CYCLE = {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}
+
+
+@pytest.mark.parametrize(
+    ("constraint", "words"),
+    [
+        (JsonSchema({"$ref": "#"}), "accepts no string: no token can follow its start"),
+        (JsonSchema({"$defs": _CYCLE, "$ref": "#/$defs/a"}), "accepts no string"),
+        (
+            JsonSchema(
+                {
+                    "type": "object",
+                    "properties": {"k": {"$ref": "#/$defs/a"}},
+                    "required": ["k"],
+                    "$defs": _CYCLE,
+                }
+            ),
+            """accepts no string: no token can follow '{"k":'""",
+        ),
+        (LarkGrammar('start: "a" x\nx: /[^\\x00-\\U0010FFFF]/'), "no token can follow 'a'"),
+        (LarkGrammar('start: "a" x\nx: /[]/'), "unclosed character class"),
+        (Regex(""), "accepts only the empty string"),
+        (LarkGrammar('start: ""'), "accepts only the empty string"),
+    ],
+)
+def test_grammars_that_can_write_nothing_are_problems(
+    tokenizer: llguidance.LLTokenizer, constraint: Constraint, words: str
+) -> None:
+    problem = constraint_problem(constraint, tokenizer)
+    assert problem is not None and problem.param == "constraint"
+    assert words in problem.message
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        JsonSchema({"const": "x"}),  # one string: forced, then EOS
+        JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}}}),
+        JsonSchema(None),
+        Regex("[0-9]*"),  # the empty string among others
+        Choice(("yes", "no")),
+    ],
+)
+def test_grammars_that_can_write_something_pass(
+    tokenizer: llguidance.LLTokenizer, constraint: Constraint
+) -> None:
+    assert constraint_problem(constraint, tokenizer) is None

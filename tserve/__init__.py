@@ -8,8 +8,9 @@ Packages (imports run ``web → nursery → mux → protocol ← gpu``):
 ``web`` (the HTTP server), ``nursery`` (the request lifecycle and the
 embeddable API), ``mux`` (the one socket to the engine), ``gpu`` (the engine
 process), ``bench`` (``python -m tserve bench``). Modules beside them:
-``__main__`` (the commands: serve, engine, keys, bench), ``_options`` (their
-options and environment defaults), ``protocol`` (the wire), ``engine_config``
+``__main__`` (the commands: serve, engine, keys, bench), ``_serve`` (serving
+once the options are parsed), ``_options`` (their options and environment
+defaults), ``protocol`` (the wire), ``engine_config``
 (how to start an engine), ``sampling`` (how a request samples: its
 parameters, constraints and the model's defaults), ``validity`` (the one
 rule for a valid request), ``grammar`` (structured-output constraints as
@@ -38,12 +39,17 @@ if TYPE_CHECKING:
         KeyFileError,
         LLMError,
         LLMStats,
+        ModelLoadFailed,
+        ModelNotServed,
+        ModelRegistry,
+        ModelState,
         Overloaded,
         RequestFailed,
         RequestTimeout,
         ShuttingDown,
         Usage,
         open_llm,
+        open_models,
     )
 
 __version__ = "0.1.0"
@@ -62,6 +68,10 @@ __all__ = [
     "LLMError",
     "LLMStats",
     "LarkGrammar",
+    "ModelLoadFailed",
+    "ModelNotServed",
+    "ModelRegistry",
+    "ModelState",
     "Overloaded",
     "Regex",
     "RequestFailed",
@@ -72,6 +82,7 @@ __all__ = [
     "Usage",
     "__version__",
     "open_llm",
+    "open_models",
 ]
 
 

@@ -18,23 +18,18 @@ refused us; 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import logging
-import os
 import sys
 from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from tserve._curve import KeyFileError, client_keys, require_keys, server_keys, write_keys
 from tserve._host import configure_logging
 from tserve._metrics_dir import shared_metrics_dir
-from tserve._options import COMMANDS, engine_options, parser
+from tserve._options import COMMANDS, REASONING_PARSERS, engine_options, parser
 
 if TYPE_CHECKING:
-    from tserve.nursery import LLM
+    from tserve._serve import ServePlan
     from tserve.web import ServerConfig
-    from tserve.web._workers import MetricsSpec
 
 __all__ = ["main"]
 
@@ -64,6 +59,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         _usage_error("serve", "--api-key (or TSERVE_API_KEY) is empty: give a key, or unset it")
     if args.stall_timeout <= 0:
         _usage_error("serve", "--stall-timeout must be positive")
+    if args.reasoning_parser not in REASONING_PARSERS:  # TSERVE_REASONING_PARSER, unchecked
+        _usage_error("serve", f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         _usage_error("serve", "--metrics-port must be a port number (0: any free port)")
     if args.metrics_port and args.metrics_port == args.port:
@@ -87,6 +84,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
             responses_store_dir=args.responses_store_dir,
             responses_store_bytes=args.responses_store_bytes,
             responses_store_ttl=args.responses_store_ttl,
+            reasoning_parser=args.reasoning_parser,
         ),
     )
 
@@ -103,69 +101,54 @@ def _check_link(args: argparse.Namespace, command: str, address: str) -> None:
         _usage_error(command, str(exc))
 
 
-def _llm(args: argparse.Namespace) -> AbstractAsyncContextManager[LLM]:
-    """What ``serve`` serves: an engine of its own, or with ``--engine`` the one there."""
-    from tserve.nursery import attach_llm, open_llm
-
-    limits: dict[str, Any] = {
-        "max_pending": args.max_pending,
-        "overload": "raise",  # past the queue's bounds: 503 + Retry-After
-        "max_queued": args.max_queued,
-        "max_queued_tokens": args.max_queued_tokens,
-        "request_timeout": args.request_timeout,
-    }
-    if args.engine is not None:
-        link = {"keys": args.keys, "insecure": args.insecure}
-        return attach_llm(args.engine, heartbeat_interval=args.heartbeat_interval, **link, **limits)
-    embedding = args.embedding_model
-    return open_llm(
-        args.model or "default",
-        log_level=args.log_level.upper(),
-        embedding_model=None if embedding.strip().lower() in ("", "none") else embedding,
-        **limits,
-        **engine_options(args),
-    )
-
-
-def _serve(args: argparse.Namespace) -> int:
-    import trio
-
-    from tserve.nursery import EngineDeadError
-    from tserve.web import serve
+def _plan(args: argparse.Namespace) -> ServePlan:
+    """``serve``'s options as a :class:`~tserve._serve.ServePlan`; exit 2 if they clash."""
+    from tserve._serve import RemoteEngine, ServePlan
+    from tserve.nursery import ClientSettings
+    from tserve.nursery._admission import Overload
+    from tserve.nursery._registry import ModelSpec
+    from tserve.protocol import EngineConfig
 
     server = _server_config(args)
+    client = ClientSettings(
+        max_pending=args.max_pending,
+        overload=Overload.RAISE,  # past the queue's bounds: 503 + Retry-After
+        max_queued=args.max_queued,
+        max_queued_tokens=args.max_queued_tokens,
+        request_timeout=args.request_timeout,
+    )
+    common = {
+        "server": server,
+        "client": client,
+        "heartbeat_interval": args.heartbeat_interval,
+        "api_processes": args.api_processes,
+        "metrics_port": args.metrics_port,
+        "log_level": args.log_level,
+    }
     if args.engine is not None:
         if args.model is not None:
             _usage_error("serve", "with --engine, give no MODEL: the engine serves its own")
         if args.embedding_model.strip().lower() not in ("default", "none", ""):
             _usage_error("serve", "--embedding-model needs an engine of its own, not --engine")
         _check_link(args, "serve", args.engine)
+        remote = RemoteEngine(address=args.engine, keys=args.keys, insecure=args.insecure)
+        return ServePlan(model=None, remote=remote, **common)
+    embedding = args.embedding_model
+    model = args.model or "default"
     names = server.app.served_model_names
+    spec = ModelSpec(
+        name=names[0] if names else model,
+        config=EngineConfig(model=model, **engine_options(args)),
+        embedding_model=None if embedding.strip().lower() in ("", "none") else embedding,
+    )
+    return ServePlan(model=spec, **common)
 
-    async def run() -> int:
-        async with _llm(args) as llm:
-            if _children(args):
-                from tserve.web._response_store import responses_store_dir
 
-                with responses_store_dir(server.app.responses_store_dir) as store:
-                    app = dataclasses.replace(server.app, responses_store_dir=store)
-                    shared = dataclasses.replace(server, app=app)
-                    return await _serve_with_workers(llm, shared, args)
-            codes: list[int] = []
+def _serve(args: argparse.Namespace) -> int:
+    """``python -m tserve serve``: exit 2 for clashing options, else serve (tserve._serve)."""
+    from tserve._serve import run
 
-            async def run_server(task_status: trio.TaskStatus[str]) -> None:
-                codes.append(await serve(llm, server, task_status=task_status))
-
-            async with trio.open_nursery() as nursery:
-                url = await nursery.start(run_server)
-                _print_serving(names[0] if names else llm.model, url)
-        return codes[0]
-
-    try:
-        return trio.run(run)
-    except EngineDeadError as exc:  # at startup; later, serve returns 1 itself
-        print(f"tserve: cannot serve: {exc}", file=sys.stderr)
-        return 1
+    return run(_plan(args))
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -197,101 +180,6 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _children(args: argparse.Namespace) -> bool:
-    """Whether ``serve`` starts processes besides the engine: API workers, a metrics
-    process. They share the request metrics through a directory (tserve._metrics_dir)."""
-    return bool(args.api_processes > 1 or args.metrics_port is not None)
-
-
-def _metrics_spec(llm: LLM, server: ServerConfig, args: argparse.Namespace) -> MetricsSpec | None:
-    """What the metrics process of ``--metrics-port`` needs, or None without one."""
-    from tserve.web._workers import MetricsSpec
-
-    if args.metrics_port is None:
-        return None
-    names = server.app.served_model_names
-    block_size = llm.ready.kv_block_size
-    return MetricsSpec(
-        parent_pid=os.getpid(),
-        host=server.host,
-        port=args.metrics_port,
-        allowed_hosts=server.app.allowed_hosts,
-        model_name=names[0] if names else llm.model,
-        block_size=block_size,
-        num_gpu_blocks=llm.ready.kv_tokens_total // max(block_size, 1),
-        log_level=args.log_level,
-    )
-
-
-def _print_serving(name: str, url: str) -> None:
-    print(f"tserve: serving '{name}' at {url}/v1", flush=True)
-
-
-async def _serve_with_workers(llm: LLM, server: ServerConfig, args: argparse.Namespace) -> int:
-    """Serve from this process and ``--api-processes`` - 1 workers, and with
-    ``--metrics-port`` a metrics process (see tserve.web._workers).
-
-    This process listens first (to learn the port when it is 0), then starts
-    the workers, and says "serving" once all of them listen. Each SIGTERM or
-    SIGINT it handles is forwarded to them; once its own server has drained,
-    the workers get ``--shutdown-timeout`` + 10 s to finish theirs, and only
-    then is the engine stopped (the caller leaves open_llm). A worker that
-    exits on its own shuts the whole server down. Non-zero if any process
-    failed.
-    """
-    import trio
-
-    from tserve.web import serve
-    from tserve.web._workers import Workers, WorkerSpec
-
-    workers = Workers(args.api_processes - 1, stop_grace=server.shutdown_timeout + 10)
-    served = trio.Event()
-    codes: list[int] = []
-
-    async def run_server(task_status: trio.TaskStatus[str]) -> None:
-        try:
-            code = await serve(
-                llm,
-                server,
-                shutdown_trigger=workers.failed.wait,
-                on_signal=workers.forward,
-                task_status=task_status,
-            )
-            codes.append(code)
-        finally:
-            served.set()
-
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(run_server)
-        embedder = llm.embedder
-        remote = args.engine is not None  # the workers reach it as we do
-        spec = WorkerSpec(
-            parent_pid=os.getpid(),
-            engine_address=llm.engine_address,
-            engine_pid=None if remote else llm.engine_pid,
-            keys=args.keys if remote else None,
-            insecure=remote and args.insecure,
-            heartbeat_interval=args.heartbeat_interval,
-            embedding_address=None if embedder is None else embedder.engine_address,
-            embedding_pid=None if embedder is None else embedder.engine_pid,
-            server=dataclasses.replace(server, port=int(url.rsplit(":", 1)[1])),
-            max_pending=args.max_pending,
-            max_queued=args.max_queued,
-            max_queued_tokens=args.max_queued_tokens,
-            request_timeout=args.request_timeout,
-            log_level=args.log_level,
-        )
-        async with workers.run(spec, _metrics_spec(llm, server, args)):
-            logging.getLogger("tserve").info(
-                "API processes: %d (main) and workers %s", os.getpid(), workers.pids
-            )
-            names = server.app.served_model_names
-            _print_serving(names[0] if names else llm.model, url)
-            await served.wait()
-    failed = workers.failed.is_set() or any(code != 0 for code in workers.exit_codes)
-    return codes[0] if codes and codes[0] else int(failed)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["bench"]:
@@ -305,8 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "engine":
             return _engine(args)
-        if _children(args):  # before anything imports prometheus_client
-            with shared_metrics_dir():
+        if args.api_processes > 1 or args.metrics_port is not None:  # ServePlan.children
+            with shared_metrics_dir():  # before anything imports prometheus_client
                 return _serve(args)
         return _serve(args)
     except KeyboardInterrupt:

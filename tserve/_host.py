@@ -1,5 +1,6 @@
 """This process and its neighbours on the host: the fd limit, whether a pid
-lives, and the log format every tserve process writes to stderr.
+lives, the priority of background threads, and the log format every tserve
+process writes to stderr.
 
 A stdlib-only leaf: the engine process, the API processes and the benchmark
 client all import it.
@@ -11,10 +12,37 @@ import logging
 import os
 import resource
 import sys
+import threading
 
-__all__ = ["configure_logging", "pid_alive", "raise_fd_limit"]
+__all__ = [
+    "BACKGROUND_NICENESS",
+    "configure_logging",
+    "lower_thread_priority",
+    "pid_alive",
+    "raise_fd_limit",
+]
+
+BACKGROUND_NICENESS = 10
+"""How much nicer than the rest of its process a background thread runs (grammar work)."""
 
 log = logging.getLogger("tserve")
+
+
+def lower_thread_priority() -> None:
+    """Make the calling thread ``BACKGROUND_NICENESS`` nicer, for good: on Linux a
+    thread has its own nice value, so a busy core gives its time to the
+    process's other threads first (a grammar compile never slows a forward
+    pass or the event loop by more than the scheduler's share). Nothing where
+    the OS has no per-thread priority."""
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(
+            os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICENESS
+        )
+    except OSError as exc:  # a sandbox may forbid it: the thread keeps its priority
+        log.debug("could not lower a thread's priority: %s", exc)
 
 
 def raise_fd_limit() -> int:

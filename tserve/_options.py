@@ -25,6 +25,9 @@ COMMANDS = ("serve", "engine", "keys", "bench")
 _ENGINE_DEFAULTS = EngineConfig()
 
 
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # web._reasoning.PARSER_NAMES
+
+
 def _env_name(dest: str) -> str:
     return "TSERVE_" + dest.upper()
 
@@ -132,6 +135,23 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "while requests decode, a step that also runs prompt tokens may cost at most this "
         "many times a decode-only step (0: no bound, --max-num-batched-tokens every step)",
     )
+    _option(
+        eng,
+        "--grammar-compile-timeout",
+        float,
+        d.grammar_compile_timeout,
+        "seconds a structured output's grammar may take to compile: a request whose grammar "
+        "is not compiled by then fails with a 400 naming its field, before any token",
+    )
+    _option(
+        eng,
+        "--grammar-mask-budget",
+        float,
+        d.grammar_mask_budget * 1000,
+        "milliseconds one token's grammar mask may take: a structured output whose masks "
+        "take longer for 8 tokens in a row ends with an error (a late mask delays only "
+        "its own request)",
+    )
     _option(eng, "--max-model-len", int, None, "context length (default: the model's)")
     _option(eng, "--threads", int, d.threads, "torch CPU threads")
     _option(eng, "--device", str, d.device, "auto, cpu or cuda[:N]")
@@ -218,6 +238,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_slowdown": args.max_decode_slowdown,
+        "grammar_compile_timeout": args.grammar_compile_timeout,
+        "grammar_mask_budget": args.grammar_mask_budget / 1000,
         "max_model_len": args.max_model_len,
         "threads": args.threads,
         "device": args.device,
@@ -335,6 +357,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "seconds in-flight requests get to finish after SIGTERM/SIGINT",
     )
     _option(front, "--stall-timeout", float, 30.0, "seconds a response may wait on its client")
+    _option(
+        front,
+        "--reasoning-parser",
+        str,
+        "auto",
+        "split a thinking model's <think> reasoning from its answer: deepseek_r1, qwen3, "
+        "none, or auto (qwen3's or deepseek_r1's for a chat template that writes <think> "
+        "and a vocabulary with <think> and </think> tokens, else none)",
+        choices=REASONING_PARSERS,
+    )
 
     remote = p.add_argument_group("a remote engine")
     _option(

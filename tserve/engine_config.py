@@ -87,6 +87,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     compiled this many seconds after it arrived ends with an error (it waits
     unscheduled until then; others step on). ``grammar_cache_size``: compiled
     grammars kept, by text (least recently used dropped beyond it).
+    ``grammar_mask_budget``: seconds one token's grammar mask may take; a
+    constrained request whose masks take longer for ``MASK_MISSES`` (8) tokens
+    in a row (``tserve.gpu._constraints``) ends with an error. A late mask
+    never holds back other rows.
 
     ``task`` "embed" makes an embedding engine (``tserve.gpu._embed_core``):
     ``model`` is a local encoder directory or "default" (all-MiniLM-L6-v2);
@@ -123,6 +127,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model_impl: ModelImpl = "auto"
     grammar_compile_timeout: float = 10.0
     grammar_cache_size: int = 64
+    grammar_mask_budget: float = 0.05
     dequantize: bool = False
     generation_config: str = "auto"
     gguf_activations: GgufActivations = "int8"

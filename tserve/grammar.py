@@ -3,7 +3,9 @@
 :func:`grammar_text` turns a :data:`~tserve.sampling.Constraint` into the text
 llguidance compiles (a JSON document naming a JSON Schema, a Lark grammar or a
 regex). :func:`constraint_problem` checks a constraint without the model (the
-API process, before a request reaches the engine); :func:`llg_tokenizer`
+API process, before a request reaches the engine), and with the model's
+tokenizer also that it can write something (:func:`start_problem`, which the
+engine's compile applies too); :func:`llg_tokenizer`
 builds llguidance's view of a model's vocabulary straight from its
 ``tokenizer.json`` text, so neither process needs torch or transformers for
 it. Imports only the standard library, llguidance and :mod:`tserve.sampling`.
@@ -44,13 +46,16 @@ from tserve.validity import Problem
 
 __all__ = [
     "ANY_JSON_OBJECT",
+    "FORCED_WALK",
     "JSON_OPTIONS",
     "NUMBER_BOUND",
     "bounded_schema",
     "constraint_problem",
+    "first_line",
     "grammar_text",
     "lark_json",
     "llg_tokenizer",
+    "start_problem",
 ]
 
 NUMBER_BOUND: Final = 10**18
@@ -144,7 +149,8 @@ def constraint_problem(
     """Why ``constraint`` cannot be honoured (param "constraint", llguidance's
     message), or None. With ``tokenizer`` the check also covers what needs the
     vocabulary (special tokens named in a Lark grammar). Blocking: it compiles
-    the grammar's lexer (milliseconds; longer for very large grammars)."""
+    the grammar's lexer, and with ``tokenizer`` the whole grammar and its first
+    mask (:func:`start_problem`): milliseconds, longer for very large grammars."""
     if isinstance(constraint, Choice):
         if not constraint.choices:
             return Problem("constraint", "choice: at least one choice is required")
@@ -154,10 +160,60 @@ def constraint_problem(
         text = grammar_text(constraint)
     except (ValueError, RecursionError) as exc:
         return Problem("constraint", f"{_kind(constraint)}: {exc}")
-    message = llguidance.LLMatcher.validate_grammar(text, tokenizer)
-    if message:
-        return Problem("constraint", f"{_kind(constraint)}: {message.strip()}")
+    if tokenizer is None:
+        message = llguidance.LLMatcher.validate_grammar(text)
+        return Problem("constraint", f"{_kind(constraint)}: {message.strip()}") if message else None
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)  # one compile: it validates too
+    if matcher.is_error():
+        return Problem("constraint", f"{_kind(constraint)}: {matcher.get_error().strip()}")
+    problem = start_problem(matcher, tokenizer)
+    return None if problem is None else Problem("constraint", f"{_kind(constraint)}: {problem}")
+
+
+FORCED_WALK: Final = 8
+"""Forced tokens :func:`start_problem` follows from a grammar's start, at most."""
+
+
+def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> str | None:
+    """Why a freshly compiled ``matcher`` can write no useful output, or None.
+
+    It follows the tokens the grammar forces from its start (a mask that
+    allows one token and no EOS: ``{"k":`` for an object with one required
+    key), up to :data:`FORCED_WALK` of them. The grammar accepts no string
+    when it fails on the way, or allows no token there but an EOS without
+    being complete (``{"$ref": "#"}``, a ``$defs`` cycle without a base case,
+    an empty character class); it accepts only the empty string when EOS is
+    all its start allows. ``matcher`` is consumed (use a copy). Blocking: a
+    mask per forced token (llguidance releases the GIL while it computes one;
+    bounded by its own limits).
+    """
+    eos = set(tokenizer.eos_tokens)
+    forced: list[int] = []
+    for _ in range(FORCED_WALK + 1):
+        where = repr(tokenizer.decode_str(forced)[:80]) if forced else "its start"
+        allowed = matcher.compute_logit_bias()  # a dead end puts the matcher in its error state
+        eos_allowed = sum(1 for t in eos if t < len(allowed) and allowed[t])
+        others = len(allowed) - allowed.count(0) - eos_allowed
+        if matcher.is_error() and not others and not matcher.is_accepting():
+            return f"the grammar accepts no string: no token can follow {where}"
+        if matcher.is_error():
+            return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
+        if not others:  # EOS alone: the end, or a special token the grammar names
+            if forced or not matcher.is_accepting():
+                return None
+            return "the grammar accepts only the empty string"
+        if others > 1 or eos_allowed or len(forced) == FORCED_WALK:
+            return None
+        token = next(i for i, b in enumerate(allowed) if b and i not in eos)
+        if not matcher.consume_token(token):
+            return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
+        forced.append(token)
     return None
+
+
+def first_line(message: str) -> str:
+    """The first line of one of llguidance's messages (they can hold a state dump)."""
+    return message.strip().splitlines()[0] if message.strip() else "no reason given"
 
 
 def _kind(constraint: Constraint) -> str:

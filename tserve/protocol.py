@@ -187,10 +187,12 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     entry per token in ``token_ids``. ``error`` is set only with
     ``FinishReason.ERROR``. ``embedding`` is set only by an embedding engine,
     in its one output per request (``FinishReason.STOP``, no token ids): the
-    vector as little-endian float32 (4 bytes per dimension). ``cached_tokens``
-    is set only on a request's first output with tokens: how many of its
-    prompt tokens the prefix cache held when it was admitted. Trailing and
-    defaulted, so frames from before them still decode.
+    vector as little-endian float32 (4 bytes per dimension). ``error_param``
+    names the part of the request an error is about (``"constraint"``: its
+    grammar), or None. ``cached_tokens`` is set only on a request's first
+    output with tokens: how many of its prompt tokens the prefix cache held
+    when it was admitted. Trailing and defaulted, so frames from before them
+    still decode.
     """
 
     request_id: str
@@ -199,6 +201,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     embedding: bytes | None = None
+    error_param: str | None = None
     cached_tokens: int | None = None
 
 
@@ -208,7 +211,7 @@ class OutputMerge:
     THE rule for merging deltas, used wherever they wait for a slow reader so
     that waiting coalesces instead of queueing (the engine's outbox, the API
     process's mailboxes): token ids and logprobs are concatenated in order;
-    the finish reason, error and embedding are those of the output with a
+    the finish reason, error (and its param) and embedding are those of the output with a
     finish reason (the last one: only it carries an error or an embedding);
     ``cached_tokens`` is the first output's (only a request's first carries it).
     O(1) per token: a lone output is kept as it is, and a second one starts
@@ -278,6 +281,7 @@ class OutputMerge:
                 self._logprobs,
                 last.error,
                 last.embedding,
+                last.error_param,
                 first.cached_tokens,
             )
         self._token_ids = self._logprobs = self._last = None

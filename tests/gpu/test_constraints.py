@@ -19,7 +19,13 @@ import pytest
 
 from tests.gpu.cores import small_core
 from tests.gpu.test_engine_core import PEER, _drive, _Run
-from tserve.gpu._constraints import MASK_FAULT_ENV, GrammarCompiler, _unpack
+from tserve.gpu._constraints import (
+    MASK_FAULT_ENV,
+    MASK_HOLD_ENV,
+    MASK_MISSES,
+    GrammarCompiler,
+    _unpack,
+)
 from tserve.gpu._engine import EngineCore
 from tserve.grammar import grammar_text
 from tserve.protocol import (
@@ -30,6 +36,7 @@ from tserve.protocol import (
     JsonSchema,
     LarkGrammar,
     Regex,
+    RequestOutput,
     SamplingParams,
 )
 
@@ -88,6 +95,7 @@ def _idle(core: EngineCore) -> None:
     stats = core.stats()
     assert (stats.running, stats.waiting, stats.kv_tokens_used) == (0, 0, 0)
     assert not core.constraints._matchers and not core.constraints.num_waiting
+    assert not core._held
 
 
 def test_constrained_and_plain_rows_share_a_batch(tiny_model_dir: Path) -> None:
@@ -241,6 +249,7 @@ def test_a_grammar_not_compiled_in_time_ends_its_request(tiny_model_dir: Path) -
         late = outputs["late"]
         assert late.finish_reason is FinishReason.ERROR
         assert late.error == "the grammar did not compile within 5 s"
+        assert (late.error_param, late.token_ids) == ("constraint", [])
         assert outputs["plain"].finish_reason is None and outputs["plain"].token_ids
     finally:
         release.set()
@@ -353,3 +362,135 @@ def test_close_stops_the_grammar_threads(core: EngineCore) -> None:
     for thread in ours:
         thread.join(timeout=60)
     assert not [t for t in ours if t.is_alive()]
+
+
+# -- grammars that cannot work, and slow ones --------------------------------------------
+
+IMPOSSIBLE: dict[str, Constraint] = {
+    "self-ref": JsonSchema({"$ref": "#"}),
+    "cycle": JsonSchema(
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    ),
+    "required-cycle": JsonSchema(
+        {
+            "type": "object",
+            "properties": {"k": {"$ref": "#/$defs/a"}},
+            "required": ["k"],
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+        }
+    ),
+    "empty-class": LarkGrammar('start: "a" x\nx: /[^\\x00-\\U0010FFFF]/'),
+    "empty-string": Regex(""),
+}
+
+
+def _outputs_until_idle(core: EngineCore) -> dict[str, list[RequestOutput]]:
+    out: dict[str, list[RequestOutput]] = {}
+    for _ in range(2000):
+        if not core.has_work:
+            return out
+        for _, output in core.step():
+            out.setdefault(output.request_id, []).append(output)
+    raise AssertionError("the engine did not finish (hang guard)")
+
+
+def test_an_impossible_grammar_fails_before_its_first_token_and_is_cached(
+    core: EngineCore,
+) -> None:
+    """A grammar that accepts no string, or only the empty one, ends its request
+    with an error naming the constraint and no token; the failed compile is
+    cached with its error, so the same grammar again fails the same way."""
+    errors: dict[str, str] = {}
+    for round_ in range(2):
+        for name, constraint in IMPOSSIBLE.items():
+            core.add(_request(f"{name}-{round_}", constraint), PEER)
+        core.add(_request(f"plain-{round_}", None, prompt=1, max_tokens=4), PEER)
+        outputs = _outputs_until_idle(core)
+        for name in IMPOSSIBLE:
+            [final] = outputs[f"{name}-{round_}"]
+            assert (final.finish_reason, final.token_ids) == (FinishReason.ERROR, [])
+            assert final.error_param == "constraint" and final.error is not None
+            assert "accepts no string" in final.error or "only the empty string" in final.error
+            assert errors.setdefault(name, final.error) == final.error
+        assert outputs[f"plain-{round_}"][-1].finish_reason is FinishReason.LENGTH
+    cached = core.constraints.compiler._cache
+    assert sorted(v for v in cached.values() if isinstance(v, str)) == sorted(errors.values())
+    _idle(core)
+
+
+def test_an_eos_before_the_grammar_is_complete_is_an_error(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With its mask left off (test hook) and EOS forced by ``logit_bias``, the row
+    reaches EOS mid-grammar: an error, never STOP with a partial output."""
+    monkeypatch.setenv(MASK_FAULT_ENV, "^unmasked$")
+    core = small_core(tiny_model_dir)
+    [eos] = sorted(core.eos_token_ids)[:1]
+    core.add(_request("unmasked", Regex(PATTERN), logit_bias=((eos, 100.0),)), PEER)
+    core.add(_request("masked", Regex(PATTERN), prompt=1, logit_bias=((eos, 100.0),)), PEER)
+    outputs = _outputs_until_idle(core)
+    [final] = outputs["unmasked"]
+    assert (final.finish_reason, final.token_ids) == (FinishReason.ERROR, [])
+    assert final.error == "the output ended before its grammar was complete"
+    assert final.error_param == "constraint"
+    masked = [t for o in outputs["masked"] for t in o.token_ids]
+    assert outputs["masked"][-1].finish_reason is FinishReason.STOP
+    assert re.fullmatch(PATTERN, _text(core, masked))
+    _idle(core)
+
+
+def test_a_late_mask_holds_back_only_its_own_row(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold hook keeps the slow row's mask computing until released: the
+    plain row streams every token meanwhile, the slow row waits with its logits
+    kept (no token, not scheduled), then writes what it writes unheld."""
+    reference = _drive(small_core(tiny_model_dir), {0: [_request("slow", Regex(PATTERN))]})
+    monkeypatch.setenv(MASK_HOLD_ENV, f"^slow$:{tmp_path}")
+    core = small_core(tiny_model_dir)
+    core.add(_request("slow", Regex(PATTERN)), PEER)
+    for _ in range(10_000):  # its grammar compiles, its prefill runs, its first mask is held
+        if (tmp_path / "held").exists() and "slow" in core._held:
+            break
+        assert core.step() == []
+    else:
+        raise AssertionError("the slow row was never held (hang guard)")
+    core.add(_request("plain", None, prompt=1, max_tokens=12), PEER)
+    tokens: dict[str, list[int]] = {"slow": [], "plain": []}
+    finished: dict[str, FinishReason] = {}
+    plain_steps = 0
+    while "plain" not in finished:
+        for _, out in core.step():
+            tokens[out.request_id] += out.token_ids
+            plain_steps += out.request_id == "plain" and bool(out.token_ids)
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {"plain": FinishReason.LENGTH} and len(tokens["plain"]) == 12
+    assert plain_steps == 12  # one token every step: never waited for the slow mask
+    assert tokens["slow"] == [] and "slow" in core._held  # its logits wait for the mask
+    slow = core.scheduler.get("slow")
+    assert slow is not None and slow.num_uncomputed_tokens == 0  # computed, not rescheduled
+    (tmp_path / "release").touch()
+    while core.has_work:
+        for _, out in core.step():
+            tokens[out.request_id] += out.token_ids
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    assert finished["slow"] is FinishReason.STOP
+    assert tokens["slow"] == reference.results["slow"].tokens
+    _idle(core)
+
+
+def test_masks_over_their_budget_end_the_grammar(tiny_model_dir: Path) -> None:
+    """A budget no mask can meet: the request ends with an error that names the
+    budget and the constraint after MASK_MISSES - 1 tokens; its neighbour finishes."""
+    core = small_core(tiny_model_dir, grammar_mask_budget=1e-9)
+    core.add(_request("slow", Regex("[a-z]{300}"), max_tokens=400), PEER)
+    core.add(_request("plain", None, prompt=1, max_tokens=20), PEER)
+    outputs = _outputs_until_idle(core)
+    final = outputs["slow"][-1]
+    assert final.finish_reason is FinishReason.ERROR and final.error_param == "constraint"
+    assert final.error is not None and "--grammar-mask-budget" in final.error
+    assert len([t for o in outputs["slow"] for t in o.token_ids]) == MASK_MISSES - 1
+    assert outputs["plain"][-1].finish_reason is FinishReason.LENGTH
+    _idle(core)

@@ -10,7 +10,7 @@ import pytest
 from tests.guards import HANG_GUARD
 from tests.nursery.conftest import ENGINE, eventually, process_gone
 from tserve import EngineDeadError, SamplingParams, open_llm
-from tserve.nursery import attach_llm
+from tserve.nursery import ClientSettings, attach_llm
 
 pytestmark = pytest.mark.anyio
 
@@ -43,7 +43,11 @@ async def test_attached_llm_sees_the_engine_die(tiny_model_dir: Path) -> None:
     with anyio.fail_after(HANG_GUARD):
         async with (
             open_llm(tiny_model_dir, engine_kind="echo", echo_step_time=0.1, **ENGINE) as owner,
-            attach_llm(owner.engine_address, owner.engine_pid, heartbeat_timeout=60) as attached,
+            attach_llm(
+                owner.engine_address,
+                owner.engine_pid,
+                settings=ClientSettings(heartbeat_timeout=60),
+            ) as attached,
         ):
             long = SamplingParams(max_tokens=400, ignore_eos=True)
             async with attached.generate([1, 2, 3], long) as stream:
@@ -62,5 +66,5 @@ async def test_attach_to_a_dead_address_raises_engine_dead(tiny_model_dir: Path)
         async with open_llm(tiny_model_dir, **ENGINE) as owner:
             address, pid = owner.engine_address, owner.engine_pid
         with pytest.raises(EngineDeadError):
-            async with attach_llm(address, pid, startup_timeout=5):
+            async with attach_llm(address, pid, settings=ClientSettings(startup_timeout=5)):
                 pass

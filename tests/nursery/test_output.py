@@ -5,10 +5,11 @@ Token id ``i`` decodes to ``chr(i)``, so tests read as text.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from tserve.mux import EngineDeadError, MuxClosedError
-from tserve.nursery import RequestFailed, RequestTimeout, ShuttingDown
+from tserve.nursery import InvalidRequest, RequestFailed, RequestTimeout, ShuttingDown
 from tserve.nursery._output import Decision, OutputMapper, finish_error, mux_error
 from tserve.nursery._results import Usage
 from tserve.protocol import FinishReason, RequestOutput
@@ -65,6 +66,26 @@ def test_an_engine_error_fails_the_request_alone() -> None:
     assert outcome.delta is None
     unnamed = _mapper().push(_out("", FinishReason.ERROR))
     assert str(unnamed.error) == "the engine failed this request"
+
+
+def test_a_grammar_error_names_the_constraint() -> None:
+    """Before any token: the request is at fault (InvalidRequest, a 400); after
+    tokens (earlier, or merged into the error's output): RequestFailed; both
+    with the engine's param."""
+    failed = RequestOutput(
+        "r", [], FinishReason.ERROR, None, "accepts no string", None, "constraint"
+    )
+    early = _mapper().push(failed)
+    assert early.decision is Decision.FAILED
+    assert isinstance(early.error, InvalidRequest) and early.error.param == "constraint"
+    mapper = _mapper()
+    mapper.push(_out("{"))
+    late = mapper.push(failed)
+    assert isinstance(late.error, RequestFailed) and late.error.param == "constraint"
+    merged = msgspec.structs.replace(failed, token_ids=_ids("{"))
+    late = _mapper().push(merged)
+    assert isinstance(late.error, RequestFailed) and late.error.param == "constraint"
+    assert str(late.error) == "accepts no string"
 
 
 def test_a_stop_string_while_the_engine_runs_ends_the_request() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tserve.nursery import InvalidRequest
+from tserve.nursery import InvalidRequest, RequestFailed
 from tserve.protocol import Choice, JsonSchema, LarkGrammar, Regex
 from tserve.web._requests import parse_chat, parse_completion
 from tserve.web._structured import rename_constraint_error
@@ -145,9 +145,15 @@ def test_logit_bias_maps_to_sorted_pairs() -> None:
 def test_the_nursery_constraint_problem_is_renamed() -> None:
     exc = InvalidRequest("'constraint': the schema has an unknown type", param="constraint")
     renamed = rename_constraint_error(exc, "response_format")
+    assert isinstance(renamed, InvalidRequest)
     assert renamed.param == "response_format" and "'response_format'" in str(renamed)
     other = InvalidRequest("prompt too long", param="prompt")
     assert rename_constraint_error(other, "response_format") is other
+    late = RequestFailed("the grammar failed: too many items", param="constraint")
+    named = rename_constraint_error(late, "tools[3].function.parameters")
+    assert isinstance(named, RequestFailed) and named.param == "tools[3].function.parameters"
+    assert str(named) == "tools[3].function.parameters: the grammar failed: too many items"
+    assert rename_constraint_error(late, None) is late
 
 
 # -- tools ---------------------------------------------------------------------------------

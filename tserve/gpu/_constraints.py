@@ -13,26 +13,38 @@ Rules:
   here, not in the scheduler, so it never holds back anyone's step. The
   grammar text is compiled once however many requests (``n > 1`` choices) ask
   for it; each request gets its own copy of the compiled matcher.
-* A grammar that fails to compile, or is not compiled ``compile_timeout``
-  seconds after its request arrived, ends that request with an error. The
-  thread cannot be stopped: a compile that runs late finishes and is cached
-  (llguidance's own limits bound its work), and the compiles behind it wait.
+* A grammar that fails to compile, that can write nothing
+  (``tserve.grammar.start_problem``: it accepts no string, or only the empty
+  one), or is not compiled ``compile_timeout`` seconds after its request
+  arrived, ends that request with an error before its first token. A failed
+  grammar is cached with its error, so the same text fails the same way
+  again. The thread cannot be stopped: a compile that runs late finishes and
+  is cached (llguidance's own limits bound its work), and the compiles
+  behind it wait.
 * A matcher has consumed exactly its sequence's output tokens. Preemption
   keeps a sequence's outputs (it is recomputed as a prefill of prompt +
   outputs), so the matcher stays in step with no rollback.
-* Each step's masks are filled in one mask thread while the model runs
-  (llguidance's parallel fill, the GIL released), and waited for before
-  sampling; meanwhile the step loop touches no matcher.
+* A row's next mask starts in a mask thread as soon as its token is consumed
+  (its first as soon as it is compiled), so it overlaps the next forward
+  pass. A mask that is not ready when the step samples leaves that row out:
+  the engine keeps its logits and samples it in a later step; nobody else
+  waits. The mask budget (``mask_budget`` s a token) is enforced per row:
+  :data:`MASK_MISSES` masks in a row that took longer to compute end the
+  request with an error (one mask's work is bounded by llguidance's limits).
 * The mask of a row allows only token ids below the tokenizer's vocabulary;
   the model's padding rows (logits wider than the vocabulary) are never
-  allowed. A matcher in its error state, or a mask that allows nothing,
-  ends that request with an error; nothing here fails a step.
+  allowed. A matcher in its error state, a mask that allows nothing, or an
+  EOS sampled before the grammar is complete, ends that request with an
+  error; nothing here fails a step.
 
 Test-only fault injection: when the environment variable
 ``TSERVE_TEST_FAULT_MASK`` holds a regular expression when a
 :class:`Constraints` is built, the rows of requests whose id it matches
 (``re.search``) get no mask, so their tokens reach the matcher unchecked.
-It is unset in production and nothing over HTTP or the wire can set it.
+A second hook, ``TSERVE_TEST_FAULT_MASK_HOLD`` = ``REGEX:DIR``, holds the
+mask of every request whose id matches in its thread (after creating
+``DIR/held``) until ``DIR/release`` exists: a slow grammar on demand. Both
+are unset in production and nothing over HTTP or the wire can set them.
 """
 
 from __future__ import annotations
@@ -43,28 +55,39 @@ import dataclasses
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Final
 
 import llguidance
 import numpy as np
 import numpy.typing as npt
 
+from tserve._host import lower_thread_priority
 from tserve.gpu._heap import trim_heap
 from tserve.gpu._sequence import Sequence as Seq
-from tserve.grammar import grammar_text, llg_tokenizer
+from tserve.grammar import first_line, grammar_text, llg_tokenizer, start_problem
 
-__all__ = ["MASK_FAULT_ENV", "Constraints", "GrammarCompiler"]
+__all__ = [
+    "MASK_FAULT_ENV",
+    "MASK_HOLD_ENV",
+    "MASK_MISSES",
+    "Constraints",
+    "GrammarCompiler",
+    "Mask",
+]
 
 log = logging.getLogger(__name__)
 
 MASK_FAULT_ENV: Final = "TSERVE_TEST_FAULT_MASK"
+MASK_HOLD_ENV: Final = "TSERVE_TEST_FAULT_MASK_HOLD"
+
+MASK_MISSES: Final = 8
+"""Masks in a row over the budget before a grammar is ended."""
 
 Compiled = llguidance.LLMatcher | str
 """A compiled grammar's matcher at its start, or why it did not compile."""
-
-MaskResult = tuple[dict[int, npt.NDArray[np.bool_]], dict[int, str]]
-"""Row -> allowed tokens (numpy bool ``[vocab]``), and row -> why its grammar cannot go on."""
 
 
 class GrammarCompiler:
@@ -85,7 +108,10 @@ class GrammarCompiler:
     ) -> None:
         if cache_size < 1:
             raise ValueError(f"grammar_cache_size must be >= 1, got {cache_size}")
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tserve-grammar")
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tserve-grammar", initializer=lower_thread_priority
+        )
         self._tokenizer = self._pool.submit(
             llg_tokenizer, tokenizer_json, vocab_size=vocab_size, eos_token_ids=eos_token_ids
         )
@@ -146,13 +172,16 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
 
     def _compile(self, text: str) -> Compiled:
-        """In the worker thread: the matcher of ``text`` or why it cannot be built."""
+        """In the worker thread: the matcher of ``text``, or why it cannot be built
+        or can write nothing (``tserve.grammar.start_problem``, on a copy)."""
         try:
             matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            if matcher.is_error():
+                return f"the grammar does not compile: {matcher.get_error().strip()}"
+            problem = start_problem(matcher.deep_copy(), self.tokenizer)
         except Exception as exc:  # llguidance's or the tokenizer's error, whatever its type
             return f"{type(exc).__name__}: {exc}"
-        error = matcher.get_error()
-        return f"the grammar does not compile: {error}" if error else matcher
+        return matcher if problem is None else problem
 
 
 @dataclasses.dataclass(slots=True)
@@ -160,6 +189,28 @@ class _Waiting:
     seq: Seq
     text: str
     since: float  # wall-clock time of its arrival (the clock deadlines use)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mask:
+    """A constrained row's mask for its next token, once it is computed."""
+
+    allowed: npt.NDArray[np.bool_] | None  # bool [vocab_size]; None: unmasked (test hook only)
+    error: str | None = None  # the grammar cannot go on: end the request with this
+    seconds: float = 0.0  # how long the mask took to compute
+
+
+@dataclasses.dataclass(slots=True)
+class _Row:
+    """One scheduled constrained request: its matcher and its next token's mask.
+
+    Invariant: while ``mask`` is not done, the mask thread owns ``matcher``
+    and nothing else touches it; a token is consumed only after it is done.
+    """
+
+    matcher: llguidance.LLMatcher
+    mask: concurrent.futures.Future[Mask] | None = None  # None: the grammar is complete
+    misses: int = 0  # masks in a row that took longer than the budget
 
 
 class Constraints:
@@ -175,23 +226,31 @@ class Constraints:
         *,
         compile_timeout: float,
         vocab_size: int,
+        mask_budget: float = 0.05,
         threads: int = 1,
     ) -> None:
+        if mask_budget <= 0:
+            raise ValueError(f"grammar_mask_budget must be > 0, got {mask_budget}")
         self.compiler = compiler
         self.compile_timeout = compile_timeout
+        self.mask_budget = mask_budget
         self.vocab_size = vocab_size  # the model's: the width of its logits
         # Requests waiting for their grammar, in arrival order. Bound: the
         # constrained requests the API processes have live (admission).
         self._waiting: dict[str, _Waiting] = {}
-        # The matcher of every constrained request in the scheduler. Bound: the same.
-        self._matchers: dict[str, llguidance.LLMatcher] = {}
-        self._executor = llguidance.LLExecutor(num_threads=max(1, threads))
-        # One fill at a time (one step's); bound: one queued job.
-        self._mask_thread = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="tserve-masks"
+        # Every constrained request in the scheduler. Bound: the same.
+        self._matchers: dict[str, _Row] = {}
+        # Masks are computed here (llguidance releases the GIL), at the
+        # process's priority: a constrained row's pace depends on them (the
+        # budget ends a grammar whose masks stay slow). Bound: one queued or
+        # running mask per constrained row; at least two threads, so that one
+        # slow grammar does not queue the others' masks behind it.
+        self._mask_threads = concurrent.futures.ThreadPoolExecutor(
+            max(2, threads), thread_name_prefix="tserve-masks"
         )
         pattern = os.environ.get(MASK_FAULT_ENV)
         self._fault = re.compile(pattern) if pattern else None
+        self._hold = _MaskHold.from_env()
 
     @property
     def num_waiting(self) -> int:
@@ -210,6 +269,10 @@ class Constraints:
         """Whether ``request_id`` waits here or has a matcher."""
         return request_id in self._waiting or request_id in self._matchers
 
+    def constrained(self, request_id: str) -> bool:
+        """Whether ``request_id`` is a scheduled request with a matcher."""
+        return request_id in self._matchers
+
     def add(self, seq: Seq, now: float) -> str | None:
         """Start on ``seq``'s grammar; it becomes ready in a later :meth:`take_ready`.
 
@@ -226,9 +289,10 @@ class Constraints:
         return None
 
     def take_ready(self, now: float) -> tuple[list[Seq], list[tuple[Seq, str]]]:
-        """The waiting requests whose matcher is ready (now holding it), and those
-        that failed (compile error, or still compiling ``compile_timeout`` s after
-        they arrived) with why; both leave the waiting list. Never blocks."""
+        """The waiting requests whose matcher is ready (now holding it, its first
+        mask started), and those that failed (compile error, a grammar that can
+        write nothing, or still compiling ``compile_timeout`` s after they
+        arrived) with why; both leave the waiting list. Never blocks."""
         ready: list[Seq] = []
         failed: list[tuple[Seq, str]] = []
         for request_id, waiting in list(self._waiting.items()):
@@ -241,82 +305,142 @@ class Constraints:
             if isinstance(compiled, str):
                 failed.append((waiting.seq, compiled))
             else:
-                self._matchers[request_id] = compiled
+                row = self._matchers[request_id] = _Row(compiled)
+                self._start_mask(request_id, row)
                 ready.append(waiting.seq)
         return ready, failed
 
     def wait(self, timeout: float) -> None:
-        """Block until a compile finishes, or ``timeout`` s (for a step with nothing to run)."""
-        self.compiler.wait(timeout)
+        """Block until a compile or a mask finishes, or ``timeout`` s (for a step
+        with nothing to run)."""
+        pending = [r.mask for r in self._matchers.values() if r.mask and not r.mask.done()]
+        if pending:
+            concurrent.futures.wait(
+                pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+        else:
+            self.compiler.wait(timeout)
 
     def release(self, request_id: str) -> None:
-        """Forget a request that ended (its matcher or its wait). Idempotent."""
+        """Forget a request that ended (its matcher or its wait). Idempotent.
+        A mask still computing for it finishes in its thread and is dropped."""
         self._waiting.pop(request_id, None)
         self._matchers.pop(request_id, None)
 
-    def start_masks(self, seqs: Sequence[Seq]) -> Callable[[], MaskResult]:
-        """Start filling the grammar masks of the constrained rows among ``seqs``
-        (row i is ``seqs[i]``) in the mask thread, so that the fill overlaps the
-        forward pass; call the result to wait for them. Never blocks.
+    def mask(self, request_id: str) -> Mask | None:
+        """The mask of ``request_id``'s next token (a constrained request's), or
+        None while it is computed: the row waits, its logits kept, and others
+        go on. Never blocks.
 
-        The result: row -> bool ``[vocab_size]`` (True = allowed), and row ->
-        error for a matcher that cannot go on. Until it is called, nothing may
-        touch these matchers (the step loop only runs the model meanwhile).
-        Without constrained rows nothing starts.
+        The budget: a mask that took longer than ``mask_budget`` to compute is
+        a miss; :data:`MASK_MISSES` misses in a row end the request with an
+        error. One mask's work is bounded by llguidance's own limits.
         """
-        rows: list[tuple[int, llguidance.LLMatcher]] = []
-        errors: dict[int, str] = {}
-        for i, seq in enumerate(seqs):
-            matcher = self._matchers.get(seq.request_id)
-            if matcher is None or (self._fault is not None and self._fault.search(seq.request_id)):
-                continue
-            if matcher.is_error():
-                errors[i] = f"the grammar failed: {_first_line(matcher.get_error())}"
-            else:
-                rows.append((i, matcher))
-        if not rows:
-            return lambda: ({}, errors)
-        return self._mask_thread.submit(self._fill, rows, errors).result
+        row = self._matchers[request_id]
+        future = row.mask
+        assert future is not None, "a complete grammar samples no more tokens"
+        if not future.done():
+            return None
+        mask = future.result()
+        row.misses = row.misses + 1 if mask.seconds > self.mask_budget else 0
+        if mask.error is None and row.misses >= MASK_MISSES:
+            return Mask(None, self._over_budget())
+        return mask
 
-    def masks(self, seqs: Sequence[Seq]) -> MaskResult:
-        """:meth:`start_masks` and wait for them. Blocks while llguidance fills them."""
-        return self.start_masks(seqs)()
+    def matcher(self, request_id: str) -> llguidance.LLMatcher:
+        """A constrained request's matcher; touch it only while its mask is done."""
+        return self._matchers[request_id].matcher
 
-    def _fill(
-        self, rows: list[tuple[int, llguidance.LLMatcher]], errors: dict[int, str]
-    ) -> MaskResult:
-        """In the mask thread: llguidance's parallel fill (the GIL released), unpacked."""
-        words = (self.compiler.tokenizer.vocab_size + 31) // 32
-        bitmask = np.zeros((len(rows), words), dtype="<i4")  # C-contiguous, as llguidance writes it
-        pairs = [(matcher, k) for k, (_, matcher) in enumerate(rows)]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, words * 4, len(rows))
-        allowed = _unpack(bitmask, self.vocab_size)
-        any_allowed = np.count_nonzero(allowed, axis=1).tolist()
-        masks: dict[int, npt.NDArray[np.bool_]] = {}
-        for k, (i, _) in enumerate(rows):
-            if any_allowed[k]:
-                masks[i] = allowed[k]
-            else:
-                errors[i] = "the grammar allows no token of this model here"
-        return masks, errors
+    def wait_mask(self, request_id: str) -> Mask | None:
+        """:meth:`mask` once the mask is computed: blocks while it is (benchmarks, tests)."""
+        future = self._matchers[request_id].mask
+        if future is not None:
+            concurrent.futures.wait([future])
+        return self.mask(request_id)
 
     def advance(self, request_id: str, token: int) -> str | None:
-        """Feed a sampled token to the request's matcher (if it has one); the
-        error when the grammar rejects it, else None."""
-        matcher = self._matchers.get(request_id)
-        if matcher is None or matcher.consume_token(token):
+        """Feed a sampled token to the request's matcher (if it has one) and start
+        the next token's mask; the error when the grammar rejects the token, or
+        the token is an EOS before the grammar is complete, else None. Call it
+        only once :meth:`mask` gave the row's mask."""
+        row = self._matchers.get(request_id)
+        if row is None:
             return None
-        return f"the grammar rejected token {token}: {_first_line(matcher.get_error())}"
+        matcher = row.matcher
+        if token in self.compiler.eos_token_ids and not matcher.is_accepting():
+            return "the output ended before its grammar was complete"
+        if not matcher.consume_token(token):
+            return f"the grammar rejected token {token}: {first_line(matcher.get_error())}"
+        self._start_mask(request_id, row)
+        return None
 
     def finished(self, request_id: str) -> bool:
         """Whether the request's grammar is complete and takes no more tokens."""
-        matcher = self._matchers.get(request_id)
-        return matcher is not None and matcher.is_stopped()
+        row = self._matchers.get(request_id)
+        return row is not None and row.mask is None
 
     def close(self) -> None:
-        """Stop the mask thread and the compiler's (see :meth:`GrammarCompiler.close`)."""
-        self._mask_thread.shutdown(wait=False)
+        """Stop the mask threads and the compiler's (see :meth:`GrammarCompiler.close`)."""
+        self._mask_threads.shutdown(wait=False, cancel_futures=True)
         self.compiler.close()
+
+    def _over_budget(self) -> str:
+        return (
+            f"the grammar is too slow: its masks took longer than the budget for "
+            f"{MASK_MISSES} tokens in a row ({self.mask_budget * 1000:g} ms a token, "
+            f"--grammar-mask-budget)"
+        )
+
+    def _start_mask(self, request_id: str, row: _Row) -> None:
+        """Start the next mask of ``row`` in a mask thread (none once the grammar is complete)."""
+        if row.matcher.is_stopped() and not row.matcher.is_error():
+            row.mask = None
+            return
+        if self._fault is not None and self._fault.search(request_id):
+            row.mask = concurrent.futures.Future()
+            row.mask.set_result(Mask(None))
+            return
+        row.mask = self._mask_threads.submit(self._compute, request_id, row.matcher)
+
+    def _compute(self, request_id: str, matcher: llguidance.LLMatcher) -> Mask:
+        """In a mask thread: one matcher's mask (the GIL released while llguidance works)."""
+        start = time.perf_counter()
+        if self._hold is not None:
+            self._hold.wait(request_id)
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype="<i4")
+        seconds = time.perf_counter() - start
+        if matcher.is_error():
+            error = f"the grammar failed: {first_line(matcher.get_error())}"
+            return Mask(None, error, seconds)
+        allowed = _unpack(bits[None, :], self.vocab_size)[0]
+        if not allowed.any():
+            return Mask(None, "the grammar allows no token of this model here", seconds)
+        return Mask(allowed, None, seconds)
+
+
+class _MaskHold:
+    """The test-only mask hold hook (module docstring)."""
+
+    POLL = 0.01  # s between looks at DIR/release
+
+    def __init__(self, pattern: re.Pattern[str], directory: Path) -> None:
+        self.pattern, self.directory = pattern, directory
+
+    @classmethod
+    def from_env(cls) -> _MaskHold | None:
+        value = os.environ.get(MASK_HOLD_ENV)
+        if not value:
+            return None
+        pattern, directory = value.rsplit(":", 1)
+        return cls(re.compile(pattern), Path(directory))
+
+    def wait(self, request_id: str) -> None:
+        """Block a matching request's mask until ``DIR/release`` exists."""
+        if not self.pattern.search(request_id):
+            return
+        (self.directory / "held").touch()
+        while not (self.directory / "release").exists():
+            time.sleep(self.POLL)
 
 
 def _unpack(bitmask: npt.NDArray[np.int32], width: int) -> npt.NDArray[np.bool_]:
@@ -329,7 +453,3 @@ def _unpack(bitmask: npt.NDArray[np.int32], width: int) -> npt.NDArray[np.bool_]
     out = np.zeros((bits.shape[0], width), dtype=np.bool_)
     out[:, : bits.shape[1]] = bits
     return out
-
-
-def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "no reason given"

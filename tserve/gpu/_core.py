@@ -252,11 +252,11 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
         log.error("peer %r re-used the live request id %r; add ignored", peer, request_id)
         return True
 
-    def _reject(self, peer: bytes, request_id: str, problem: str) -> None:
-        """Answer a request that can never run with one ERROR output (next step)."""
-        self._pending.append(
-            (peer, RequestOutput(request_id, [], FinishReason.ERROR, error=problem))
-        )
+    def _reject(self, peer: bytes, request_id: str, problem: str, param: str | None = None) -> None:
+        """Answer a request that can never run with one ERROR output (next step);
+        ``param`` names the part of the request at fault, if one is."""
+        output = RequestOutput(request_id, [], FinishReason.ERROR, error=problem, error_param=param)
+        self._pending.append((peer, output))
 
     def _report(self, peer: bytes, output: RequestOutput) -> None:
         """Send ``output`` with the next step."""

@@ -24,8 +24,12 @@ A constrained request (``params.constraint``) waits in :class:`Constraints`
 until its grammar is compiled (off the step loop), then joins the scheduler;
 each step masks its row before sampling, feeds its sampled token to its
 matcher, and ends it with STOP once the grammar is complete (see
-``_constraints.py``). A token its grammar rejects, a grammar that fails or
-times out, ends that request alone with ERROR.
+``_constraints.py``). A row whose mask is not ready when the forward pass
+ends is held: its logits row is kept, it gets no token this step and is not
+scheduled, and it is sampled at the start of a later step once its mask is
+ready (no forward pass again). A token its grammar rejects, a grammar that
+fails, times out or runs over its mask budget ends that request alone with
+ERROR, its ``error_param`` "constraint".
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from tserve.gpu._constraints import Constraints, GrammarCompiler, MaskResult
+from tserve.gpu._constraints import Constraints, GrammarCompiler, Mask
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
 from tserve.gpu._engine_load import Progress, load_engine_model
 from tserve.gpu._kv import BlockManager, kv_budget_blocks, kv_token_bytes
@@ -120,11 +124,16 @@ class EngineCore(CoreBookkeeping[Sequence]):
         self.constraints = Constraints(
             compiler,
             compile_timeout=config.grammar_compile_timeout,
+            mask_budget=config.grammar_mask_budget,
             vocab_size=self.vocab_size,
             threads=config.threads,
         )
         # Logprobs of tokens sampled but not yet reported; one entry per token.
         self._logprobs: dict[str, list[TokenLogprob]] = {}
+        # Rows whose forward pass ran but whose grammar mask was late: the
+        # logits row (float32 [V], a copy) to sample once the mask is ready.
+        # Bound: one per constrained request in the scheduler.
+        self._held: dict[str, np.ndarray[Any, np.dtype[np.float32]]] = {}
         kv_tokens = num_blocks * config.block_size
         progress(
             f"engine ready: {self.model_name}, {kv_tokens} KV tokens "
@@ -164,7 +173,10 @@ class EngineCore(CoreBookkeeping[Sequence]):
         if seq.params.constraint is None:
             self.scheduler.add(seq)
             return None
-        return self.constraints.add(seq, time.time())
+        problem = self.constraints.add(seq, time.time())
+        if problem is not None:
+            self._reject(seq.peer, seq.request_id, problem, param="constraint")
+        return None
 
     # Aborts (abort, abort_peer, abort_all) are CoreBookkeeping's; they free KV at once.
 
@@ -209,20 +221,21 @@ class EngineCore(CoreBookkeeping[Sequence]):
         for seq in self.scheduler.expire(now):  # 1 end expired requests
             self._finished(seq)
         self._take_compiled(now)  # 1b compiled grammars join the queue
+        news = self._sample_held()  # 1c rows whose late mask is ready get their token
+        self._end_complete_grammars(news)
         chunks = self.scheduler.schedule()  # 2 schedule (allocates KV)
-        news: list[Sequence] = []
         if chunks:
             to_sample = [c.seq for c in chunks if c.sample]
-            masks = self.constraints.start_masks(to_sample)  # 3a grammar masks, beside 3
             logits = self._forward(chunks)  # 3 ONE forward pass (fatal if it raises)
-            sampled, failed = self._sample(to_sample, logits, masks())  # 4 sample, per request
-            news = failed + self.scheduler.update(chunks, sampled)  # 5 update, free finished
-            self._end_complete_grammars(news)
-        elif self.constraints.num_waiting:
+            sampled, failed = self._sample(to_sample, logits)  # 4 sample; late masks: held
+            news += failed + self.scheduler.update(chunks, sampled, self._held)  # 5 update
+        elif self.constraints.num_waiting or self._held:
             self.constraints.wait(_IDLE_COMPILE_WAIT)  # nothing to run: do not spin
+        self._end_complete_grammars(news)
         outputs = self._take_pending()
-        # A sequence is in ``news`` once: failed ones are skipped by update().
-        outputs += [(seq.peer, self._output(seq)) for seq in news]  # 6 outputs
+        # One output per sequence: failed ones are skipped by update(); a row
+        # sampled late in 1c may sample again in 4 (its output holds both tokens).
+        outputs += [(seq.peer, self._output(seq)) for seq in dict.fromkeys(news)]  # 6 outputs
         return outputs
 
     def _forward(self, chunks: list[ScheduledChunk]) -> Any:
@@ -238,6 +251,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
             self.scheduler.add(seq)  # valid, and its id unique: _queue
         for seq, error in failed:
             self._end_unscheduled(seq, FinishReason.ERROR, error)
+            seq.error_param = "constraint"
             self._finished(seq)
         for seq in self.constraints.waiting():
             if seq.deadline is not None and seq.deadline <= now:
@@ -251,37 +265,92 @@ class EngineCore(CoreBookkeeping[Sequence]):
                 self.scheduler.finish_stopped(seq.request_id)
 
     def _sample(
-        self,
-        to_sample: list[Sequence],
-        logits: Any,
-        grammar: MaskResult,
+        self, to_sample: list[Sequence], logits: Any
     ) -> tuple[dict[str, int], list[Sequence]]:
         """Sampled token per request id, and the requests that failed alone (now finished).
 
         ``logits [N, V]``: a numpy array, or a torch tensor on any device in any
         float dtype (brought to a CPU float32 array: zero-copy when it is one
-        already). Constrained rows are masked by their grammar (``grammar``:
-        their masks and the rows whose grammar failed), and their matchers
-        advanced by the sampled token; a failing grammar fails its request.
+        already). A constrained row is masked by its grammar; one whose mask is
+        not ready is held (``self._held``: its logits row kept) and gets no token.
         """
-        masks, errors = grammar
         if not isinstance(logits, np.ndarray) and hasattr(logits, "numpy"):
             logits = logits.float().cpu().numpy()  # a torch tensor, named without torch
-        results = self.sampler.sample(logits, to_sample, masks)
+        array = np.asarray(logits, dtype=np.float32)
+        rows: list[int] = []
+        masks: list[Mask | None] = []
+        failed: list[Sequence] = []
+        for row, seq in enumerate(to_sample):
+            self._held.pop(seq.request_id, None)  # recomputed after a preemption: sampled now
+            mask = None
+            if self.constraints.constrained(seq.request_id):
+                mask = self.constraints.mask(seq.request_id)
+                if mask is None:
+                    self._held[seq.request_id] = array[row].copy()
+                    continue
+                if mask.error is not None:
+                    self._fail(seq, mask.error, "constraint")
+                    failed.append(seq)
+                    continue
+            rows.append(row)
+            masks.append(mask)
+        if len(rows) < len(to_sample):
+            array = array[rows]
+        sampled, more = self._sample_rows([to_sample[r] for r in rows], array, masks)
+        return sampled, failed + more
+
+    def _sample_held(self) -> list[Sequence]:
+        """Step 1c: sample the held rows whose mask is now ready (or failed), and
+        record their tokens; the sequences with news."""
+        news: list[Sequence] = []
+        for request_id in list(self._held):
+            seq = self.scheduler.get(request_id)
+            assert seq is not None, "an ended request is never held (_fail, _output)"
+            mask = self.constraints.mask(request_id)
+            if mask is None:
+                continue  # still computing: held on
+            logits = self._held.pop(request_id)
+            if mask.error is not None:
+                self._fail(seq, mask.error, "constraint")
+                news.append(seq)
+                continue
+            sampled, failed = self._sample_rows([seq], logits[None, :], [mask])
+            news += failed
+            if request_id in sampled:
+                self.scheduler.append_token(request_id, sampled[request_id])
+                news.append(seq)
+        return news
+
+    def _sample_rows(
+        self, seqs: list[Sequence], logits: Any, masks: list[Mask | None]
+    ) -> tuple[dict[str, int], list[Sequence]]:
+        """Sample ``seqs`` (row i of ``logits`` is ``seqs[i]``'s) with their masks,
+        and feed each constrained token to its matcher; a failing request ends."""
+        allowed = {
+            i: m.allowed for i, m in enumerate(masks) if m is not None and m.allowed is not None
+        }
+        results = self.sampler.sample(logits, seqs, allowed)
         sampled: dict[str, int] = {}
         failed: list[Sequence] = []
-        for row, (seq, result) in enumerate(zip(to_sample, results, strict=True)):
-            error = errors.get(row, result.error)
+        for seq, result in zip(seqs, results, strict=True):
+            error, param = result.error, None
             if error is None and result.token_id is not None:
                 error = self.constraints.advance(seq.request_id, result.token_id)
+                param = "constraint"
             if error is not None or result.token_id is None:
-                self.scheduler.finish_with_error(seq.request_id, error or "no token")
+                self._fail(seq, error or "no token", param)
                 failed.append(seq)
                 continue
             sampled[seq.request_id] = result.token_id
             if result.logprob is not None:
                 self._logprobs.setdefault(seq.request_id, []).append(result.logprob)
         return sampled, failed
+
+    def _fail(self, seq: Sequence, error: str, param: str | None) -> None:
+        """End one scheduled request with ERROR (``param``: what the error is about)."""
+        self.scheduler.finish_with_error(seq.request_id, error)
+        seq.error_param = param
+        self._held.pop(seq.request_id, None)
 
     def close(self) -> None:
         """Stop the grammar compile and mask threads: queued compiles are dropped;
@@ -338,8 +407,17 @@ class EngineCore(CoreBookkeeping[Sequence]):
             self._logprobs.pop(seq.request_id, None)
             self.sampler.release(seq.request_id)
             self.constraints.release(seq.request_id)
+        if seq.is_finished:
+            self._held.pop(seq.request_id, None)
         return RequestOutput(
-            seq.request_id, new, seq.finish_reason, logprobs, seq.error, cached_tokens=cached
+            seq.request_id,
+            new,
+            seq.finish_reason,
+            logprobs,
+            seq.error,
+            None,
+            seq.error_param,
+            cached,
         )
 
 

@@ -57,7 +57,7 @@ preempted repeatedly; each time wastes at most the tokens it had computed.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from tserve.gpu._budget import STEP_OVERHEAD_TOKENS, check_budget, prefill_budget
 from tserve.gpu._kv import BlockManager
@@ -79,7 +79,10 @@ class Scheduler:
     * a live sequence is in exactly one of ``_waiting`` / ``_running``, and in
       ``_live``; a FINISHED one is in none and holds no blocks;
     * ``len(_running) <= max_num_seqs``;
-    * a RUNNING sequence has at least one uncomputed token (the next to feed).
+    * a RUNNING sequence has at least one uncomputed token (the next to feed),
+      except one whose sampled chunk ran but whose token waits for its
+      grammar's mask (``update``'s ``held``; ``append_token`` gives it one):
+      it has none, so no pass schedules it meanwhile.
     """
 
     def __init__(
@@ -173,7 +176,7 @@ class Scheduler:
         for seq in self._waiting:
             assert seq.status is _WAITING and seq.num_computed_tokens == 0
         for seq in self._running.values():
-            assert seq.status is _RUNNING and seq.num_uncomputed_tokens >= 1
+            assert seq.status is _RUNNING and seq.num_uncomputed_tokens >= 0
         assert len(self._waiting) + len(self._running) == len(self._live)
         waiting = {seq.request_id for seq in self._waiting}
         assert waiting | self._running.keys() == self._live.keys()
@@ -248,13 +251,19 @@ class Scheduler:
             chunks += self._admit_waiting(budget)
         return chunks
 
-    def update(self, chunks: list[ScheduledChunk], sampled: Mapping[str, int]) -> list[Sequence]:
+    def update(
+        self,
+        chunks: list[ScheduledChunk],
+        sampled: Mapping[str, int],
+        held: Collection[str] = (),
+    ) -> list[Sequence]:
         """Record a finished forward pass; return the sequences with news.
 
         Advances ``num_computed_tokens`` of every chunk, appends the sampled token
         of every ``sample=True`` chunk and finishes the sequences that hit a stop
         condition, freeing their KV in this call. ``sampled`` maps request id to
-        token id and must hold every sampling chunk's request that is still live.
+        token id and must hold every sampling chunk's request that is still live,
+        except those in ``held``: their token comes later (``append_token``).
         Returns every sequence that got a token (finished or not), in chunk order.
         """
         news: list[Sequence] = []
@@ -268,13 +277,22 @@ class Scheduler:
             if not chunk.sample:
                 continue
             token = sampled.get(seq.request_id)
-            assert token is not None, f"no sampled token for {seq.request_id!r}"
-            seq.output_token_ids.append(token)
-            reason = self._stop_reason(seq)
-            if reason is not None:
-                self._finish(seq, reason)
+            if token is None:
+                assert seq.request_id in held, f"no sampled token for {seq.request_id!r}"
+                continue
+            self._append(seq, token)
             news.append(seq)
         return news
+
+    def append_token(self, request_id: str, token: int) -> Sequence | None:
+        """Record the token of a sequence held by ``update`` (sampled in a later
+        step, once its grammar's mask was ready), finishing it on a stop
+        condition; the sequence, or None when it is no longer live. Whatever its
+        state (a preempted one recomputes the token with the rest)."""
+        seq = self._live.get(request_id)
+        if seq is not None:
+            self._append(seq, token)
+        return seq
 
     def prefill_budget(self, num_decodes: int) -> int:
         """Prefill tokens a step with ``num_decodes`` decodes may run (rule 4)."""
@@ -365,6 +383,12 @@ class Scheduler:
         seq.transition(_WAITING)
         self._waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output_token_ids.append(token)
+        reason = self._stop_reason(seq)
+        if reason is not None:
+            self._finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence) -> FinishReason | None:
         """Why ``seq`` ends after its newest token, or None to go on."""

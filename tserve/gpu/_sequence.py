@@ -72,6 +72,7 @@ class Sequence:
     block_table: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_param: str | None = None  # what ``error`` is about ("constraint"), if set
     num_sent: int = 0
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_blocks: int = 0

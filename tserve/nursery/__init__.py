@@ -2,8 +2,12 @@
 
 Modules, each with one job (imports run down this list, never up)::
 
+    _registry.py        ModelRegistry: the served models, each one's engine owned
+                        by one task; loads on demand, one per model at a time
+    _model_state.py     sans-IO: a model's load states and their legal moves
     _open.py            open_llm / attach_llm / open_embedder / attach_embedder:
-                        an engine, its session and a client, for a block
+                        an engine, its session and a client, for a block;
+                        EngineOwner: how this process starts the engines it owns
     _llm.py             LLM: generation requests, admission, LLMStats
     _embedder.py        Embedder: embedding calls, their inputs and EmbeddingResult
     _client.py          EngineClient (identity, liveness, ids, its admission)
@@ -38,6 +42,7 @@ Modules, each with one job (imports run down this list, never up)::
 
 from tserve._curve import KeyFileError
 from tserve.mux import EngineDeadError, RequestState
+from tserve.nursery._client import ClientSettings
 from tserve.nursery._embedder import Embedder, EmbeddingResult
 from tserve.nursery._errors import (
     InvalidRequest,
@@ -48,12 +53,15 @@ from tserve.nursery._errors import (
     ShuttingDown,
 )
 from tserve.nursery._llm import LLM, LLMStats
+from tserve.nursery._model_state import ModelState
 from tserve.nursery._open import attach_embedder, attach_llm, open_embedder, open_llm
+from tserve.nursery._registry import ModelLoadFailed, ModelNotServed, ModelRegistry, open_models
 from tserve.nursery._request import RequestStream
 from tserve.nursery._results import Completion, Delta, Usage
 
 __all__ = [
     "LLM",
+    "ClientSettings",
     "Completion",
     "Delta",
     "Embedder",
@@ -63,6 +71,10 @@ __all__ = [
     "KeyFileError",
     "LLMError",
     "LLMStats",
+    "ModelLoadFailed",
+    "ModelNotServed",
+    "ModelRegistry",
+    "ModelState",
     "Overloaded",
     "RequestFailed",
     "RequestState",
@@ -74,4 +86,5 @@ __all__ = [
     "attach_llm",
     "open_embedder",
     "open_llm",
+    "open_models",
 ]

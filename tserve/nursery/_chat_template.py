@@ -18,8 +18,10 @@ which model authors write their templates against):
   ``strftime_now``, a ``dict`` that only builds dicts, and a ``namespace``
   that refuses underscore names;
 * the variables: ``messages``, ``tools``, ``documents``,
-  ``add_generation_prompt``, and the tokenizer's named special tokens
-  (``bos_token``, ``eos_token``, ...);
+  ``add_generation_prompt``, the tokenizer's named special tokens
+  (``bos_token``, ``eos_token``, ...), and the request's own
+  ``template_kwargs`` (``enable_thinking``, ...), as plain JSON data; a
+  template kwarg never replaces one of the variables before it;
 * the messages as plain JSON data: keys whose value is None are dropped,
   values that are not JSON types become ``"<TypeName>"`` placeholders, and a
   message's reasoning (``reasoning_content``, ``thinking`` or
@@ -59,12 +61,14 @@ class ChatOptions(TypedDict, total=False):
 
     ``add_generation_prompt`` (default True) asks the template to open the
     assistant's turn; ``tools`` and ``documents`` are lists of JSON objects
-    (None, the default, is what a template sees without them).
+    (None, the default, is what a template sees without them);
+    ``template_kwargs`` are more variables (such as ``enable_thinking``).
     """
 
     add_generation_prompt: bool
     tools: Sequence[Mapping[str, Any]] | None
     documents: Sequence[Mapping[str, Any]] | None
+    template_kwargs: Mapping[str, Any] | None
 
 
 class ChatTemplateError(InvalidRequest):
@@ -134,7 +138,9 @@ class ChatTemplate:
             raise ChatTemplateError(self._compile_error)
         tools = options.get("tools")
         documents = options.get("documents")
-        variables: dict[str, Any] = dict(self.special_tokens)
+        extra = options.get("template_kwargs") or {}
+        variables: dict[str, Any] = {str(key): _plain(value) for key, value in extra.items()}
+        variables.update(self.special_tokens)
         variables.update(
             messages=_chat_messages(messages),
             tools=None if tools is None else _plain(_mappings(tools, "tools")),

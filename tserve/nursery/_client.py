@@ -27,14 +27,15 @@ from tserve.nursery._session import EngineSession
 __all__ = ["ClientSettings", "EngineClient"]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ClientSettings:
-    """A client's bounds, as ``open_llm`` and the others take them (see :func:`tserve.open_llm`)."""
+    """A client's bounds, one object for every entry of ``_open.py`` (see
+    :func:`tserve.open_llm` for what each does); the defaults are ``open_llm``'s."""
 
-    max_pending: int  # running units at once; >= 1
-    request_timeout: float | None  # s; None: no deadline
-    startup_timeout: float  # s the engine gets to become ready
-    heartbeat_timeout: float  # s of engine silence that count as its death
+    max_pending: int = 1024  # running units at once; >= 1
+    request_timeout: float | None = None  # s; None: no deadline
+    startup_timeout: float = 600.0  # s the engine gets to become ready
+    heartbeat_timeout: float = 30.0  # s of engine silence that count as its death
     overload: Overload = Overload.WAIT  # what a unit finding no free slot does
     max_queued: int = 0  # RAISE mode: units that may wait for a slot
     max_queued_tokens: int | None = None  # RAISE mode: their prompt tokens; None: no bound
@@ -44,18 +45,6 @@ class ClientSettings:
             raise ValueError("max_pending must be at least 1")
         if self.max_queued < 0:
             raise ValueError("max_queued must not be negative")
-
-    def queueing(
-        self, overload: str, max_queued: int = 0, max_queued_tokens: int | None = None
-    ) -> ClientSettings:
-        """These settings with an ``overload`` mode ("wait" or "raise", else
-        ValueError) and the queue's bounds (see :class:`Admission`)."""
-        return dataclasses.replace(
-            self,
-            overload=Overload(overload),
-            max_queued=max_queued,
-            max_queued_tokens=max_queued_tokens,
-        )
 
     def admission(self, noun: str) -> Admission:
         """A new :class:`Admission` with these bounds; ``noun`` names its unit."""

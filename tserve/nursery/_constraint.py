@@ -11,6 +11,7 @@ ordinary schema, more for a very large one, so it runs in a worker thread.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 from collections.abc import Callable
 from typing import Final
@@ -19,6 +20,7 @@ import anyio
 import llguidance
 import msgspec
 
+from tserve._host import lower_thread_priority
 from tserve.grammar import constraint_problem, llg_tokenizer
 from tserve.nursery._errors import InvalidRequest
 from tserve.sampling import Constraint
@@ -30,6 +32,7 @@ CHECK_CACHE_SIZE: Final = 128
 """Constraints whose verdict is remembered (valid or not), least recently used dropped."""
 
 _ENCODE: Final = msgspec.msgpack.Encoder().encode
+_CHECK_THREADS: Final = 2
 
 
 class ConstraintCheck:
@@ -50,9 +53,16 @@ class ConstraintCheck:
         # entries; at the bound the least recently used is dropped. Touched
         # on the event loop only.
         self._verdicts: collections.OrderedDict[bytes, Problem | None] = collections.OrderedDict()
-        # Checks in worker threads. Bound: this many at once; more wait for a
-        # thread (they belong to admitted requests, at most max_pending).
-        self._limiter = anyio.CapacityLimiter(2)
+        # Checks in worker threads of their own, at a lower priority than the
+        # event loop (``lower_thread_priority``). Bound: this many at once;
+        # more wait for a thread (they belong to admitted requests, at most
+        # max_pending).
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            _CHECK_THREADS,
+            thread_name_prefix="tserve-grammar-check",
+            initializer=lower_thread_priority,
+        )
+        self._limiter = anyio.CapacityLimiter(_CHECK_THREADS)
 
     async def check(self, constraint: Constraint) -> None:
         """Raise InvalidRequest (``param`` "constraint") unless the grammar engine
@@ -67,7 +77,8 @@ class ConstraintCheck:
             self._verdicts.move_to_end(key)
             problem = self._verdicts[key]
         else:
-            problem = await anyio.to_thread.run_sync(self._check, constraint, limiter=self._limiter)
+            job = self._threads.submit(self._check, constraint)
+            problem = await anyio.to_thread.run_sync(job.result, limiter=self._limiter)
             self._verdicts[key] = problem
             while len(self._verdicts) > CHECK_CACHE_SIZE:
                 self._verdicts.popitem(last=False)

@@ -40,7 +40,12 @@ class InvalidRequest(LLMError):
 
 
 class RequestFailed(LLMError):
-    """The engine ended this request alone with an error (others are unaffected)."""
+    """The engine ended this request alone with an error (others are unaffected);
+    ``param`` names the part of the request at fault, when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestTimeout(LLMError):

@@ -25,7 +25,7 @@ from tserve.nursery._errors import InvalidRequest, ShuttingDown
 from tserve.nursery._request import Prompt, RequestSeam, RequestStream, loop_caller
 from tserve.nursery._results import Completion
 from tserve.nursery._session import EngineSession
-from tserve.nursery._tokenizer import ChatTokenizer, Message, Tools
+from tserve.nursery._tokenizer import ChatTokenizer, Message, TemplateKwargs, Tools
 from tserve.protocol import EngineStats, TokenLogprob
 from tserve.sampling import SamplingDefaults, SamplingParams
 from tserve.validity import generation_problem
@@ -164,11 +164,13 @@ class LLM(EngineClient):
         params: SamplingParams | None = None,
         *,
         tools: Tools = None,
+        template_kwargs: TemplateKwargs = None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> RequestStream:
         """Like :meth:`generate` with the model's chat template applied to ``messages``
-        (``tools``: the template's ``tools`` variable, OpenAI's tool objects).
+        (``tools``: the template's ``tools`` variable, OpenAI's tool objects;
+        ``template_kwargs``: more of its variables, such as ``enable_thinking``).
 
         Raises InvalidRequest at once when ``messages`` is not a list of
         mappings; the template runs as :meth:`tokenize_chat` says.
@@ -176,7 +178,9 @@ class LLM(EngineClient):
         if isinstance(messages, str | bytes) or not all(isinstance(m, Mapping) for m in messages):
             raise InvalidRequest("messages must be a list of objects", param="messages")
         chat = [dict(m) for m in messages]
-        return self._admit(lambda: self.tokenize_chat(chat, tools), params, request_id, timeout)
+        return self._admit(
+            lambda: self.tokenize_chat(chat, tools, template_kwargs), params, request_id, timeout
+        )
 
     async def complete(
         self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
@@ -215,10 +219,12 @@ class LLM(EngineClient):
         """
         return await self._tokens.tokenize(text)
 
-    async def tokenize_chat(self, messages: list[Message], tools: Tools = None) -> list[int]:
+    async def tokenize_chat(
+        self, messages: list[Message], tools: Tools = None, template_kwargs: TemplateKwargs = None
+    ) -> list[int]:
         """Prompt ids for a chat (:meth:`apply_chat_template`), inline or in a
         thread by its messages' length, like :meth:`tokenize`."""
-        return await self._tokens.tokenize_chat(messages, tools)
+        return await self._tokens.tokenize_chat(messages, tools, template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``. Blocking (tokenizer work): :meth:`tokenize` decides where."""
@@ -228,9 +234,11 @@ class LLM(EngineClient):
         """Text of ``token_ids``, special tokens skipped. Fast (microseconds) for a few ids."""
         return self._tokens.decode(token_ids)
 
-    def apply_chat_template(self, messages: list[Message], tools: Tools = None) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[Message], tools: Tools = None, template_kwargs: TemplateKwargs = None
+    ) -> list[int]:
         """Prompt ids for a chat. Blocking; raises InvalidRequest for bad messages."""
-        return self._tokens.apply_chat_template(messages, tools)
+        return self._tokens.apply_chat_template(messages, tools, template_kwargs)
 
     # -- admission -----------------------------------------------------------------
 

@@ -18,14 +18,17 @@ child process outlives the block.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 
 from tserve._curve import client_keys, require_keys
 from tserve.mux import Link
+from tserve.nursery._admission import Overload
 from tserve.nursery._client import ClientSettings, EngineClient
 from tserve.nursery._embedder import Embedder, embedding_config
 from tserve.nursery._engine_process import EngineRef, start_engine
@@ -37,9 +40,10 @@ from tserve.nursery._tokenizer_files import load_unpacked
 from tserve.nursery._watch import dying_with
 from tserve.protocol import EngineConfig
 
-__all__ = ["attach_embedder", "attach_llm", "open_embedder", "open_llm"]
+__all__ = ["EngineOwner", "attach_embedder", "attach_llm", "open_embedder", "open_llm"]
 
 _Client = TypeVar("_Client", bound=EngineClient)
+_DEFAULTS = ClientSettings()
 _Tokens = TypeVar("_Tokens")
 
 
@@ -116,15 +120,47 @@ async def open_llm(
     and ``heartbeat_interval`` with the generation engine. The death of
     either engine turns ``engine_alive`` False.
     """
-    settings = ClientSettings(max_pending, request_timeout, startup_timeout, heartbeat_timeout)
-    settings = settings.queueing(overload, max_queued, max_queued_tokens)
+    settings = ClientSettings(
+        max_pending=max_pending,
+        request_timeout=request_timeout,
+        startup_timeout=startup_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+        overload=Overload(overload),
+        max_queued=max_queued,
+        max_queued_tokens=max_queued_tokens,
+    )
     config = EngineConfig(model=os.fspath(model), **engine_options)  # TypeError: unknown option
-    async with (
-        start_engine(config, log_level=log_level, stop_grace=shutdown_grace) as engine,
-        _embedder_for(embedding_model, engine_options, settings, shutdown_grace, log_level) as emb,
-        _connect_llm(engine, config.model, settings, emb, owned=True, freeze_gc=freeze_gc) as llm,
-    ):
+    owner = EngineOwner(settings, shutdown_grace=shutdown_grace, log_level=log_level)
+    embedding = None if embedding_model is None else os.fspath(embedding_model)
+    async with owner.open_llm(config, embedding, freeze_gc=freeze_gc) as llm:
         yield llm
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineOwner:
+    """How this process starts and stops the engines it owns: the client
+    settings of each, the engine's log level, and ``shutdown_grace``."""
+
+    settings: ClientSettings
+    shutdown_grace: float = 5.0
+    log_level: str = "INFO"
+
+    @contextlib.asynccontextmanager
+    async def open_llm(
+        self, config: EngineConfig, embedding_model: str | None = None, *, freeze_gc: bool = False
+    ) -> AsyncIterator[LLM]:
+        """:func:`open_llm` for ``config`` (its rules), with these settings; ``freeze_gc``
+        is the serving GC settings of ``_gc.py``, for a process that serves one model."""
+        settings, grace, level = self.settings, self.shutdown_grace, self.log_level
+        options = msgspec.structs.asdict(config)
+        async with (
+            start_engine(config, log_level=level, stop_grace=grace) as engine,
+            _embedder_for(embedding_model, options, settings, grace, level) as emb,
+            _connect_llm(
+                engine, config.model, settings, emb, owned=True, freeze_gc=freeze_gc
+            ) as llm,
+        ):
+            yield llm
 
 
 @contextlib.asynccontextmanager
@@ -135,13 +171,7 @@ async def attach_llm(
     keys: str | os.PathLike[str] | None = None,
     insecure: bool = False,
     heartbeat_interval: float = 0.5,
-    max_pending: int = 1024,
-    overload: str = "wait",
-    max_queued: int = 0,
-    max_queued_tokens: int | None = None,
-    request_timeout: float | None = None,
-    startup_timeout: float = 600.0,
-    heartbeat_timeout: float = 30.0,
+    settings: ClientSettings = _DEFAULTS,
     freeze_gc: bool = True,
     embedder: Embedder | None = None,
 ) -> AsyncIterator[LLM]:
@@ -169,9 +199,8 @@ async def attach_llm(
     network gone within 1.5 ``heartbeat_interval``); also through its
     EngineDead message, or silence past ``heartbeat_timeout``. Then every
     live request fails with EngineDeadError, as with :func:`open_llm`.
+    ``settings``: its bounds, as :func:`open_llm` takes them one by one.
     """
-    settings = ClientSettings(max_pending, request_timeout, startup_timeout, heartbeat_timeout)
-    settings = settings.queueing(overload, max_queued, max_queued_tokens)
     link = None
     if engine_pid is None:
         require_keys(address, keys, insecure=insecure)
@@ -189,11 +218,7 @@ async def attach_llm(
 async def open_embedder(
     config: EngineConfig,
     *,
-    max_pending: int = 1024,
-    overload: str = "wait",
-    request_timeout: float | None = None,
-    startup_timeout: float = 600.0,
-    heartbeat_timeout: float = 30.0,
+    settings: ClientSettings = _DEFAULTS,
     shutdown_grace: float = 5.0,
     log_level: str = "INFO",
 ) -> AsyncIterator[Embedder]:
@@ -205,10 +230,8 @@ async def open_embedder(
     start, e.g. a missing directory); leaving the block in any way sends
     Shutdown and stops the process (at most ``shutdown_grace`` s + the
     SIGTERM/SIGKILL fallbacks; shielded); an exception from the block
-    propagates unchanged.
+    propagates unchanged. ``settings``: its bounds (see :func:`tserve.open_llm`).
     """
-    settings = ClientSettings(max_pending, request_timeout, startup_timeout, heartbeat_timeout)
-    settings = settings.queueing(overload)
     async with _start_embedder(config, settings, shutdown_grace, log_level) as embedder:
         yield embedder
 
@@ -218,17 +241,11 @@ async def attach_embedder(
     address: str,
     engine_pid: int,
     *,
-    max_pending: int = 1024,
-    overload: str = "wait",
-    request_timeout: float | None = None,
-    startup_timeout: float = 600.0,
-    heartbeat_timeout: float = 30.0,
+    settings: ClientSettings = _DEFAULTS,
 ) -> AsyncIterator[Embedder]:
     """Yield an :class:`Embedder` over a running embedding engine that another
     process owns (see :func:`tserve.nursery.attach_llm`: the same rules; leaving
     the block never stops the engine)."""
-    settings = ClientSettings(max_pending, request_timeout, startup_timeout, heartbeat_timeout)
-    settings = settings.queueing(overload)
     engine = EngineRef(address, engine_pid)
     what = f"the embedding engine at {address}"
     async with _connect(engine, what, settings, load_encoder_tokenizer, Embedder) as embedder:

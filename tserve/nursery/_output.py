@@ -9,7 +9,9 @@ which the IO shell (``_request.py``) drives. The rules, checked in this order
 for each output:
 
 1. ``FinishReason.ERROR``: the outcome is RequestFailed with the engine's
-   reason.
+   reason and ``param``; when the engine names a part of the request (its
+   ``constraint``) and generated no token for it (in this output or before),
+   InvalidRequest instead (the request, not the engine, is at fault).
 2. ``FinishReason.ABORT`` on a request with a deadline: we did not abort it
    (we would not be reading it), so the engine's copy of the deadline
    expired first (``_deadline.py``): the outcome is RequestTimeout.
@@ -33,7 +35,13 @@ from collections.abc import Callable, Sequence
 
 from tserve.mux import EngineDeadError, MuxClosedError
 from tserve.nursery._detokenize import IncrementalDetokenizer, StopMatcher
-from tserve.nursery._errors import LLMError, RequestFailed, RequestTimeout, ShuttingDown
+from tserve.nursery._errors import (
+    InvalidRequest,
+    LLMError,
+    RequestFailed,
+    RequestTimeout,
+    ShuttingDown,
+)
 from tserve.nursery._results import Delta, Usage
 from tserve.protocol import FinishReason, RequestOutput
 
@@ -123,8 +131,10 @@ class OutputMapper:
                 failed="the engine failed this request",
                 timed_out=self._deadline_message,
             )
+        if isinstance(error, RequestFailed) and error.param is not None and not self._num_tokens:
+            error = InvalidRequest(str(error), param=error.param)
         if error is not None:
-            failed = isinstance(error, RequestFailed)
+            failed = isinstance(error, (RequestFailed, InvalidRequest))
             return Outcome(Decision.FAILED if failed else Decision.TIMED_OUT, error=error)
         text = self._stop.push(self._detok.push(output.token_ids))
         if self._stop.stopped:
@@ -151,12 +161,12 @@ def finish_error(
 ) -> LLMError | None:
     """The error an output ending stands for (rules 1-2), or None.
 
-    ERROR: RequestFailed with the engine's reason, else ``failed``. ABORT on
+    ERROR: RequestFailed with the engine's reason (else ``failed``) and param. ABORT on
     a request with a deadline: RequestTimeout(``timed_out``).
     """
     finish = output.finish_reason
     if finish is FinishReason.ERROR:
-        return RequestFailed(output.error or failed)
+        return RequestFailed(output.error or failed, param=output.error_param)
     if finish is FinishReason.ABORT and has_deadline:
         return RequestTimeout(timed_out)
     return None

@@ -41,6 +41,7 @@ __all__ = [
 
 Message = dict[str, Any]
 Tools = Sequence[Mapping[str, Any]] | None  # the template's ``tools`` variable
+TemplateKwargs = Mapping[str, Any] | None  # more variables of the template (enable_thinking)
 _Input = TypeVar("_Input")
 
 # Prompts (or chats, counting their messages' contents) shorter than this many
@@ -80,10 +81,12 @@ class ChatTokenizer:
         """
         return await self._run(self.encode, text, len(text))
 
-    async def tokenize_chat(self, messages: list[Message], tools: Tools = None) -> list[int]:
+    async def tokenize_chat(
+        self, messages: list[Message], tools: Tools = None, template_kwargs: TemplateKwargs = None
+    ) -> list[int]:
         """Prompt ids for a chat (:meth:`apply_chat_template`), inline or in a
         thread by its messages' length, like :meth:`tokenize`."""
-        work = partial(self.apply_chat_template, tools=tools)
+        work = partial(self.apply_chat_template, tools=tools, template_kwargs=template_kwargs)
         return await self._run(work, messages, _chat_chars(messages, tools))
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
@@ -98,11 +101,15 @@ class ChatTokenizer:
                 raise
             raise problem from exc
 
-    def apply_chat_template(self, messages: list[Message], tools: Tools = None) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[Message], tools: Tools = None, template_kwargs: TemplateKwargs = None
+    ) -> list[int]:
         """Prompt ids for a chat, the assistant's turn opened, ``tools`` the template's
-        ``tools`` variable. Blocking; raises InvalidRequest (``param`` "messages")
-        for a chat the template rejects."""
-        text = self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
+        ``tools`` variable, ``template_kwargs`` more of its variables. Blocking; raises
+        InvalidRequest (``param`` "messages") for a chat the template rejects."""
+        text = self.tokenizer.render_chat(
+            messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs
+        )
         return self.encode(text, "messages")
 
     async def _run(self, work: Callable[[_Input], list[int]], arg: _Input, chars: int) -> list[int]:

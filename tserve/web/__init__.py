@@ -39,6 +39,9 @@ What each module owns:
 * ``_structured``: structured-output fields (``response_format``, vLLM's
   ``structured_outputs`` and ``guided_*``) and ``logit_bias`` as
   SamplingParams values (sans-IO).
+* ``_reasoning``: a thinking model's ``<think>`` reasoning split from its
+  answer delta by delta, the syntax a chat template uses, and a structured
+  output's grammar put after the thinking (sans-IO).
 * ``_tools``: ``tools`` and ``tool_choice``, and the plan for one model's
   template: what it renders, the enforcing grammar (sans-IO).
 * ``_tool_formats``: the tool-call formats (Hermes, Llama 3 JSON, Mistral,

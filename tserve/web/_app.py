@@ -33,6 +33,7 @@ from tserve.web._metrics import Metrics, RequestRecord
 from tserve.web._models import ServedModels
 from tserve.web._openapi import OpenAPI
 from tserve.web._probes import Probes
+from tserve.web._reasoning import PARSER_NAMES
 from tserve.web._response_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL, ResponseStore
 from tserve.web._responses_api import Responses
 from tserve.web._routing import Route, Router
@@ -46,7 +47,7 @@ __all__ = ["AppConfig", "Frontend", "create_app"]
 class AppConfig:
     """Frontend options. ``served_model_names`` empty = the model's own name.
     ``allowed_hosts``: ``Host`` names served besides the loopback ones (``*``: any;
-    see ``_browser``)."""
+    see ``_browser``). ``reasoning_parser``: one of ``PARSER_NAMES`` (see ``_reasoning``)."""
 
     served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
@@ -59,6 +60,11 @@ class AppConfig:
     responses_store_dir: str | None = None
     responses_store_bytes: int = DEFAULT_STORE_BYTES
     responses_store_ttl: float = DEFAULT_STORE_TTL
+    reasoning_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser not in PARSER_NAMES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(PARSER_NAMES)}")
 
 
 class Frontend:
@@ -79,7 +85,12 @@ class Frontend:
         self.probes = Probes(llm, self.metrics, self.in_flight)  # serve() sets .started
         self.buffers = BufferBudget()  # the bytes streaming responses hold for their clients
         self.generation = Generation(
-            llm, self.models, self.in_flight, TokenTexts(llm), self.buffers
+            llm,
+            self.models,
+            self.in_flight,
+            TokenTexts(llm),
+            self.buffers,
+            config.reasoning_parser,
         )
         self.messages = Messages(self.generation)
         store = ResponseStore(

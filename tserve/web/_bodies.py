@@ -177,6 +177,7 @@ class ChatBody(SamplingBody, kw_only=True):
     modalities: list[str] | None = None
     prediction: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables of the chat template
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):

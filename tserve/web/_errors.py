@@ -163,7 +163,7 @@ def error_reply(exc: BaseException, request_id: str) -> ErrorReply:
             message = exc.description or exc.name
             return ErrorReply(status, _body(message, client, None, code), {})
         case RequestFailed():
-            return ErrorReply(422, _body(str(exc), client, None, "request_failed"), {})
+            return ErrorReply(422, _body(str(exc), client, exc.param, "request_failed"), {})
         case Overloaded():
             body = _body(f"The server is overloaded: {exc}", server, None, "overloaded")
             return ErrorReply(503, body, _retry_after(exc.retry_after))

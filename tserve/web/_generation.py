@@ -8,11 +8,17 @@ prompt; then either collect them into one JSON body or hand them to an
 :class:`SSEBody`. The whole run is abortable by the drain (:class:`InFlight`).
 What differs between APIs is only the parsing of the body (into a
 :class:`ChatRequest`) and the :class:`Output` that shapes the answer.
+
+With a reasoning syntax (``--reasoning-parser``), a chat's structured output
+(``response_format``, a required or named tool) constrains only the answer
+after the thinking (:meth:`ReasoningSyntax.grammar`), and each API's output
+splits the thinking off with :meth:`Generation.reasoning_for`'s parser.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -23,12 +29,20 @@ import msgspec
 import trio
 from quart import Response
 
-from tserve.nursery import LLM, EngineDeadError, InvalidRequest, RequestStream, ShuttingDown
-from tserve.sampling import SamplingParams
+from tserve.nursery import (
+    LLM,
+    EngineDeadError,
+    InvalidRequest,
+    RequestFailed,
+    RequestStream,
+    ShuttingDown,
+)
+from tserve.sampling import JsonSchema, SamplingParams
 from tserve.validity import tokens_problem
 from tserve.web._inflight import InFlight
 from tserve.web._metrics import RequestRecord
 from tserve.web._models import ServedModels
+from tserve.web._reasoning import ModelReasoning, ReasoningSyntax, model_reasoning
 from tserve.web._requests import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from tserve.web._responses import (
     CHAT,
@@ -94,8 +108,10 @@ class Generation:
         in_flight: InFlight,
         token_texts: TokenTexts,
         buffers: BufferBudget,
+        reasoning_parser: str = "auto",
     ) -> None:
         self._llm = llm
+        self._reasoning_parser = reasoning_parser
         self._buffers = buffers
         self._models = models
         self._in_flight = in_flight
@@ -123,9 +139,28 @@ class Generation:
         model = self._models.resolve(req.model)
         self._precheck(req.n)
         plan = self._tool_plan(req)
-        field = req.constraint_field or (plan.request.field if plan is not None else None)
         run = partial(self._chat, record, req, model, plan, output)
-        return await self._named(field, self._in_flight.abortable(run))
+        field = _field(req, plan)
+        try:
+            return await self._named(field, self._in_flight.abortable(run))
+        except InvalidRequest as exc:
+            if plan is None or field != plan.request.field or exc.param != field:
+                raise
+            raise InvalidRequest(str(exc), param=await self._tool_field(plan, field)) from None
+
+    async def _tool_field(self, plan: ToolPlan, field: str) -> str:
+        """``tools[i].function.parameters`` of the first enforced tool whose own
+        parameters cannot be honoured, else ``field``. A checkpoint (each check's
+        verdict is cached)."""
+        choice = plan.request.choice
+        for i, (name, parameters) in enumerate(plan.request.parameters.items()):
+            if choice not in ("required", name):
+                continue
+            try:
+                await self._llm.constraints.check(JsonSchema(parameters))
+            except InvalidRequest:
+                return f"tools[{i}].function.parameters"
+        return field
 
     def resolve_model(self, name: str | None) -> str:
         """The served model's name for the request's ``model`` (404 if it is not served)."""
@@ -135,15 +170,33 @@ class Generation:
         """The prompt length, in tokens, that :meth:`run_chat` would send for ``req``."""
         self._models.resolve(req.model)
         messages, tools, _ = self._chat_prompt(req, self._tool_plan(req))
-        return len(await self._llm.tokenize_chat(messages, tools))
+        return len(await self._llm.tokenize_chat(messages, tools, req.template_kwargs))
+
+    def reasoning_for(self, req: ChatRequest) -> ReasoningSyntax | None:
+        """The reasoning syntax of ``req``'s output (None: no thinking to split off).
+
+        An API's output makes one ``.parser()`` per choice and feeds it each
+        delta's text before anything else reads it (tool calls parse the answer).
+        """
+        reasoning = self._model_reasoning
+        return None if reasoning is None else reasoning.for_request(req.template_kwargs)
+
+    @functools.cached_property
+    def _model_reasoning(self) -> ModelReasoning | None:
+        """``--reasoning-parser`` for the model, decided at the first chat (the
+        template renders once, a millisecond on the event loop)."""
+        return model_reasoning(self._reasoning_parser, self._llm)
 
     def _openai_chat(
         self, req: ChatRequest, model: str, plan: ToolPlan | None, count: int
     ) -> OpenAIOutput:
         logprobs = req.logprobs is not None
         keep = not req.stream  # a streamed choice keeps nothing it has sent
+        reasoning = self.reasoning_for(req)
         choices = [
-            ChatChoice(i, self._token_texts, logprobs=logprobs, keep=keep, tools=plan)
+            ChatChoice(
+                i, self._token_texts, logprobs=logprobs, keep=keep, tools=plan, reasoning=reasoning
+            )
             for i in range(count)
         ]
         envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, CHAT)
@@ -154,9 +207,7 @@ class Generation:
         """``response``, a problem the nursery found with the constraint named by ``field``."""
         try:
             return await response
-        except InvalidRequest as exc:
-            if field is None:
-                raise
+        except (InvalidRequest, RequestFailed) as exc:
             raise rename_constraint_error(exc, field) from None
 
     def _tool_plan(self, req: ChatRequest) -> ToolPlan | None:
@@ -193,7 +244,7 @@ class Generation:
         ]
         envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, COMPLETION)
         output = OpenAIOutput(envelope, choices, req.n, req.include_usage)
-        return await self._respond(record, req, streams, output)
+        return await self._respond(record, req, streams, output, req.constraint_field)
 
     async def _chat(
         self,
@@ -204,7 +255,8 @@ class Generation:
         output: OutputFactory,
     ) -> Response:
         streams = await self._start_chat(req, plan)
-        return await self._respond(record, req, streams, output(model, plan, len(streams)))
+        output_ = output(model, plan, len(streams))
+        return await self._respond(record, req, streams, output_, _field(req, plan))
 
     async def _start_completion(self, req: CompletionRequest) -> list[RequestStream]:
         """Admit ``n`` streams per prompt; a prompt used ``n > 1`` times is tokenized once."""
@@ -217,17 +269,21 @@ class Generation:
                 streams.extend(self._llm.generate(source, req.params) for _ in range(req.n))
         return streams
 
-    @staticmethod
     def _chat_prompt(
-        req: ChatRequest, plan: ToolPlan | None
+        self, req: ChatRequest, plan: ToolPlan | None
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, SamplingParams]:
-        """The messages and tools the template renders, and the params (a tool grammar added)."""
+        """The messages and tools the template renders, and the params (a tool grammar
+        added; a constraint put after the thinking)."""
         messages, tools, params = req.messages, None, req.params
         if plan is not None:
             messages, tools = plan.messages(messages), plan.template_tools()
             grammar = plan.grammar()
             if grammar is not None:
                 params = msgspec.structs.replace(params, constraint=grammar)
+        reasoning = self.reasoning_for(req)
+        if reasoning is not None and params.constraint is not None:
+            constraint = reasoning.grammar(params.constraint)
+            params = msgspec.structs.replace(params, constraint=constraint)
         return messages, tools, params
 
     async def _start_chat(self, req: ChatRequest, plan: ToolPlan | None) -> list[RequestStream]:
@@ -235,8 +291,10 @@ class Generation:
         the rest of the context is the limit."""
         messages, tools, params = self._chat_prompt(req, plan)
         if req.max_tokens is not None and req.n == 1 and not req.max_tokens_fits:
-            return [self._llm.chat(messages, params, tools=tools)]
-        ids = await self._llm.tokenize_chat(messages, tools)
+            return [
+                self._llm.chat(messages, params, tools=tools, template_kwargs=req.template_kwargs)
+            ]
+        ids = await self._llm.tokenize_chat(messages, tools, req.template_kwargs)
         room = max(1, self._llm.ready.max_model_len - len(ids))
         if req.max_tokens is None or (req.max_tokens_fits and req.max_tokens > room):
             params = msgspec.structs.replace(params, max_tokens=room)
@@ -266,8 +324,10 @@ class Generation:
         req: CompletionRequest | ChatRequest,
         streams: list[RequestStream],
         output: Output,
+        field: str | None,
     ) -> Response:
-        """Collect ``streams`` into one JSON body, or stream them as SSE."""
+        """Collect ``streams`` into one JSON body, or stream them as SSE; ``field``
+        names a constraint error in the stream's error event."""
         record.choices_per_prompt = req.n
         if not req.stream:
             await collect(streams, output.choices, record)
@@ -280,7 +340,13 @@ class Generation:
             record=record,
             budget=self._buffers,
             on_close=self._in_flight.body_closed,
+            name_error=partial(rename_constraint_error, field=field),
         )
         self._in_flight.add_body(body)
         record.streaming = True
         return Response(body, content_type="text/event-stream", headers=dict(_SSE_HEADERS))
+
+
+def _field(req: ChatRequest, plan: ToolPlan | None) -> str | None:
+    """The field a chat request's constraint came from: its own, or its tools'."""
+    return req.constraint_field or (plan.request.field if plan is not None else None)

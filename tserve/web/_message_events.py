@@ -3,7 +3,11 @@
 :class:`MessageChoice` turns the output into content blocks: text, and
 ``tool_use`` blocks parsed by the chat machinery's tool-call stream
 (:meth:`ToolPlan.stream`, the same parser chat completions use). Text
-after a call opens a new text block; an empty text is no block. A
+after a call opens a new text block; an empty text is no block. With a
+reasoning syntax, the model's thinking is split off first (the tool-call
+parser sees only the answer): shown, it is a ``thinking`` block
+(``{"type": "thinking", "thinking", "signature": ""}``, streamed as
+``thinking_delta``) before the answer's blocks; not shown, it is dropped. A
 ``tool_use`` block's ``input`` is its arguments object (``{}`` when the
 output ended inside it, which only ``max_tokens`` can do).
 
@@ -16,7 +20,7 @@ The stream (:class:`MessageEvents`), each event ``event: NAME`` and ``data: {jso
     message_start  ping  ( content_block_start  content_block_delta*  content_block_stop )*
     message_delta  message_stop
 
-``content_block_delta`` carries ``text_delta`` or ``input_json_delta``;
+``content_block_delta`` carries ``thinking_delta``, ``text_delta`` or ``input_json_delta``;
 ``message_delta`` the stop reason and the output tokens. A failure after the
 headers (engine death, shutdown, the engine aborting the request) ends the
 stream with one ``error`` event in Anthropic's shape instead of the rest,
@@ -36,6 +40,7 @@ import msgspec
 
 from tserve.nursery import Delta, RequestStream, ShuttingDown, Usage
 from tserve.web._errors import anthropic_error_reply
+from tserve.web._reasoning import ReasoningSyntax
 from tserve.web._sse import SSEOrderError
 from tserve.web._tool_stream import Arguments, CallStarted, Content, Event, ToolCallStream
 from tserve.web._tools import ToolPlan
@@ -72,8 +77,16 @@ class MessageChoice:
     """The content blocks of one output. ``push`` returns that delta's block events
     (``content_block_start``/``_delta``/``_stop`` payloads) in order."""
 
-    def __init__(self, plan: ToolPlan | None) -> None:
+    def __init__(
+        self,
+        plan: ToolPlan | None,
+        reasoning: ReasoningSyntax | None = None,
+        *,
+        show_thinking: bool = False,
+    ) -> None:
         self._calls: ToolCallStream | None = None if plan is None else plan.stream(_new_tool_use_id)
+        self._thinking = None if reasoning is None else reasoning.parser()
+        self._show_thinking = show_thinking
         self.blocks: list[JSON] = []  # text blocks hold "text"; tool_use blocks "input" text
         self._open: str | None = None  # the type of the last block while it is open
         self._tool_uses = 0
@@ -83,12 +96,17 @@ class MessageChoice:
 
     def push(self, delta: Delta) -> list[JSON]:
         """Take one delta; return its block events."""
-        events: list[Event] = [Content(delta.text)] if self._calls is None else []
+        reasoning, text = "", delta.text
+        if self._thinking is not None:
+            split = self._thinking.push(text, final=delta.finish_reason is not None)
+            reasoning, text = split.reasoning, split.content
+        out = self._thinking_events(reasoning) if self._show_thinking else []
+        events: list[Event] = [Content(text)] if self._calls is None else []
         if self._calls is not None:
-            events = self._calls.push(delta.text)
+            events = self._calls.push(text)
             if delta.finish_reason is not None:
                 events += self._calls.finish()
-        out = [payload for event in events for payload in self._block_events(event)]
+        out += [payload for event in events for payload in self._block_events(event)]
         if delta.finish_reason is not None:
             out += self._close()
             self.stop_reason = _stop_reason(delta, self._tool_uses)
@@ -99,6 +117,15 @@ class MessageChoice:
     def content(self) -> list[JSON]:
         """The blocks of the whole message, each ``tool_use`` input decoded."""
         return [_final_block(block) for block in self.blocks]
+
+    def _thinking_events(self, text: str) -> list[JSON]:
+        if not text:
+            return []
+        out = []
+        if self._open != "thinking":
+            out = self._close() + self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self.blocks[-1]["thinking"] += text
+        return [*out, _delta(len(self.blocks) - 1, {"type": "thinking_delta", "thinking": text})]
 
     def _block_events(self, event: Event) -> list[JSON]:
         index = len(self.blocks) - 1
@@ -154,10 +181,17 @@ def _usage(input_tokens: int, output_tokens: int) -> JSON:
 class MessageOutput:
     """The Messages API's output of one run (one stream): see the module docstring."""
 
-    def __init__(self, model: str, plan: ToolPlan | None) -> None:
+    def __init__(
+        self,
+        model: str,
+        plan: ToolPlan | None,
+        reasoning: ReasoningSyntax | None = None,
+        *,
+        show_thinking: bool = False,
+    ) -> None:
         self.model = model
         self.id = new_message_id()
-        self.choice = MessageChoice(plan)
+        self.choice = MessageChoice(plan, reasoning, show_thinking=show_thinking)
 
     @property
     def choices(self) -> Sequence[MessageChoice]:

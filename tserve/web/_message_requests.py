@@ -28,9 +28,13 @@ Rules (each refusal is a 400 naming the field):
   model), and the message may then end with "max_tokens" sooner.
   ``stop_sequences`` at most ``MAX_STOP``. ``temperature`` (0 to 1),
   ``top_p``, ``top_k``; left out, the engine's defaults. ``metadata`` is
-  accepted and unused. ``thinking`` is accepted whatever its type; no
-  thinking blocks are written (thinking is the model's option, and this
-  server has no reasoning output).
+  accepted and unused.
+* ``thinking``: ``enabled`` (its ``budget_tokens`` accepted, not enforced:
+  the thinking counts against ``max_tokens``) or ``adaptive`` asks for the
+  model's thinking as ``thinking`` blocks; absent, ``disabled`` or any other
+  type, the template gets ``enable_thinking`` false (a template that reads
+  it does not open the thinking) and thinking the model writes anyway is
+  dropped from the answer.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ __all__ = ["parse_count_tokens", "parse_messages"]
 JSON = dict[str, Any]
 
 _DROPPED = frozenset({"thinking", "redacted_thinking"})  # earlier turns' reasoning
+_THINKING_ON = frozenset({"enabled", "adaptive"})  # thinking.type values that show it
 
 
 def parse_messages(body: bytes) -> ChatRequest:
@@ -85,6 +90,7 @@ def _chat_request(
     req: CountTokensBody, params: SamplingParams, *, max_tokens: int | None, stream: bool
 ) -> ChatRequest:
     messages = _system(req.system) + _messages(req.messages)
+    thinking = req.thinking is not None and req.thinking.type in _THINKING_ON
     return ChatRequest(
         model=req.model,
         messages=messages,
@@ -96,6 +102,7 @@ def _chat_request(
         include_usage=False,
         logprobs=None,
         tools=_tools(req),
+        template_kwargs=None if thinking else {"enable_thinking": False},
     )
 
 

@@ -11,6 +11,8 @@ and ``anthropic-beta`` headers are accepted and not checked.
 
 from __future__ import annotations
 
+from functools import partial
+
 from quart import Response
 
 from tserve.nursery import InvalidRequest
@@ -18,6 +20,7 @@ from tserve.web._generation import Generation
 from tserve.web._message_events import MessageOutput
 from tserve.web._message_requests import parse_count_tokens, parse_messages
 from tserve.web._metrics import RequestRecord
+from tserve.web._reasoning import ReasoningSyntax, thinking_off
 from tserve.web._routing import json_response, read_body
 from tserve.web._tools import ToolPlan
 
@@ -32,8 +35,10 @@ class Messages:
 
     async def create(self, record: RequestRecord) -> Response:
         req = parse_messages(await read_body())
+        reasoning = self._generation.reasoning_for(req)
+        output = partial(_output, reasoning=reasoning, show=not thinking_off(req.template_kwargs))
         try:
-            return await self._generation.run_chat(record, req, _output)
+            return await self._generation.run_chat(record, req, output)
         except InvalidRequest as exc:
             if exc.param != "prompt":
                 raise
@@ -44,6 +49,13 @@ class Messages:
         return json_response({"input_tokens": await self._generation.count_chat_tokens(req)})
 
 
-def _output(model: str, plan: ToolPlan | None, count: int) -> MessageOutput:
+def _output(
+    model: str,
+    plan: ToolPlan | None,
+    count: int,
+    *,
+    reasoning: ReasoningSyntax | None,
+    show: bool,
+) -> MessageOutput:
     assert count == 1, "a Messages request runs one stream"
-    return MessageOutput(model, plan)
+    return MessageOutput(model, plan, reasoning, show_thinking=show)

@@ -18,7 +18,10 @@ Rules:
   with each ``arguments`` decoded (a JSON object, else a 400 naming it); a
   ``tool`` message needs its ``tool_call_id``.
 * vLLM-style extras are accepted: ``top_k``, ``ignore_eos``,
-  ``stop_token_ids``, ``structured_outputs`` and the ``guided_*`` fields.
+  ``stop_token_ids``, ``structured_outputs``, the ``guided_*`` fields, and
+  ``chat_template_kwargs`` (more variables of the chat template, such as
+  ``enable_thinking``; one that would replace ``messages``, ``tools``,
+  ``documents`` or ``add_generation_prompt`` is a 400 naming it).
 * ``temperature``, ``top_p`` and ``top_k`` left out stay unset: the engine
   gives them the model's recommended values (``EngineReady.sampling_defaults``),
   else OpenAI's.
@@ -115,6 +118,7 @@ class ChatRequest:
     constraint_field: str | None = None  # the field params.constraint came from
     tools: ToolRequest | None = None  # None: no tool may be called
     max_tokens_fits: bool = False
+    template_kwargs: dict[str, Any] | None = None  # more variables of the chat template
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -315,6 +319,20 @@ def _history_calls(calls: list[ToolCallBody], i: int) -> list[dict[str, Any]]:
     return out
 
 
+_TEMPLATE_OWN = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs``, none of them a variable the server sets itself."""
+    for key in _TEMPLATE_OWN:
+        if kwargs is not None and key in kwargs:
+            param = f"chat_template_kwargs.{key}"
+            raise InvalidRequest(
+                f"'{param}' is set by the server; it cannot be a template kwarg", param=param
+            )
+    return kwargs
+
+
 def _check_chat_only(req: ChatBody) -> None:
     if req.functions:
         raise _refuse("functions", "use 'tools' (functions is OpenAI's deprecated form)")
@@ -350,6 +368,7 @@ def parse_chat(body: bytes) -> ChatRequest:
         logprobs=logprobs,
         constraint_field=None if constrained is None else constrained.field,
         tools=tool_request(req),
+        template_kwargs=_template_kwargs(req.chat_template_kwargs),
     )
 
 

@@ -26,6 +26,13 @@ Shapes follow OpenAI's API reference:
   ``{"index", "function": {"arguments": fragment}}``; ``content`` is None in
   a chunk without text once tools are in play.
 
+Reasoning (a chat choice given a :class:`ReasoningSyntax`), as vLLM writes
+it: the thinking goes to the message's ``reasoning_content`` (None when the
+model did not think) and ``content`` holds only the answer, which is all the
+tool-call parser sees. Streamed, a chunk's delta has ``reasoning_content``
+when it carries thinking, and ``content`` None when it carries no answer.
+Usage is unchanged: the thinking counts as completion tokens.
+
 A token's text is the tokenizer's decoding of that one token; a token that
 is only part of a UTF-8 character decodes to U+FFFD. Logprobs of -inf (and
 NaN) are reported as -9999.0, as OpenAI does.
@@ -44,6 +51,7 @@ from typing import Any, Final
 
 from tserve.nursery import Delta, EmbeddingResult, Usage
 from tserve.protocol import TokenLogprob
+from tserve.web._reasoning import ReasoningSyntax, Split
 from tserve.web._tool_formats import parse_output
 from tserve.web._tool_stream import Arguments, CallStarted, Content, Event
 from tserve.web._tools import ToolPlan, new_call_id
@@ -100,10 +108,11 @@ class _Choice:
         """A choice object: ``key`` is "text", "delta" or "message"."""
         return {"index": self.index, key: value, "logprobs": logprobs, "finish_reason": finish}
 
-    def _record(self, delta: Delta) -> None:
-        """Keep ``delta``'s text (if this choice keeps), and its finish if it is the last."""
+    def _record(self, delta: Delta, text: str | None = None) -> None:
+        """Keep ``text`` (default ``delta``'s, if this choice keeps), and its finish if
+        it is the last."""
         if self._keep:
-            self._parts.append(delta.text)
+            self._parts.append(delta.text if text is None else text)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.usage = delta.usage
@@ -172,23 +181,32 @@ class ChatChoice(_Choice):
         logprobs: bool,
         keep: bool = True,
         tools: ToolPlan | None = None,
+        reasoning: ReasoningSyntax | None = None,
     ) -> None:
         super().__init__(index, token_text, logprobs=logprobs, keep=keep)
         self._content: list[JSON] = []
         self._first = True
         self._tools = tools
         self._calls = None if tools is None or keep else tools.stream()
+        self._thinking = None if reasoning is None else reasoning.parser()
+        # Invariant: with keep False, _reasoning stays empty (as _parts does).
+        self._reasoning: list[str] = []
 
     def push(self, delta: Delta) -> JSON:
         """Take one delta; return it as a stream chunk's choice object."""
-        message: JSON = {"content": delta.text}
+        split = self._split(delta)
+        message: JSON = {"content": split.content}
+        if self._thinking is not None:
+            message = {"content": split.content or None}
+            if split.reasoning:
+                message["reasoning_content"] = split.reasoning
         finish = delta.finish_reason
         if self._calls is not None:
-            events = self._calls.push(delta.text)
+            events = self._calls.push(split.content)
             if finish is not None:
                 events += self._calls.finish()
                 finish = _tool_finish(finish, self._calls.calls)
-            message = _tool_delta(events)
+            message = {**message, **_tool_delta(events)}
         if self._first:
             message = {"role": "assistant", **message}
             self._first = False
@@ -198,16 +216,27 @@ class ChatChoice(_Choice):
             if self._keep:
                 self._content.extend(entries)
             lp = {"content": entries, "refusal": None}
-        self._record(delta)
+        self._record(delta, split.content)
         if finish is not None:
             self.finish_reason = finish
         return self._object("delta", message, lp, finish)
+
+    def _split(self, delta: Delta) -> Split:
+        """``delta``'s text as thinking and answer (all answer without a syntax)."""
+        if self._thinking is None:
+            return Split(content=delta.text)
+        split = self._thinking.push(delta.text, final=delta.finish_reason is not None)
+        if self._keep:
+            self._reasoning.append(split.reasoning)
+        return split
 
     def final(self) -> JSON:
         """The choice object of the whole response (a choice that keeps only)."""
         assert self._keep, "final() of a streamed choice"
         text = "".join(self._parts)
         message: JSON = {"role": "assistant", "content": text, "refusal": None}
+        if self._thinking is not None:
+            message["reasoning_content"] = "".join(self._reasoning) or None
         finish = self.finish_reason
         if self._tools is not None:
             parsed = parse_output(text, self._tools.format, self._tools.names)

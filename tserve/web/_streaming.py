@@ -191,7 +191,8 @@ class SSEBody(ResponseBody):
     yields what the buffer holds. A failure after the headers ends the stream
     with one error event (then ``[DONE]`` for OpenAI); :meth:`abort` (server shutdown
     past its timeout) does the same with its reason. ``on_close`` runs once,
-    when quart leaves the body.
+    when quart leaves the body; ``name_error`` maps a stream's failure to the
+    error its event reports (naming the request's field).
     """
 
     def __init__(
@@ -203,9 +204,10 @@ class SSEBody(ResponseBody):
         record: RequestRecord,
         budget: BufferBudget,
         on_close: Callable[[SSEBody], None],
+        name_error: Callable[[Exception], Exception] = lambda exc: exc,
     ) -> None:
         self._streams, self._firsts, self._sse = streams, firsts, events
-        self._record, self._on_close = record, on_close
+        self._record, self._on_close, self._name_error = record, on_close, name_error
         self._error: Exception | None = None  # the first failure, or the abort's reason
         self._pumps = trio.CancelScope()
         self._nursery_manager = trio.open_nursery()
@@ -258,7 +260,7 @@ class SSEBody(ResponseBody):
                     await self._buffer.put(self._chunk(i, _checked(delta)))
         except Exception as exc:
             if self._error is None:
-                self._error = exc
+                self._error = self._name_error(exc)
             self._pumps.cancel()
 
     def _chunk(self, i: int, delta: Delta) -> bytes:

@@ -15,7 +15,9 @@ Rules:
   400 naming the field.
 * Whether a schema, pattern or grammar can be honoured is not decided here:
   the nursery validates the constraint and raises InvalidRequest with
-  ``param`` "constraint", which the handler renames to :attr:`Constrained.field`.
+  ``param`` "constraint" (the engine's grammar errors come as InvalidRequest
+  before the first token, RequestFailed after it, with the same param), which
+  the handler, and a stream's error event, rename to :attr:`Constrained.field`.
 * ``logit_bias`` keys are token ids written as decimal strings; anything
   else is a 400 naming ``logit_bias``. Values and vocabulary ranges are
   :mod:`tserve.validity`'s rule.
@@ -30,7 +32,7 @@ from typing import Any
 
 from llguidance.gbnf_to_lark import any_to_lark
 
-from tserve.nursery import InvalidRequest
+from tserve.nursery import InvalidRequest, RequestFailed
 from tserve.sampling import Choice, Constraint, JsonSchema, LarkGrammar, Regex
 from tserve.web._bodies import SamplingBody
 
@@ -176,11 +178,14 @@ def logit_bias_of(body: SamplingBody) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def rename_constraint_error(exc: InvalidRequest, field: str) -> InvalidRequest:
-    """``exc`` naming ``field`` when it named the nursery's "constraint", else ``exc``."""
+def rename_constraint_error(exc: Exception, field: str | None) -> Exception:
+    """``exc`` naming ``field`` when it is an InvalidRequest or RequestFailed that
+    named the nursery's "constraint" (the engine's grammar errors do), else ``exc``."""
+    if field is None or not isinstance(exc, (InvalidRequest, RequestFailed)):
+        return exc
     if exc.param is None or not (exc.param == "constraint" or exc.param.startswith("constraint.")):
         return exc
     message = str(exc).replace("'constraint'", f"'{field}'")
     if not message.startswith(field):
         message = f"{field}: {message}"
-    return InvalidRequest(message, param=field)
+    return type(exc)(message, param=field)

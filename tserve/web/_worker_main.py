@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import sys
-from typing import TypedDict
 
 import msgspec
 import trio
@@ -31,14 +30,6 @@ log = logging.getLogger("tserve")
 _PARENT_POLL = 0.2  # s between checks that the main process is still there
 
 
-class _Limits(TypedDict):
-    """What this worker's muxes take from the main process's flags (both the same)."""
-
-    max_pending: int
-    overload: str
-    request_timeout: float | None
-
-
 async def _parent_gone(parent_pid: int) -> None:
     """Return once the main process is gone (we were reparented). A checkpoint."""
     while os.getppid() == parent_pid:  # noqa: ASYNC110 (no event for a parent's death)
@@ -51,16 +42,11 @@ async def _serve_worker(spec: WorkerSpec) -> int:
     from tserve.nursery import attach_embedder, attach_llm
     from tserve.web._server import serve
 
-    limits: _Limits = {
-        "max_pending": spec.max_pending,
-        "overload": "raise",  # the HTTP server's 503 past the queue's bounds
-        "request_timeout": spec.request_timeout,
-    }
     async with contextlib.AsyncExitStack() as stack:
         embedder = None
         if spec.embedding_address is not None and spec.embedding_pid is not None:
             embedder = await stack.enter_async_context(
-                attach_embedder(spec.embedding_address, spec.embedding_pid, **limits)
+                attach_embedder(spec.embedding_address, spec.embedding_pid, settings=spec.client)
             )
         llm = await stack.enter_async_context(
             attach_llm(
@@ -70,9 +56,7 @@ async def _serve_worker(spec: WorkerSpec) -> int:
                 insecure=spec.insecure,
                 heartbeat_interval=spec.heartbeat_interval,
                 embedder=embedder,
-                max_queued=spec.max_queued,
-                max_queued_tokens=spec.max_queued_tokens,
-                **limits,
+                settings=spec.client,
             )
         )
         codes: list[int] = []

@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
+from tserve.nursery._client import ClientSettings
 from tserve.web._server import ServerConfig
 
 __all__ = ["READY", "MetricsSpec", "WorkerSpec", "Workers"]
@@ -70,10 +71,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     embedding_address: str | None = None
     embedding_pid: int | None = None
     server: ServerConfig  # with reuse_port=True and the real port
-    max_pending: int
-    max_queued: int = 0
-    max_queued_tokens: int | None = None
-    request_timeout: float | None
+    client: ClientSettings  # as the main process's clients have them
     log_level: str = "INFO"
 
 

@@ -1,0 +1,419 @@
+"""The models one server serves: each one's engine, its link and its load state.
+
+A :class:`ModelRegistry` owns one task per model that has an engine, in the
+task group of :func:`open_registry`; that task alone starts the model's
+engine (an :class:`~tserve.nursery._open.EngineOwner`'s ``open_llm``),
+reports it ready, waits for the word to unload it or for its death, and
+stops it. Its state moves by the table of ``_model_state.py``.
+
+Requests never own an engine: :meth:`ModelRegistry.acquire` starts a load
+when the model has none and waits for it. However many requests wait, one
+load runs (rule 1 of ``_model_state.py``); each waiter can be cancelled,
+and a load that the last of its waiters left is cancelled too, its process
+stopped, so that a cancelled request leaves nothing behind. A load that
+fails fails every request waiting for it with :class:`ModelLoadFailed`
+naming the model; the next request starts a new load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from tserve._errors import LLMError
+from tserve.nursery._admission import Overload
+from tserve.nursery._client import ClientSettings
+from tserve.nursery._errors import ShuttingDown
+from tserve.nursery._llm import LLM
+from tserve.nursery._model_state import ModelLifecycle, ModelState
+from tserve.nursery._open import EngineOwner
+from tserve.nursery._session import unwrap
+from tserve.protocol import EngineConfig
+
+__all__ = [
+    "ModelLoadFailed",
+    "ModelNotServed",
+    "ModelRegistry",
+    "ModelSpec",
+    "open_models",
+    "open_registry",
+]
+
+log = logging.getLogger("tserve")
+
+
+class ModelNotServed(LLMError):
+    """No model of this name is served; ``names`` are the ones that are."""
+
+    def __init__(self, name: str, names: Iterable[str]) -> None:
+        self.names = tuple(names)
+        super().__init__(f"The model '{name}' does not exist; served: {', '.join(self.names)}")
+
+
+class ModelLoadFailed(LLMError):
+    """The model's engine could not be started; ``model`` names it. A later call may retry."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(f"the model '{model}' failed to load: {reason}")
+        self.model = model
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One served model: the name requests use, its engine, its embedding engine if any."""
+
+    name: str
+    config: EngineConfig
+    embedding_model: str | None = None
+
+
+class _Load:
+    """One load of one model, as its waiters see it."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()  # set once the model is LOADED, FAILED or the load cancelled
+        self.error: str | None = None  # why it failed; None if it loaded (or was cancelled)
+        # Callers in acquire() waiting for it; the last one to leave early cancels it.
+        # Bound: one per waiting call (each holds its own task).
+        self.waiters = 0
+        self.pinned = False  # a preload or an admin load: runs to its end with no waiter
+        self.scope = anyio.CancelScope()  # the owner task's, cancelled to cancel the load
+
+
+class _Model:
+    """One model's engine slot: its spec, lifecycle, current load and its LLM when LOADED."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.life = ModelLifecycle(spec.name)
+        self.llm: LLM | None = None  # set exactly while LOADED
+        self.load: _Load | None = None  # the load under way, or the last one
+        self.release = anyio.Event()  # set, with the move to UNLOADING, to stop the engine
+        # Calls inside use() on this model's LLM; unload() waits for 0 (never
+        # under a request). Bound: one per caller task. ``idle`` is set while 0.
+        self.in_flight = 0
+        self.idle = anyio.Event()
+        self.idle.set()
+        self.gone = anyio.Event()  # set when its owner task has ended (no process)
+        self.gone.set()
+        self.load_seconds = 0.0  # the last load's duration
+
+
+class ModelRegistry:
+    """The served models by name. Create with :func:`open_registry`; call from its event loop."""
+
+    def __init__(
+        self, owner: EngineOwner, specs: Iterable[ModelSpec], tg: anyio.abc.TaskGroup
+    ) -> None:
+        self._owner = owner
+        self._tg = tg
+        self._models: dict[str, _Model] = {}
+        for spec in specs:
+            if spec.name in self._models:
+                raise ValueError(f"two models are named {spec.name!r}")
+            self._models[spec.name] = _Model(spec)
+        if not self._models:
+            raise ValueError("a registry needs at least one model")
+        self._closed = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._models)
+
+    def state(self, name: str) -> ModelState:
+        return self._model(name).life.state
+
+    def lifecycle(self, name: str) -> ModelLifecycle:
+        """The model's lifecycle (state, failure reason, load and unload counts); read only."""
+        return self._model(name).life
+
+    def loaded(self, name: str) -> LLM | None:
+        """The model's LLM if it is LOADED now, else None. Not a checkpoint."""
+        return self._model(name).llm
+
+    def specs(self) -> Mapping[str, ModelSpec]:
+        return {name: model.spec for name, model in self._models.items()}
+
+    def _model(self, name: str) -> _Model:
+        model = self._models.get(name)
+        if model is None:
+            raise ModelNotServed(name, self._models)
+        return model
+
+    async def acquire(self, name: str, *, pin: bool = False) -> LLM:
+        """The model's LLM, loading it first if it has no engine. A checkpoint.
+
+        Blocks while the model loads or unloads; the load's own bound
+        (``startup_timeout`` of the registry's client settings) bounds the
+        wait. Cancellable: a cancelled call leaves the load to the others
+        waiting for it, and cancels it when it was the last (``pin``: this
+        load runs to its end whoever leaves, for a preload). Raises
+        ModelNotServed, ModelLoadFailed naming the model and the reason,
+        ShuttingDown once the registry is closing.
+        """
+        model = self._model(name)
+        while True:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down")
+            state = model.life.state
+            if state is ModelState.LOADED:
+                assert model.llm is not None
+                return model.llm
+            if state is ModelState.UNLOADING:
+                await model.gone.wait()
+                continue
+            if state in (ModelState.UNLOADED, ModelState.FAILED):
+                await model.gone.wait()  # a dead engine is reaped before the next load
+                if model.life.state not in (ModelState.UNLOADED, ModelState.FAILED):
+                    continue
+                self._start_load(model)
+            load = model.load
+            assert load is not None
+            load.pinned = load.pinned or pin
+            await self._wait_for(load)
+            if load.error is not None:
+                raise ModelLoadFailed(name, load.error)
+
+    async def _wait_for(self, load: _Load) -> None:
+        load.waiters += 1
+        try:
+            await load.done.wait()
+        finally:
+            load.waiters -= 1
+            if not load.done.is_set() and load.waiters == 0 and not load.pinned:
+                load.scope.cancel()  # nobody wants it any more
+
+    def _start_load(self, model: _Model) -> None:
+        model.life.load()
+        model.load = _Load()
+        model.release = anyio.Event()
+        model.gone = anyio.Event()
+        self._tg.start_soon(self._own, model, model.load, name=f"model {model.spec.name}")
+
+    async def _own(self, model: _Model, load: _Load) -> None:
+        """The one task that owns ``model``'s engine, from its start to its exit."""
+        life, spec = model.life, model.spec
+        started = time.monotonic()
+        try:
+            with load.scope:
+                try:
+                    opened = self._owner.open_llm(
+                        spec.config, spec.embedding_model, freeze_gc=False
+                    )
+                    async with opened as llm:
+                        model.load_seconds = time.monotonic() - started
+                        model.llm = llm
+                        life.loaded()
+                        load.done.set()
+                        log.info("model %r loaded in %.1f s", spec.name, model.load_seconds)
+                        reason = await self._serve_until_released(model, llm)
+                        model.llm = None
+                        if life.state is ModelState.LOADED:  # died (unload() moves it first)
+                            life.fail(reason or "the engine stopped")
+                            log.error("model %r: its engine died (%s)", spec.name, reason)
+                except Exception as exc:
+                    if life.state is ModelState.LOADING:  # a bad file, an engine that exits
+                        load.error = str(exc)
+                        life.fail(load.error)
+                        log.error("model %r failed to load: %s", spec.name, exc)
+                    elif life.state is not ModelState.FAILED or not isinstance(exc, LLMError):
+                        raise  # a bug, not the engine's death
+        finally:
+            self._settle(model, load)
+
+    @staticmethod
+    def _settle(model: _Model, load: _Load) -> None:
+        """The owner task's last step: its engine is gone, whichever way it ended."""
+        life = model.life
+        model.llm = None
+        if life.state is ModelState.LOADING:  # cancelled: nobody waited, or shutdown
+            life.cancel()
+            log.info("model %r: load cancelled", model.spec.name)
+        elif life.state is ModelState.LOADED:  # the registry closed
+            life.unload()
+        if life.state is ModelState.UNLOADING or (
+            life.state is ModelState.FAILED and load.error is None  # a dead engine, reaped
+        ):
+            life.unloaded()
+        load.done.set()
+        model.gone.set()
+
+    @staticmethod
+    async def _serve_until_released(model: _Model, llm: LLM) -> str | None:
+        """Block until ``model`` is released (None) or its engine dies (the reason)."""
+        reason: str | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def death() -> None:
+                nonlocal reason
+                reason = await llm.wait_engine_dead()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(death)
+            await model.release.wait()
+            tg.cancel_scope.cancel()
+        return reason
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[LLM]:
+        """The model's LLM for the block, loaded first as :meth:`acquire` does
+        (its rules, bounds and errors); the model is not unloaded while any
+        block is inside. Leaving it is synchronous."""
+        llm = await self.acquire(name)
+        model = self._models[name]
+        model.in_flight += 1
+        model.idle = anyio.Event() if model.in_flight == 1 else model.idle
+        try:
+            yield llm
+        finally:
+            model.in_flight -= 1
+            if model.in_flight == 0:
+                model.idle.set()
+
+    def in_flight(self, name: str) -> int:
+        """Blocks inside :meth:`use` for the model now."""
+        return self._model(name).in_flight
+
+    async def unload(self, name: str) -> None:
+        """Stop the model's engine if it has one; return once it is gone. A checkpoint.
+
+        Never under a request: waits, cancellably, until no block of
+        :meth:`use` holds the model (without bound: it is the requests'
+        bounds that end them). A load under way is cancelled. Then blocks at
+        most the engine's stop bound (``shutdown_grace`` + the SIGTERM and
+        SIGKILL fallbacks).
+        """
+        model = self._model(name)
+        while model.life.state is ModelState.LOADED and model.in_flight:
+            await model.idle.wait()
+        state = model.life.state
+        if state is ModelState.LOADED:  # idle: no checkpoint since the check above
+            model.life.unload()
+            model.release.set()
+        elif state is ModelState.LOADING and model.load is not None:
+            model.load.scope.cancel()
+        await model.gone.wait()
+
+    def close(self) -> None:
+        """Refuse every later acquire with ShuttingDown. Synchronous."""
+        self._closed = True
+
+
+@contextlib.asynccontextmanager
+async def open_models(
+    models: Mapping[str, str | os.PathLike[str]],
+    *,
+    preload: Iterable[str] = (),
+    max_pending: int = 1024,
+    overload: str = "wait",
+    max_queued: int = 0,
+    max_queued_tokens: int | None = None,
+    request_timeout: float | None = None,
+    startup_timeout: float = 600.0,
+    heartbeat_timeout: float = 30.0,
+    shutdown_grace: float = 5.0,
+    log_level: str = "INFO",
+    **engine_options: Any,
+) -> AsyncIterator[ModelRegistry]:
+    """Serve several models, each loaded on first use: :func:`tserve.open_llm` for many.
+
+    ``models`` maps the name a caller uses to a model (a directory, a .gguf
+    file, or "default"); every model's engine gets ``engine_options`` and
+    each LLM the admission bounds that :func:`tserve.open_llm` describes
+    (per model: ``max_pending`` requests of each run at once). Yields the
+    :class:`ModelRegistry`::
+
+        async with tserve.open_models({"a": "a.gguf", "b": "b/"}) as models:
+            async with models.use("a") as llm:  # loads "a" unless loaded
+                print((await llm.complete("Hello")).text)
+
+    ``use`` and ``acquire`` load a model that has no engine, and wait for it
+    (cancellably; bound: ``startup_timeout``); any number of concurrent
+    first calls cause one load; a failed load raises ModelLoadFailed naming
+    the model, and the next call retries. ``unload`` stops a model's engine,
+    never while a ``use`` block holds it. ``preload`` names are loaded
+    before the block is entered. One engine's death fails only its own
+    model's requests; its next call loads it again. Leaving the block in any
+    way stops every engine. Runs on asyncio and trio.
+    """
+    settings = ClientSettings(
+        max_pending=max_pending,
+        request_timeout=request_timeout,
+        startup_timeout=startup_timeout,
+        heartbeat_timeout=heartbeat_timeout,
+        overload=Overload(overload),
+        max_queued=max_queued,
+        max_queued_tokens=max_queued_tokens,
+    )
+    specs = [  # TypeError for an unknown option, before any engine starts
+        ModelSpec(name, EngineConfig(model=os.fspath(model), **engine_options))
+        for name, model in models.items()
+    ]
+    owner = EngineOwner(settings, shutdown_grace=shutdown_grace, log_level=log_level)
+    async with open_registry(owner, specs, preload=preload) as registry:
+        yield registry
+
+
+@contextlib.asynccontextmanager
+async def open_registry(
+    owner: EngineOwner, specs: Iterable[ModelSpec], *, preload: Iterable[str] = ()
+) -> AsyncIterator[ModelRegistry]:
+    """A :class:`ModelRegistry` of ``specs`` for the block, ``preload`` loaded first.
+
+    Enters once every preloaded model is LOADED (ModelNotServed for a name
+    it does not serve, ModelLoadFailed if one fails, with nothing left
+    running). Leaving the block in any way stops every engine (all at once;
+    shielded, each within its stop bound). An exception from the block
+    propagates unchanged (not in an ExceptionGroup).
+    """
+    specs = list(specs)
+    body_error: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            registry = ModelRegistry(owner, specs, tg)
+            try:
+                await _preload(registry, preload)
+                try:
+                    yield registry
+                except BaseException as exc:
+                    body_error = exc
+                    raise
+            finally:
+                registry.close()
+                tg.cancel_scope.cancel()  # each owner task stops its engine on the way out
+    except BaseExceptionGroup as group:
+        error = unwrap(group, body_error)
+        if error is group:
+            raise
+    else:
+        return
+    raise error
+
+
+async def _preload(registry: ModelRegistry, names: Iterable[str]) -> None:
+    """Load ``names`` at once; raise the first failure once all are done."""
+    names = list(dict.fromkeys(names))
+    for name in names:
+        registry.lifecycle(name)  # ModelNotServed before any load starts
+    failures: list[ModelLoadFailed] = []
+
+    async def load(name: str) -> None:
+        try:
+            await registry.acquire(name, pin=True)
+        except ModelLoadFailed as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as loads:
+        for name in names:
+            loads.start_soon(load, name)
+    if failures:
+        raise failures[0]

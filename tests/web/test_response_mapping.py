@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tserve.nursery import Delta, EngineDeadError, InvalidRequest, Usage
+from tserve.web._reasoning import syntax_named
 from tserve.web._response_events import ResponseOutput
 from tserve.web._response_requests import parse_responses
 from tserve.web._response_store import ResponseStore, StoredResponse
@@ -215,3 +216,27 @@ def test_the_store_evicts_the_oldest_past_its_budget(tmp_path: Path) -> None:
     assert kept == list(range(100 - len(kept), 100)) and store.used_bytes() <= budget
     assert not store.put(record(rid(200), budget // 8))  # past a sixteenth: not stored
     assert store.get(rid(200)) is None
+
+
+def test_thinking_is_a_reasoning_item_before_the_answer_split_anywhere() -> None:
+    syntax = syntax_named("qwen3")
+    output = "<think>Add them.</think>Sure."
+    for size in (1, 2, 5, len(output)):
+        streamed = ResponseOutput("m", None, response_id="resp_1", echo={}, reasoning=syntax)
+        events = streamed.events([_Stream()], "r")  # type: ignore[list-item]
+        pieces = [output[i : i + size] for i in range(0, len(output), size)]
+        data = b"".join(events.chunk(0, Delta(p, [1])) for p in pieces[:-1])
+        data += events.chunk(0, Delta(pieces[-1], [1], None, "stop", Usage(3, 9)))
+        decoded = decode(data)
+        thinking = "".join(
+            e["delta"] for e in decoded if e["type"] == "response.reasoning_text.delta"
+        )
+        answer = "".join(e["delta"] for e in decoded if e["type"] == "response.output_text.delta")
+        assert (thinking, answer) == ("Add them.", "Sure.")
+        reasoning, message = decoded[-1]["response"]["output"]
+        assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": "Add them."}]
+        assert message["content"][0]["text"] == "Sure."
+    # A stored reasoning item is not shown to the template when the conversation goes on.
+    req = parse(input="More?")
+    assert [m["role"] for m in req.chat([reasoning, message]).messages] == ["assistant", "user"]

@@ -4,10 +4,11 @@
 items (one ``output_text`` part, ``annotations`` empty) and
 ``function_call`` items parsed by the chat machinery's tool-call stream
 (:meth:`ToolPlan.stream`, the same parser chat completions use). Text after
-a call opens a new message item; an empty text is no item. A reasoning
-parser's output would be a ``reasoning`` item before the message (this
-server writes none yet: :meth:`ResponseChoice._item_events` is where it
-would open).
+a call opens a new message item; an empty text is no item. With a
+reasoning syntax (``--reasoning-parser``) the model's thinking is split off
+first (the tool-call parser sees only the answer) and is a ``reasoning``
+item (``content`` one ``reasoning_text`` part, ``summary`` empty) before the
+answer's items, streamed as ``response.reasoning_text.delta``/``.done``.
 
 ``status``: "completed" for a stop; "incomplete" with
 ``incomplete_details.reason`` "max_output_tokens" for a length finish (the
@@ -19,7 +20,8 @@ The stream (:class:`ResponseEvents`), each event ``event: TYPE`` and
 ``data: {json}`` with a ``sequence_number`` that counts from 0::
 
     response.created  response.in_progress
-    ( output_item.added  content_part.added  output_text.delta*  output_text.done
+    ( output_item.added  reasoning_text.delta*  reasoning_text.done  output_item.done
+    | output_item.added  content_part.added  output_text.delta*  output_text.done
       content_part.done  output_item.done
     | output_item.added  function_call_arguments.delta*  function_call_arguments.done
       output_item.done )*
@@ -43,6 +45,7 @@ import msgspec
 
 from tserve.nursery import Delta, RequestStream, ShuttingDown, Usage
 from tserve.web._errors import error_reply
+from tserve.web._reasoning import ReasoningSyntax
 from tserve.web._response_requests import item_id
 from tserve.web._sse import SSEOrderError
 from tserve.web._tool_stream import Arguments, CallStarted, Content, Event, ToolCallStream
@@ -80,8 +83,14 @@ class ResponseChoice:
     """The output items of one output. ``push`` returns that delta's item events
     (payloads without ``sequence_number``) in order."""
 
-    def __init__(self, plan: ToolPlan | None, namespaces: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        plan: ToolPlan | None,
+        namespaces: dict[str, str] | None = None,
+        reasoning: ReasoningSyntax | None = None,
+    ) -> None:
         self._calls: ToolCallStream | None = None if plan is None else plan.stream(new_call_id)
+        self._thinking = None if reasoning is None else reasoning.parser()
         self._namespaces = namespaces or {}  # function name -> the namespace tool it is in
         self.items: list[JSON] = []  # message items hold their text in content[0]["text"]
         self._open: str | None = None  # the type of the last item while it is open
@@ -90,12 +99,17 @@ class ResponseChoice:
 
     def push(self, delta: Delta) -> list[JSON]:
         """Take one delta; return its item events."""
-        events: list[Event] = [Content(delta.text)] if self._calls is None else []
+        reasoning, text = "", delta.text
+        if self._thinking is not None:
+            split = self._thinking.push(text, final=delta.finish_reason is not None)
+            reasoning, text = split.reasoning, split.content
+        out = self._reasoning_events(reasoning)
+        events: list[Event] = [Content(text)] if self._calls is None else []
         if self._calls is not None:
-            events = self._calls.push(delta.text)
+            events = self._calls.push(text)
             if delta.finish_reason is not None:
                 events += self._calls.finish()
-        out = [payload for event in events for payload in self._item_events(event)]
+        out += [payload for event in events for payload in self._item_events(event)]
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             out += self._close("incomplete" if delta.finish_reason == "length" else "completed")
@@ -140,6 +154,25 @@ class ResponseChoice:
             }
         ]
 
+    def _reasoning_events(self, text: str) -> list[JSON]:
+        if not text:
+            return []
+        out: list[JSON] = []
+        if self._open != "reasoning":
+            item: JSON = {
+                "id": item_id("rs"),
+                "type": "reasoning",
+                "status": "in_progress",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": ""}],
+            }
+            out = self._close("completed") + self._start(item)
+        index = len(self.items) - 1
+        item = self.items[index]
+        item["content"][0]["text"] += text
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [*out, {"type": "response.reasoning_text.delta", **where, "delta": text}]
+
     def _start_message(self) -> list[JSON]:
         part = {"type": "output_text", "text": "", "annotations": []}
         item = {
@@ -156,7 +189,7 @@ class ResponseChoice:
     def _start(self, item: JSON) -> list[JSON]:
         self.items.append(item)
         self._open = item["type"]
-        shown = {**item, "content": []} if item["type"] == "message" else dict(item)
+        shown = {**item, "content": []} if "content" in item else dict(item)
         index = len(self.items) - 1
         return [{"type": "response.output_item.added", "output_index": index, "item": shown}]
 
@@ -170,7 +203,10 @@ class ResponseChoice:
         item["status"] = status
         where = {"item_id": item["id"], "output_index": index}
         out: list[JSON] = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            done_text = {"type": "response.reasoning_text.done", **where, "content_index": 0}
+            out.append({**done_text, "text": item["content"][0]["text"]})
+        elif item["type"] == "message":
             part = item["content"][0]
             text = {"type": "response.output_text.done", **where, "content_index": 0}
             done = {"type": "response.content_part.done", **where, "content_index": 0}
@@ -183,7 +219,7 @@ class ResponseChoice:
 
 
 def _copy(item: JSON) -> JSON:
-    if item["type"] == "message":
+    if "content" in item:
         return {**item, "content": [dict(part) for part in item["content"]]}
     return dict(item)
 
@@ -201,12 +237,13 @@ class ResponseOutput:
         echo: JSON,
         on_end: Callable[[JSON], None] | None = None,
         namespaces: dict[str, str] | None = None,
+        reasoning: ReasoningSyntax | None = None,
     ) -> None:
         self.model = model
         self.id = response_id
         self.created_at = int(time.time())
         self.echo = echo
-        self.choice = ResponseChoice(plan, namespaces)
+        self.choice = ResponseChoice(plan, namespaces, reasoning)
         self.on_end = on_end
 
     @property

@@ -10,7 +10,8 @@ Rules (each refusal is a 400 naming the field):
   ``name``, ``arguments``: a JSON object as text); or a
   ``function_call_output`` (``call_id``, ``output``: a string or text parts)
   answering a ``function_call`` earlier in the conversation. ``reasoning``
-  items of an earlier turn are dropped (the template never shows them);
+  items of an earlier turn (sent back, or stored) are dropped (the template
+  never shows them);
   other item types are refused.
 * Items are normalized (:func:`normalize_items`) to the shape the store
   keeps and ``input_items`` lists: every item has an ``id`` and a
@@ -327,6 +328,8 @@ def conversation_messages(history: list[JSON], items: list[JSON]) -> list[JSON]:
     out: list[JSON] = []
     names: dict[str, str] = {}  # call_id -> the function's name, of every call so far
     for i, item in enumerate([*history, *items]):
+        if item["type"] in _DROPPED:  # a stored response's reasoning
+            continue
         if item["type"] == "message":
             text = "".join(part["text"] for part in item["content"])
             role = "system" if item["role"] == "developer" else item["role"]

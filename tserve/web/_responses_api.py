@@ -119,6 +119,7 @@ class Responses:
         chat = req.chat(history)
         response_id = new_response_id()
         conversation = [*history, *req.items]
+        reasoning = self._generation.reasoning_for(chat)
         outputs: list[ResponseOutput] = []
 
         def output(model: str, plan: ToolPlan | None, count: int) -> ResponseOutput:
@@ -134,6 +135,7 @@ class Responses:
                     echo=req.echo,
                     on_end=on_end,
                     namespaces=req.namespaces,
+                    reasoning=reasoning,
                 )
             )
             return outputs[0]

@@ -65,6 +65,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         _usage_error("serve", "--metrics-port must be a port number (0: any free port)")
     if args.metrics_port and args.metrics_port == args.port:
         _usage_error("serve", "--metrics-port must differ from --port")
+    if args.responses_store_bytes < 1 or args.responses_store_ttl <= 0:
+        _usage_error("serve", "--responses-store-bytes and --responses-store-ttl must be positive")
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     return ServerConfig(
         host=args.host,
@@ -79,6 +81,9 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
             allowed_hosts=hosts,
             max_body_bytes=args.max_body_bytes,
             request_log=not args.no_request_log,
+            responses_store_dir=args.responses_store_dir,
+            responses_store_bytes=args.responses_store_bytes,
+            responses_store_ttl=args.responses_store_ttl,
             reasoning_parser=args.reasoning_parser,
         ),
     )

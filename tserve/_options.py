@@ -300,6 +300,28 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "also serve /metrics on this port (0: any free port), from a process of its own "
         "that answers while the API processes are saturated",
     )
+    _option(
+        http,
+        "--responses-store-dir",
+        str,
+        None,
+        "directory of the stored /v1/responses, shared by every API process (default: a "
+        "private one on /dev/shm, removed at exit)",
+    )
+    _option(
+        http,
+        "--responses-store-bytes",
+        int,
+        64 * 1024 * 1024,  # tserve.web._response_store.DEFAULT_STORE_BYTES
+        "bytes the stored responses may hold; past it the oldest are evicted",
+    )
+    _option(
+        http,
+        "--responses-store-ttl",
+        float,
+        24 * 3600.0,  # tserve.web._response_store.DEFAULT_STORE_TTL
+        "seconds a stored response is kept",
+    )
     _option(http, "--log-level", str, "info", "debug, info, warning or error")
     _flag(http, "--no-request-log", "do not log one line per request")
 

@@ -24,6 +24,7 @@ from tserve.nursery._gc import serving_gc
 from tserve.nursery._open import EngineOwner
 from tserve.nursery._registry import ModelLoadFailed, ModelSpec, open_registry
 from tserve.web import ServerConfig, serve
+from tserve.web._response_store import responses_store_dir
 from tserve.web._workers import MetricsSpec, Workers, WorkerSpec
 
 __all__ = ["RemoteEngine", "ServePlan", "run"]
@@ -96,8 +97,11 @@ async def _llm(plan: ServePlan) -> AsyncIterator[LLM]:
 
 async def _serve(plan: ServePlan) -> int:
     async with _llm(plan) as llm:
-        if plan.children:
-            return await _serve_with_workers(llm, plan)
+        if plan.children:  # the API processes share one directory of stored responses
+            with responses_store_dir(plan.server.app.responses_store_dir) as store:
+                app = dataclasses.replace(plan.server.app, responses_store_dir=store)
+                server = dataclasses.replace(plan.server, app=app)
+                return await _serve_with_workers(llm, dataclasses.replace(plan, server=server))
         codes: list[int] = []
 
         async def run_server(task_status: trio.TaskStatus[str]) -> None:

@@ -189,7 +189,9 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     in its one output per request (``FinishReason.STOP``, no token ids): the
     vector as little-endian float32 (4 bytes per dimension). ``error_param``
     names the part of the request an error is about (``"constraint"``: its
-    grammar), or None. Trailing and defaulted, so frames from before them
+    grammar), or None. ``cached_tokens`` is set only on a request's first
+    output with tokens: how many of its prompt tokens the prefix cache held
+    when it was admitted. Trailing and defaulted, so frames from before them
     still decode.
     """
 
@@ -200,6 +202,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     error: str | None = None
     embedding: bytes | None = None
     error_param: str | None = None
+    cached_tokens: int | None = None
 
 
 class OutputMerge:
@@ -209,7 +212,8 @@ class OutputMerge:
     that waiting coalesces instead of queueing (the engine's outbox, the API
     process's mailboxes): token ids and logprobs are concatenated in order;
     the finish reason, error (and its param) and embedding are those of the output with a
-    finish reason (the last one: only it carries an error or an embedding).
+    finish reason (the last one: only it carries an error or an embedding);
+    ``cached_tokens`` is the first output's (only a request's first carries it).
     O(1) per token: a lone output is kept as it is, and a second one starts
     lists that later ones extend in place. Synchronous; not shared between
     threads.
@@ -262,7 +266,13 @@ class OutputMerge:
             return first
         last = self._last
         if last is None:
-            merged = RequestOutput(first.request_id, token_ids, None, self._logprobs)
+            merged = RequestOutput(
+                first.request_id,
+                token_ids,
+                None,
+                self._logprobs,
+                cached_tokens=first.cached_tokens,
+            )
         else:
             merged = RequestOutput(
                 first.request_id,
@@ -272,6 +282,7 @@ class OutputMerge:
                 last.error,
                 last.embedding,
                 last.error_param,
+                first.cached_tokens,
             )
         self._token_ids = self._logprobs = self._last = None
         return merged

@@ -52,3 +52,15 @@ def test_the_document_names_its_bodies_errors_and_key() -> None:
     }
     assert sorted(schemas["MessagesBody"]["required"]) == ["max_tokens", "messages", "model"]
     assert "security" not in openapi_document(api_key=False)
+    responses = doc["paths"]["/v1/responses"]["post"]
+    assert responses["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ResponsesBody"
+    }
+    items = doc["paths"]["/v1/responses/{response_id}/input_items"]["get"]
+    assert [(p["name"], p["in"]) for p in items["parameters"]] == [
+        ("response_id", "path"),
+        ("order", "query"),
+        ("limit", "query"),
+        ("after", "query"),
+    ]
+    assert "404" in doc["paths"]["/v1/responses/{response_id}"]["delete"]["responses"]

@@ -289,3 +289,22 @@ def test_thinking_not_asked_for_is_dropped_from_the_answer() -> None:
         events += choice.push(delta)
     assert choice.content() == [{"type": "text", "text": "Hello"}]
     assert all(e.get("delta", {}).get("type") != "thinking_delta" for e in events)
+
+
+def test_responses_get_a_reasoning_item_before_the_answer(auto: Server) -> None:
+    client = openai_sdk(auto)
+    response = client.responses.create(model="tiny", input="Hi", temperature=0)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert [part.text for part in reasoning.content] == [REASONING]
+    assert message.type == "message" and response.output_text == ANSWER
+    with client.responses.stream(model="tiny", input="Hi", temperature=0) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert final.output_text == ANSWER and final.output[0].type == "reasoning"
+    # Continued, the stored reasoning is not shown to the template again.
+    again = client.responses.create(
+        model="tiny", input="And?", previous_response_id=response.id, temperature=0
+    )
+    assert again.status == "completed"

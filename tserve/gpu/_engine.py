@@ -397,6 +397,7 @@ class EngineCore(CoreBookkeeping[Sequence]):
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.output_token_ids[seq.num_sent :]
+        cached = seq.num_cached_prompt_tokens if new and seq.num_sent == 0 else None
         seq.num_sent = len(seq.output_token_ids)
         logprobs = None
         if seq.params.logprobs is not None:
@@ -409,7 +410,14 @@ class EngineCore(CoreBookkeeping[Sequence]):
         if seq.is_finished:
             self._held.pop(seq.request_id, None)
         return RequestOutput(
-            seq.request_id, new, seq.finish_reason, logprobs, seq.error, None, seq.error_param
+            seq.request_id,
+            new,
+            seq.finish_reason,
+            logprobs,
+            seq.error,
+            None,
+            seq.error_param,
+            cached,
         )
 
 

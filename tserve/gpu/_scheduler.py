@@ -354,6 +354,8 @@ class Scheduler:
             self._running[seq.request_id] = seq
             bm.share(seq, prefix)
             seq.num_computed_tokens = cached
+            if not seq.output_token_ids:
+                seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_token_ids))
             chunks.append(self._chunk(seq, n))
             budget -= n
         return chunks

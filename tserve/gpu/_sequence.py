@@ -76,6 +76,7 @@ class Sequence:
     num_sent: int = 0
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_blocks: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held at admission
     defaults: dataclasses.InitVar[SamplingDefaults | None] = None
     sampling: Sampling = dataclasses.field(init=False)
 

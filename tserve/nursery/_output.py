@@ -85,6 +85,7 @@ class OutputMapper:
     """
 
     __slots__ = (
+        "_cached_tokens",
         "_deadline_message",
         "_detok",
         "_has_deadline",
@@ -109,6 +110,7 @@ class OutputMapper:
         # _prompt_tokens, the final delta's usage.
         self._num_tokens = 0
         self._prompt_tokens = 0
+        self._cached_tokens = 0
         self._deadline_message = f"request {request_id} passed its deadline"
 
     def submitted(self, prompt_tokens: int) -> None:
@@ -118,6 +120,8 @@ class OutputMapper:
     def push(self, output: RequestOutput) -> Outcome:
         """The meaning of the request's next output (rules 1-5)."""
         self._num_tokens += len(output.token_ids)
+        if output.cached_tokens is not None:
+            self._cached_tokens = output.cached_tokens
         finish = output.finish_reason
         error = None
         if finish is not None:
@@ -143,7 +147,7 @@ class OutputMapper:
             return _WAIT
         else:
             return Outcome(Decision.DELTA, Delta(text, output.token_ids, output.logprobs))
-        usage = Usage(self._prompt_tokens, self._num_tokens)
+        usage = Usage(self._prompt_tokens, self._num_tokens, self._cached_tokens)
         delta = Delta(text, output.token_ids, output.logprobs, reason, usage, self._stop.matched)
         return Outcome(decision, delta)
 

@@ -13,6 +13,7 @@ __all__ = ["Completion", "Delta", "Usage"]
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those the engine's prefix cache held
 
     @property
     def total_tokens(self) -> int:

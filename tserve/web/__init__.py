@@ -15,6 +15,11 @@ What each module owns:
   on ``run_chat``; ``_message_bodies`` its Structs, ``_message_requests`` its
   bodies to chat requests, ``_message_events`` deltas to its blocks and SSE
   events (sans-IO).
+* ``_responses_api``: OpenAI's ``/v1/responses`` (create, retrieve, delete,
+  input items, cancel, background runs) on ``run_chat``;
+  ``_response_bodies`` its Structs, ``_response_requests`` its bodies to chat
+  requests, ``_response_events`` deltas to output items and SSE events
+  (sans-IO), ``_response_store`` the stored responses every API process shares.
 * ``_embeddings``: ``/v1/embeddings``.
 * ``_tokens``: ``/tokenize``, ``/detokenize`` and the cached text of a token.
 * ``_models``: the served model names and ``/v1/models``.

@@ -4,6 +4,8 @@ Routes::
 
     POST /v1/completions, /v1/chat/completions   (JSON or SSE with "stream": true)
     POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, its errors)
+    POST /v1/responses   GET, DELETE /v1/responses/{id}   GET /v1/responses/{id}/input_items
+    POST /v1/responses/{id}/cancel              (OpenAI's Responses API, its stored responses)
     POST /v1/embeddings                          (when open_llm has an embedding model)
     GET  /v1/models                              POST /tokenize, /detokenize
     GET  /version   /health   /ready   /metrics   /openapi.json
@@ -27,11 +29,13 @@ from tserve.web._errors import anthropic_error_reply
 from tserve.web._generation import Generation
 from tserve.web._inflight import InFlight
 from tserve.web._messages import Messages
-from tserve.web._metrics import Metrics
+from tserve.web._metrics import Metrics, RequestRecord
 from tserve.web._models import ServedModels
 from tserve.web._openapi import OpenAPI
 from tserve.web._probes import Probes
 from tserve.web._reasoning import PARSER_NAMES
+from tserve.web._response_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL, ResponseStore
+from tserve.web._responses_api import Responses
 from tserve.web._routing import Route, Router
 from tserve.web._send_buffer import BufferBudget
 from tserve.web._tokens import Tokenization, TokenTexts
@@ -51,6 +55,11 @@ class AppConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout: float = 60.0
     request_log: bool = True
+    # Stored responses (see _response_store): the directory every API process shares
+    # (None: a private one), its budget in bytes, and the age past which one is gone.
+    responses_store_dir: str | None = None
+    responses_store_bytes: int = DEFAULT_STORE_BYTES
+    responses_store_ttl: float = DEFAULT_STORE_TTL
     reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
@@ -84,6 +93,18 @@ class Frontend:
             config.reasoning_parser,
         )
         self.messages = Messages(self.generation)
+        store = ResponseStore(
+            config.responses_store_dir,
+            max_bytes=config.responses_store_bytes,
+            ttl=config.responses_store_ttl,
+        )
+        self.responses = Responses(
+            self.generation,
+            store,
+            lambda rid: RequestRecord(
+                self.metrics, "/v1/responses", rid, log_line=config.request_log
+            ),
+        )
         self.embedding = Embeddings(llm, self.in_flight)
         self.tokenization = Tokenization(llm, self.models)
         self.openapi = OpenAPI(api_key=config.api_key is not None)
@@ -92,6 +113,7 @@ class Frontend:
 
     def routes(self) -> list[Route]:
         g, t, p, m = self.generation, self.tokenization, self.probes, self.messages
+        r = self.responses
         anthropic = anthropic_error_reply
         return [
             Route("/v1/completions", "POST", g.completions, protected=True),
@@ -104,6 +126,11 @@ class Frontend:
                 protected=True,
                 errors=anthropic,
             ),
+            Route("/v1/responses", "POST", r.create, protected=True),
+            Route("/v1/responses/<response_id>", "GET", r.retrieve, protected=True),
+            Route("/v1/responses/<response_id>", "DELETE", r.delete, protected=True),
+            Route("/v1/responses/<response_id>/input_items", "GET", r.input_items, protected=True),
+            Route("/v1/responses/<response_id>/cancel", "POST", r.cancel, protected=True),
             Route("/v1/embeddings", "POST", self.embedding.embeddings, protected=True),
             Route("/v1/models", "GET", self.models.models, protected=True),
             Route("/tokenize", "POST", t.tokenize, protected=True),

@@ -162,6 +162,10 @@ class Generation:
                 return f"tools[{i}].function.parameters"
         return field
 
+    def resolve_model(self, name: str | None) -> str:
+        """The served model's name for the request's ``model`` (404 if it is not served)."""
+        return self._models.resolve(name)
+
     async def count_chat_tokens(self, req: ChatRequest) -> int:
         """The prompt length, in tokens, that :meth:`run_chat` would send for ``req``."""
         self._models.resolve(req.model)

@@ -10,13 +10,15 @@ not expressible in the schema: they are 400s, documented as such.
 Responses are written here, next to what writes them (:mod:`._responses`,
 :mod:`._errors`); every error is the one OpenAI error body, but on the
 Messages routes, Anthropic's (``AnthropicError``). ``OPERATIONS`` is
-keyed by (method, path) and must cover the route table exactly (a test checks).
+keyed by (method, path) and must cover the route table exactly (a test checks);
+a route's ``<name>`` is the document's path parameter ``{name}``.
 Sans-IO: the document is built once, as a dict.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Final
 
 import msgspec
@@ -32,6 +34,7 @@ from tserve.web._bodies import (
 )
 from tserve.web._message_bodies import CountTokensBody, MessagesBody
 from tserve.web._metrics import RequestRecord
+from tserve.web._response_bodies import ResponsesBody
 from tserve.web._routing import json_response
 
 __all__ = ["OPERATIONS", "OpenAPI", "Operation", "openapi_document"]
@@ -80,6 +83,36 @@ _MESSAGE: Final = _object(  # a whole Messages API message
     stop_sequence=_NULLABLE_STR,
     usage=_object("input_tokens output_tokens", input_tokens=_INT, output_tokens=_INT),
 )
+_RESPONSE: Final = _object(  # a whole Responses API response
+    "id object created_at status model output usage",
+    id=_STR,
+    object={"const": "response"},
+    created_at=_INT,
+    status={"enum": ["completed", "incomplete", "failed", "cancelled", "queued", "in_progress"]},
+    model=_STR,
+    output=_list_of(_object("type id", type={"enum": ["message", "function_call"]}, id=_STR)),
+    usage={
+        "anyOf": [
+            _object(
+                "input_tokens output_tokens total_tokens input_tokens_details",
+                input_tokens=_INT,
+                output_tokens=_INT,
+                total_tokens=_INT,
+                input_tokens_details=_object("cached_tokens", cached_tokens=_INT),
+            ),
+            {"type": "null"},
+        ]
+    },
+    previous_response_id=_NULLABLE_STR,
+)
+_INPUT_ITEMS: Final = _object(
+    "object data first_id last_id has_more",
+    object={"const": "list"},
+    data=_list_of(_object("type id", type=_STR, id=_STR)),
+    first_id=_NULLABLE_STR,
+    last_id=_NULLABLE_STR,
+    has_more={"type": "boolean"},
+)
 _USAGE: Final = _object(
     "prompt_tokens total_tokens", prompt_tokens=_INT, completion_tokens=_INT, total_tokens=_INT
 )
@@ -122,7 +155,8 @@ _WHY: Final = {
     "unsupported feature (the field is named in error.param where there is one)",
     401: "a missing or wrong API key",
     403: "a Host header that is not allowed",
-    404: "an unknown model, or no embedding model",
+    404: "an unknown model, or no embedding model; an unknown, deleted, evicted or "
+    "expired stored response",
     413: "a body larger than --max-body-bytes",
     415: "a body that is not application/json",
     422: "the engine refused this one request",
@@ -145,6 +179,7 @@ class Operation:
     errors: tuple[int, ...] = ()
     protected: bool = True  # needs the API key when the server has one
     anthropic: bool = False  # its errors are Anthropic's body (the Messages routes)
+    query: tuple[tuple[str, JSON], ...] = ()  # query parameters: (name, schema)
 
 
 def _json(schema: JSON) -> JSON:
@@ -178,6 +213,45 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
         (*_POST, 404),
         anthropic=True,
     ),
+    ("post", "/v1/responses"): Operation(
+        "Create a response (OpenAI's Responses API; background: true answers at once)",
+        {**_json(_RESPONSE), "text/event-stream": {"schema": _object("event data", data=_STR)}},
+        ResponsesBody,
+        (*_POST, 404, 422, 503, 504),
+    ),
+    ("get", "/v1/responses/<response_id>"): Operation(
+        "A stored response", _json(_RESPONSE), None, (401, 404)
+    ),
+    ("delete", "/v1/responses/<response_id>"): Operation(
+        "Delete a stored response",
+        _json(
+            _object(
+                "id object deleted",
+                id=_STR,
+                object={"const": "response"},
+                deleted={"const": True},
+            )
+        ),
+        None,
+        (401, 404),
+    ),
+    ("get", "/v1/responses/<response_id>/input_items"): Operation(
+        "A stored response's input items, a page at a time",
+        _json(_INPUT_ITEMS),
+        None,
+        (400, 401, 404),
+        query=(
+            ("order", {"enum": ["asc", "desc"]}),
+            ("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+            ("after", _STR),
+        ),
+    ),
+    ("post", "/v1/responses/<response_id>/cancel"): Operation(
+        "Cancel a background response (its engine request is aborted)",
+        _json(_RESPONSE),
+        None,
+        (400, 401, 404, 415),  # a POST, so declared JSON even without a body
+    ),
     ("post", "/v1/embeddings"): Operation(
         "Embed texts or token ids", _json(_EMBEDDINGS), EmbeddingBody, (*_POST, 404, 422, 503, 504)
     ),
@@ -207,7 +281,7 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
 }
 
 
-def _operation(op: Operation, bodies: dict[type[msgspec.Struct], JSON]) -> JSON:
+def _operation(op: Operation, path: str, bodies: dict[type[msgspec.Struct], JSON]) -> JSON:
     error = _json({"$ref": _REF.format(name="AnthropicError" if op.anthropic else "Error")})
     responses: JSON = {"200": {"description": "OK", "content": op.ok}}
     for status in sorted({*op.errors, *_EVERY}):
@@ -215,6 +289,16 @@ def _operation(op: Operation, bodies: dict[type[msgspec.Struct], JSON]) -> JSON:
         content = _json(_STATUS) if status == 503 and op.body is None else error
         responses[str(status)] = {"description": _WHY[status], "content": content}
     out: JSON = {"summary": op.summary, "responses": responses}
+    parameters = [
+        {"name": name, "in": "path", "required": True, "schema": _STR}
+        for name in re.findall(r"<([a-z_]+)>", path)
+    ]
+    parameters += [
+        {"name": name, "in": "query", "required": False, "schema": schema}
+        for name, schema in op.query
+    ]
+    if parameters:
+        out["parameters"] = parameters
     if op.body is not None:
         out["requestBody"] = {"required": True, "content": _json(bodies[op.body])}
     if not op.protected:
@@ -231,7 +315,8 @@ def openapi_document(*, api_key: bool) -> JSON:
     components.update(Error=_ERROR, AnthropicError=_ANTHROPIC_ERROR, Usage=_USAGE)
     paths: JSON = {}
     for (method, path), op in OPERATIONS.items():
-        paths.setdefault(path, {})[method] = _operation(op, bodies)
+        shown = re.sub(r"<([a-z_]+)>", r"{\1}", path)
+        paths.setdefault(shown, {})[method] = _operation(op, path, bodies)
     doc: JSON = {
         "openapi": "3.1.0",
         "info": {"title": "tserve", "version": tserve.__version__},

@@ -37,7 +37,8 @@ __all__ = ["Handler", "Route", "Router", "json_response", "read_body", "request_
 _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _JSON = msgspec.json.Encoder()
 
-Handler = Callable[[RequestRecord], Awaitable[Response]]
+Handler = Callable[..., Awaitable[Response]]
+"""A route's handler: its request's record, then the path's variables as keywords."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,10 +95,11 @@ class Router:
     def install(self, app: QuartTrio, routes: Sequence[Route]) -> None:
         for route in routes:
             view = partial(self._view, route)
-            app.add_url_rule(route.path, route.path, view, methods=[route.method])
+            endpoint = f"{route.method} {route.path}"
+            app.add_url_rule(route.path, endpoint, view, methods=[route.method])
         app.register_error_handler(HTTPException, self._http_error)
 
-    async def _view(self, route: Route) -> Response:
+    async def _view(self, route: Route, **path: str) -> Response:
         rid = request_id(request.headers.get("X-Request-Id"))
         log_line = route.logged and self._request_log
         record = RequestRecord(self._metrics, route.path, rid, log_line=log_line)
@@ -107,7 +109,7 @@ class Router:
             self._browser.check(request.method, headers.get("Host"), headers.get("Content-Type"))
             if route.protected:
                 self._authorize()
-            response = await route.handler(record)
+            response = await route.handler(record, **path)
             status = response.status_code
         except Exception as exc:
             reply = route.errors(exc, rid)

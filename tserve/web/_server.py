@@ -243,6 +243,7 @@ async def serve(
         if shutdown_trigger is not None:
             nursery.start_soon(life.watch_trigger, shutdown_trigger)
         nursery.start_soon(life.watch_engine)
+        await nursery.start(frontend.responses.run)  # background responses live this long
         if config.publish_stats and shared_dir:
             stats, count = (lambda: llm.stats), (lambda: frontend.in_flight.count)
             nursery.start_soon(publish_stats, Path(shared_dir), stats, count)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -193,10 +192,12 @@ def test_the_store_keeps_gets_deletes_and_refuses_odd_ids(tmp_path: Path) -> Non
 
 
 def test_the_store_forgets_what_is_past_its_age(tmp_path: Path) -> None:
-    store = ResponseStore(str(tmp_path), max_bytes=1 << 20, ttl=60)
+    now = [1_000_000.0]
+    store = ResponseStore(str(tmp_path), max_bytes=1 << 20, ttl=60, clock=lambda: now[0])
     store.put(record(rid(1)))
-    past = time.time() - 61
-    os.utime(tmp_path / f"{rid(1)}.json", (past, past))
+    now[0] += 60
+    assert store.get(rid(1)) is not None
+    now[0] += 1
     assert store.get(rid(1)) is None
     store.sweep()
     assert not (tmp_path / f"{rid(1)}.json").exists()
@@ -204,8 +205,8 @@ def test_the_store_forgets_what_is_past_its_age(tmp_path: Path) -> None:
 
 def test_the_store_evicts_the_oldest_past_its_budget(tmp_path: Path) -> None:
     budget = 16 * 1024
-    store = ResponseStore(str(tmp_path), max_bytes=budget, ttl=3600)
-    start = time.time() - 200
+    start = 1_000_000.0
+    store = ResponseStore(str(tmp_path), max_bytes=budget, ttl=3600, clock=lambda: start + 200)
     for i in range(100):
         assert store.put(record(rid(i), 500))
         os.utime(tmp_path / f"{rid(i)}.json", (start + i, start + i))  # a strict order

@@ -77,7 +77,16 @@ class StoredResponse(msgspec.Struct, kw_only=True):
 class ResponseStore:
     """The shared store of one server's responses (see the module docstring)."""
 
-    def __init__(self, directory: str | None, *, max_bytes: int, ttl: float) -> None:
+    def __init__(
+        self,
+        directory: str | None,
+        *,
+        max_bytes: int,
+        ttl: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``clock``: the wall-clock time records are aged by (file mtimes are on it)."""
+        self._clock = clock
         self._own: tempfile.TemporaryDirectory[str] | None = None
         if directory is None:  # a server without a shared directory keeps a private one
             self._own = tempfile.TemporaryDirectory(prefix="tserve-responses-")
@@ -111,7 +120,7 @@ class ResponseStore:
         try:  # a rewrite keeps the first write's time: the record's age and place in line
             created = path.stat().st_mtime
         except FileNotFoundError:
-            created = time.time()
+            created = self._clock()
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -142,7 +151,7 @@ class ResponseStore:
                 data = f.read()
         except FileNotFoundError:
             return None
-        if created + self.ttl < time.time():
+        if created + self.ttl < self._clock():
             return None
         return msgspec.json.decode(data, type=StoredResponse)
 
@@ -174,7 +183,7 @@ class ResponseStore:
         """Delete the expired records, then the oldest, until the rest fit the budget.
         Blocking (a directory listing: about 20 ms for 5,000 records on ``/dev/shm``);
         safe in a worker thread while the event loop reads and writes records."""
-        now = time.time()
+        now = self._clock()
         entries = []
         for entry in _scan(self.directory):
             try:

@@ -38,10 +38,10 @@ from typing import Any, Final
 
 import msgspec
 
-from tserve.nursery import Delta, RequestStream, ShuttingDown, Usage
+from tserve.nursery import Delta, RequestStream, Usage
 from tserve.web._errors import anthropic_error_reply
 from tserve.web._reasoning import ReasoningSyntax
-from tserve.web._sse import SSEOrderError
+from tserve.web._sse import SSEOrderError, closing_error
 from tserve.web._tool_stream import Arguments, CallStarted, Content, Event, ToolCallStream
 from tserve.web._tools import ToolPlan
 
@@ -275,14 +275,10 @@ class MessageEvents:
     def close(self, error: Exception | None = None) -> list[bytes]:
         """The events that end the stream now: nothing after ``message_stop``; else
         the error event (``error``, or ShuttingDown for a stream cut short)."""
-        if error is None and self.unfinished:
-            error = ShuttingDown("the stream was cut short")
+        done = self._phase is _Phase.DONE
+        error = closing_error(error, unfinished=self.unfinished, phase=self._phase, done=done)
         if error is None:
-            if self._phase is not _Phase.DONE:
-                raise SSEOrderError(f"a finished stream closed in phase {self._phase.value}")
             return []
-        if self._phase is _Phase.DONE:
-            raise SSEOrderError("an error event after the end of the stream")
         reply = anthropic_error_reply(error, self._request_id)
         self.status = reply.status
         self._phase = _Phase.DONE

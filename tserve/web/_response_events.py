@@ -43,11 +43,11 @@ from typing import Any, Final
 
 import msgspec
 
-from tserve.nursery import Delta, RequestStream, ShuttingDown, Usage
+from tserve.nursery import Delta, RequestStream, Usage
 from tserve.web._errors import error_reply
 from tserve.web._reasoning import ReasoningSyntax
 from tserve.web._response_requests import item_id
-from tserve.web._sse import SSEOrderError
+from tserve.web._sse import SSEOrderError, closing_error
 from tserve.web._tool_stream import Arguments, CallStarted, Content, Event, ToolCallStream
 from tserve.web._tools import ToolPlan, new_call_id
 
@@ -346,14 +346,10 @@ class ResponseEvents:
     def close(self, error: Exception | None = None) -> list[bytes]:
         """The events that end the stream now: nothing after the final event; else
         ``response.failed`` or ``error`` (ShuttingDown for a stream cut short)."""
-        if error is None and self.unfinished:
-            error = ShuttingDown("the stream was cut short")
+        done = self._phase is _Phase.DONE
+        error = closing_error(error, unfinished=self.unfinished, phase=self._phase, done=done)
         if error is None:
-            if self._phase is not _Phase.DONE:
-                raise SSEOrderError(f"a finished stream closed in phase {self._phase.value}")
             return []
-        if self._phase is _Phase.DONE:
-            raise SSEOrderError("an error event after the end of the stream")
         reply = error_reply(error, self._request_id)
         self.status = reply.status
         payloads = self._start()

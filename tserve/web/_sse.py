@@ -38,7 +38,7 @@ from tserve.nursery import Delta, ShuttingDown, Usage
 from tserve.web._errors import error_reply
 from tserve.web._responses import ChatChoice, CompletionChoice, total_usage
 
-__all__ = ["DONE", "SSEEvents", "SSEOrderError", "StreamPhase", "event"]
+__all__ = ["DONE", "SSEEvents", "SSEOrderError", "StreamPhase", "closing_error", "event"]
 
 DONE: Final = b"data: [DONE]\n\n"
 
@@ -54,6 +54,27 @@ def event(payload: Any) -> bytes:
 
 class SSEOrderError(RuntimeError):
     """An event out of the order in the module docstring."""
+
+
+def closing_error(
+    error: Exception | None, *, unfinished: int, phase: enum.Enum, done: bool
+) -> Exception | None:
+    """The error a named-event stream (Messages, Responses) ends with on ``close``.
+
+    ``error``; ShuttingDown when it is None but choices still run (the stream
+    was cut short); None for a stream that finished (``done``). Raises
+    SSEOrderError for a finished stream closed before its end, or an error
+    after its end.
+    """
+    if error is None and unfinished:
+        error = ShuttingDown("the stream was cut short")
+    if error is None:
+        if not done:
+            raise SSEOrderError(f"a finished stream closed in phase {phase.value}")
+        return None
+    if done:
+        raise SSEOrderError("an error event after the end of the stream")
+    return error
 
 
 class StreamPhase(enum.Enum):

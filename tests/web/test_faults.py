@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import openai
@@ -108,6 +109,9 @@ def test_requests_queue_up_to_the_bound_then_get_503(start_server: StartServer) 
     assert server.client.get("/ready").status_code == 200
 
 
+T = TypeVar("T")
+
+
 def wait_for_a_started_stream(server: Server) -> None:
     """Until some stream has its second token: its headers were sent, so it must
     end with an error event rather than a status."""
@@ -115,6 +119,31 @@ def wait_for_a_started_stream(server: Server) -> None:
     while server.metric("vllm:inter_token_latency_seconds_count") < 1:
         assert time.monotonic() < deadline, "no stream ever got past its first token"
         time.sleep(0.05)
+
+
+def stream_through_engine_kill(
+    server: Server, path: str, body: dict[str, object], events: Callable[[httpx.Response], T]
+) -> T:
+    """Stream ``body`` to ``path`` in a thread, SIGKILL the engine once the stream
+    is past its first token (so it must end with an error event, not a status),
+    and return what ``events`` read from the response."""
+    out: list[T] = []
+
+    def read() -> None:
+        with (
+            httpx.Client(base_url=server.url, timeout=120) as client,
+            client.stream("POST", path, json={**body, "stream": True}) as r,
+        ):
+            out.append(events(r))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    server.wait_for_metric("tserve_requests_live", 1)
+    wait_for_a_started_stream(server)
+    os.kill(server.engine_pid, signal.SIGKILL)
+    reader.join(60)
+    assert out, "the stream did not end within 60 s of the kill"
+    return out[0]
 
 
 def test_engine_kill_fails_every_request_and_exits_nonzero(start_server: StartServer) -> None:

@@ -5,9 +5,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ import openai
 import pytest
 
 from tests.web.conftest import API_KEY, Server, keyed_server
-from tests.web.test_faults import PACED, StartServer, wait_for_a_started_stream
+from tests.web.test_faults import PACED, StartServer, stream_through_engine_kill
 from tests.web.test_live import _until_aborted
 
 pytestmark = pytest.mark.slow
@@ -432,24 +430,10 @@ def test_engine_death_mid_stream_ends_with_an_error_event(start_server: StartSer
     """The echo engine at 10 steps a second needs 48 s for 480 tokens: at the kill
     (after its second token) the stream is mid-way, so it must end with an error event."""
     server = start_server("--max-num-seqs", "1", *PACED)
-    out: list[list[tuple[str, dict[str, Any]]]] = []
-
-    def read() -> None:
-        with (
-            httpx.Client(base_url=server.url, timeout=120) as client,
-            client.stream("POST", "/v1/messages", json={**LONG, "stream": True}) as r,
-        ):
-            out.append(events_of(r))
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    server.wait_for_metric("tserve_requests_live", 1)
-    wait_for_a_started_stream(server)
-    os.kill(server.engine_pid, signal.SIGKILL)
-    reader.join(60)
-    names = [name for name, _ in out[0]]
+    events = stream_through_engine_kill(server, "/v1/messages", LONG, events_of)
+    names = [name for name, _ in events]
     assert names[:2] == ["message_start", "ping"] and "message_stop" not in names
-    name, error = out[0][-1]
+    name, error = events[-1]
     assert name == "error" and error["error"]["type"] == "overloaded_error", error
     assert "engine" in error["error"]["message"]
     assert server.process.wait(60) != 0

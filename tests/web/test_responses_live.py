@@ -6,9 +6,7 @@ docs/failures.md states them for chat."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,7 +21,7 @@ import pytest
 
 from tests.web.conftest import API_KEY, Server, keyed_server
 from tests.web.test_api_processes import start
-from tests.web.test_faults import PACED, StartServer, wait_for_a_started_stream
+from tests.web.test_faults import PACED, StartServer, stream_through_engine_kill
 from tests.web.test_live import _until_aborted
 
 pytestmark = pytest.mark.slow
@@ -581,22 +579,7 @@ def test_overload_is_503_with_retry_after(start_server: StartServer) -> None:
 
 def test_engine_death_mid_stream_ends_with_response_failed(start_server: StartServer) -> None:
     server = start_server("--max-num-seqs", "1", *PACED)
-    out: list[list[dict[str, Any]]] = []
-
-    def read() -> None:
-        with (
-            httpx.Client(base_url=server.url, timeout=120) as client,
-            client.stream("POST", "/v1/responses", json={**LONG, "stream": True}) as r,
-        ):
-            out.append(events_of(r))
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    server.wait_for_metric("tserve_requests_live", 1)
-    wait_for_a_started_stream(server)
-    os.kill(server.engine_pid, signal.SIGKILL)
-    reader.join(60)
-    events = out[0]
+    events = stream_through_engine_kill(server, "/v1/responses", LONG, events_of)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["type"] == "response.created"
     failed = events[-1]

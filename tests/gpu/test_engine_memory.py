@@ -29,7 +29,8 @@ import torch
 from tests.gpu.gguf_files import write_gguf
 from tserve.gpu._architectures import ARCHITECTURES
 from tserve.gpu._gguf import load_gguf
-from tserve.gpu._gguf_file import GgufConfig, rope_tables
+from tserve.gpu._gguf_file import GgufConfig
+from tserve.gpu._gguf_plan import rope_tables
 from tserve.gpu._llama import rope_table
 from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._quant import QuantizedEmbedding, QuantizedLinear, quant_kernels

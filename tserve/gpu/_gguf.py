@@ -15,7 +15,7 @@ its tensors, metadata, tokenizer) and builds a
   lies (unless :mod:`tserve.gpu._quant` packs it), so the file's pages are
   the weights' memory; the pages of the tensors that are used only as a copy
   leave the process's resident set once the model is built;
-* the RoPE table is :func:`~tserve.gpu._gguf_file.rope_tables`'s: serving a
+* the RoPE table is :func:`~tserve.gpu._gguf_plan.rope_tables`'s: serving a
   file imports no transformers (about 120 MB of the engine's memory).
 
 Blocks (file IO; the first load of a file's tokenizer builds it, for seconds).
@@ -36,6 +36,9 @@ from tserve.gpu._gguf_file import (
     OUTPUT_NORM,
     GgufConfig,
     GgufFile,
+    tokenizer_dir,
+)
+from tserve.gpu._gguf_plan import (
     embed_scale,
     head_name,
     layer_norms,
@@ -43,7 +46,6 @@ from tserve.gpu._gguf_file import (
     layer_vectors,
     layer_window,
     rope_tables,
-    tokenizer_dir,
 )
 from tserve.gpu._llama import LayerWeights, PagedLlama
 from tserve.gpu._models import ProgressCallback

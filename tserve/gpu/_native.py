@@ -66,6 +66,9 @@ from tserve.gpu._gguf_file import (
     F32,
     OUTPUT_NORM,
     GgufFile,
+    tokenizer_dir,
+)
+from tserve.gpu._gguf_plan import (
     embed_scale,
     head_name,
     layer_norms,
@@ -73,7 +76,6 @@ from tserve.gpu._gguf_file import (
     layer_vectors,
     layer_window,
     rope_tables,
-    tokenizer_dir,
 )
 from tserve.gpu._heap import untouched_pages
 from tserve.gpu._library import KV_CODES

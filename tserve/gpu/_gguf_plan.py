@@ -1,0 +1,115 @@
+"""The GGUF weight plan: which tensors of a file make each part of a layer,
+per architecture, and the tables derived from its config (RoPE, embedding
+scale, sliding windows). The torch builder (:mod:`tserve.gpu._gguf`) and the
+native one (:mod:`tserve.gpu._native`) both read it, so the two runners hold
+the same parts. No torch, no file IO.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tserve.gpu._gguf_file import EMBEDDING, GgufConfig
+
+__all__ = [
+    "embed_scale",
+    "head_name",
+    "layer_norms",
+    "layer_products",
+    "layer_vectors",
+    "layer_window",
+    "rope_tables",
+]
+
+
+def head_name(config: GgufConfig) -> str:
+    """The output head's tensor: the embedding's where they are tied."""
+    return EMBEDDING if config.tie_word_embeddings else "output.weight"
+
+
+def layer_products(config: GgufConfig, i: int) -> dict[str, tuple[list[str], list[int | None]]]:
+    """Layer ``i``'s four products (``qkv``, ``o``, ``gate_up``, ``down``): the
+    tensors each joins, in order, and the heads to permute each by (Q and K
+    where the file interleaves them)."""
+    heads: int | None = config.num_attention_heads
+    kv_heads: int | None = config.num_key_value_heads
+    if not config.architecture.gguf_interleaved_qk:
+        heads = kv_heads = None
+    block = f"blk.{i}"
+    products: dict[str, tuple[list[str], list[int | None]]] = {
+        "qkv": (
+            [f"{block}.attn_q.weight", f"{block}.attn_k.weight", f"{block}.attn_v.weight"],
+            [heads, kv_heads, None],
+        ),
+        "o": ([f"{block}.attn_output.weight"], [None]),
+        "gate_up": ([f"{block}.ffn_gate.weight", f"{block}.ffn_up.weight"], [None, None]),
+        "down": ([f"{block}.ffn_down.weight"], [None]),
+    }
+    if config.architecture.fused_products:
+        products["qkv"] = ([f"{block}.attn_qkv.weight"], [None])
+        products["gate_up"] = ([f"{block}.ffn_up.weight"], [None])
+    return products
+
+
+def layer_norms(i: int) -> dict[str, str]:
+    """Layer ``i``'s two RMSNorm weights (``attn_norm``, ``mlp_norm``)."""
+    return {"attn_norm": f"blk.{i}.attn_norm.weight", "mlp_norm": f"blk.{i}.ffn_norm.weight"}
+
+
+def layer_vectors(config: GgufConfig, i: int) -> dict[str, list[str]]:
+    """Layer ``i``'s optional fp32 vectors that its architecture has, each the
+    tensors it joins: ``qkv_bias`` (Q, K and V's biases), ``q_norm`` and
+    ``k_norm`` (every Q and K head's RMSNorm weight), ``post_attn_norm`` and
+    ``post_mlp_norm`` (the attention's and the MLP's output norms); the names
+    of :class:`~tserve.gpu._decoder_abi.LayerPointers`."""
+    arch, block = config.architecture, f"blk.{i}"
+    vectors = {}
+    if arch.qkv_bias:
+        vectors["qkv_bias"] = [f"{block}.attn_{x}.bias" for x in "qkv"]
+    if arch.qk_norm:
+        vectors["q_norm"] = [f"{block}.attn_q_norm.weight"]
+        vectors["k_norm"] = [f"{block}.attn_k_norm.weight"]
+    if arch.post_norms:
+        vectors["post_attn_norm"] = [f"{block}.post_attention_norm.weight"]
+        vectors["post_mlp_norm"] = [f"{block}.post_ffw_norm.weight"]
+    return vectors
+
+
+def layer_window(config: GgufConfig, i: int) -> int:
+    """The keys layer ``i`` attends to when it is a sliding-window layer (its
+    architecture's pattern), else 0: every key."""
+    pattern = config.architecture.sliding_pattern
+    if not pattern or not config.sliding_window or (i + 1) % pattern == 0:
+        return 0
+    return config.sliding_window
+
+
+def embed_scale(config: GgufConfig) -> float:
+    """What the embedding's rows are multiplied by (Gemma: sqrt(hidden), in fp32)."""
+    if not config.architecture.embed_scale:
+        return 1.0
+    return float(np.float32(config.hidden_size**0.5))
+
+
+def rope_tables(config: GgufConfig, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(cos, sin)``, each fp32 ``[max_position_embeddings, head_dim / 2]``: the
+    global layers' (``local``: the sliding-window layers', on their own base
+    where they have one, unscaled).
+
+    The angles are transformers' (default, linear and llama3 RoPE, the last
+    through the file's per-frequency factors): the same fp32
+    operations, though torch's vectorized ``pow`` may round an inverse
+    frequency a unit or two differently (its AVX-512 path does); their cosines
+    and sines are rounded from float64 (torch's fp32 ``cos`` and ``sin`` are
+    not correctly rounded)."""
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    own = local and config.local_rope_theta > 0
+    theta = config.local_rope_theta if own else config.rope_theta
+    inv_freq = np.float32(1.0) / np.power(np.float32(theta), exponents)
+    inv_freq = inv_freq / np.float32(1.0 if own else config.rope_linear_factor)
+    if config.rope_freq_factors and not own:
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float32)
+    positions = np.arange(config.max_position_embeddings, dtype=np.float32)
+    angles = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

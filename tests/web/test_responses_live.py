@@ -280,6 +280,7 @@ def test_streamed_function_call_arguments_arrive_as_deltas(server: Server) -> No
         "tools": [WEATHER],
         "tool_choice": {"type": "function", "name": "get_weather"},
         "max_output_tokens": 200,
+        "temperature": 0,
     }
     events = stream_events(server, body)
     check_order(events)

@@ -4,13 +4,14 @@ invariants."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tserve.gpu._kv import BlockManager, kv_budget_blocks
+from tserve.gpu._kv import NO_BLOCK, BlockManager, kv_budget_blocks
 from tserve.gpu._sequence import Sequence
 from tserve.protocol import SamplingParams
 
@@ -206,11 +207,11 @@ def test_freed_blocks_stay_cached_until_evicted_oldest_first() -> None:
     bm.allocate(c, 8)  # 4 blocks: the 4 plain ones
     assert bm.num_cached_blocks == 2
     b = with_prompt("b", [1, 2, 3, 4, 9])
-    assert bm.find_prefix(b) != []
+    assert len(bm.find_prefix(b)) == 2
     bm.allocate(c, 10)  # one more: evicts a's LATER block first
     assert len(bm.find_prefix(b)) == 1
     bm.allocate(c, 12)
-    assert bm.find_prefix(b) == [] and bm.num_cached_blocks == 0
+    assert len(bm.find_prefix(b)) == 0 and bm.num_cached_blocks == 0
     bm.check([c])
 
 
@@ -337,3 +338,70 @@ class SharedBlocks(RuleBasedStateMachine):
 
 TestSharedBlocks = SharedBlocks.TestCase
 TestSharedBlocks.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+
+
+# -- layer groups with sliding windows -------------------------------------------------
+
+
+def test_a_windowed_group_frees_the_blocks_behind_its_window_and_a_global_one_keeps_them() -> None:
+    bm = BlockManager(32, block_size=4, windows=(6, 0))
+    seq = with_prompt("a", list(range(1, 30)))
+    computed(bm, seq, 10)  # positions 0..9: the next query reads 5..10
+    assert bm.reclaim(seq) == 1  # block 0 (positions 0..3) is behind the window
+    local, full = seq.block_tables
+    assert local[0] == NO_BLOCK and NO_BLOCK not in local[1:] and NO_BLOCK not in full
+    assert bm.num_used_blocks == 2 * 3 - 1
+    computed(bm, seq, 14)  # 24 computed: reads 19.., blocks 0..3 gone
+    assert bm.reclaim(seq) == 3 and bm.reclaim(seq) == 0
+    assert local[:4] == [NO_BLOCK] * 4 and len(local) == len(full) == 6
+    assert (bm.num_used_blocks, bm.num_free_blocks) == (6 + 2, 32 - 8)
+    bm.check([seq])
+    bm.free(seq)
+    assert (bm.num_used_blocks, bm.num_free_blocks) == (0, 32)
+    bm.check([])
+
+
+def test_the_peak_of_a_windowed_group_is_one_window_of_blocks() -> None:
+    bm = BlockManager(100, block_size=4, windows=(8, 8, 0))
+    assert [bm.window_blocks(w) for w in (1, 4, 5, 8, 9)] == [1, 2, 2, 3, 3]
+    assert bm.peak_blocks(400) == 3 + 3 + 100
+    assert bm.max_positions == (100 - 6) * 4  # the global group takes the rest
+    assert BlockManager(6, block_size=4, windows=(8, 8)).max_positions == sys.maxsize
+    assert BlockManager(5, block_size=4, windows=(8, 8)).max_positions == 8  # 2 blocks each
+
+
+def test_a_windowed_prefix_is_shared_from_its_window_on() -> None:
+    bm = BlockManager(40, block_size=2, windows=(3, 0))
+    prompt = list(range(1, 12))  # 5 full blocks + 1 token
+    a = with_prompt("a", prompt)
+    computed(bm, a, 11)
+    bm.reclaim(a)  # the next query (11) reads 9..11: local blocks 0..3 go, still keyed
+    assert a.block_tables[0][:4] == [NO_BLOCK] * 4
+    bm.free(a)
+    b = with_prompt("b", [*prompt[:10], 50, 51])
+    prefix = bm.find_prefix(b)
+    assert len(prefix) == 5  # b computes from position 10, reading 8.. locally
+    local, full = prefix.tables
+    assert local[:4] == (NO_BLOCK,) * 4 and NO_BLOCK not in local[4:] + full
+    bm.share(b, prefix)
+    b.num_computed_tokens = 10
+    bm.check([b])
+    computed(bm, b, 2)
+    bm.reclaim(b)
+    bm.check([b])
+
+
+def test_a_windowed_prefix_whose_window_blocks_were_evicted_is_cut_short() -> None:
+    bm = BlockManager(12, block_size=2, windows=(3, 0))
+    a = with_prompt("a", list(range(1, 10)))
+    computed(bm, a, 9)
+    bm.reclaim(a)  # local blocks 0..2 go back to the free list first
+    c = with_prompt("c", [90] * 5)
+    computed(bm, c, 4)  # 2 blocks a group: the 2 plain free ones, then 2 cached ones
+    bm.free(a)
+    b = with_prompt("b", list(range(1, 10)))
+    # Global blocks 0..3 are cached, local 0 and 1 evicted: a prefix of n blocks
+    # needs local blocks from (2n - 2) // 2 = n - 1 on, so n = 4 still works.
+    prefix = bm.find_prefix(b)
+    assert len(prefix) == 4 and prefix.tables[0][:3] == (NO_BLOCK,) * 3
+    bm.check([c])

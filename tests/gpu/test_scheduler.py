@@ -25,7 +25,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tserve.gpu._kv import BlockManager
+from tserve.gpu._kv import NO_BLOCK, BlockManager
 from tserve.gpu._scheduler import Scheduler
 from tserve.gpu._sequence import ScheduledChunk, Sequence, SequenceStatus
 from tserve.protocol import FinishReason, SamplingParams
@@ -63,35 +63,45 @@ class PagedFakeModel:
     """A deterministic model runner + sampler over a paged KV pool (see module docstring).
 
     With ``blocks``, every write is also checked to land in a block that only
-    its sequence holds and that is not in the prefix cache.
+    its sequence holds and that is not in the prefix cache, in each of its
+    layer groups; a group with a sliding window reads back only the positions
+    its chunk's queries attend to (so a block reclaimed too early fails).
     """
 
     def __init__(self, block_size: int, vocab: int = 64, blocks: BlockManager | None = None):
         self.block_size = block_size
         self.vocab = vocab
         self.blocks = blocks
-        self.pool: dict[int, tuple[int, int, int]] = {}  # slot -> (position, token, digest)
+        self.windows = (0,) if blocks is None else blocks.windows
+        # (group, slot) -> (position, token, digest)
+        self.pool: dict[tuple[int, int], tuple[int, int, int]] = {}
 
-    def slot(self, seq: Sequence, position: int) -> int:
+    def slot(self, seq: Sequence, position: int, group: int = 0) -> tuple[int, int]:
         bs = self.block_size
-        return seq.block_table[position // bs] * bs + position % bs
+        block = seq.block_tables[group][position // bs]
+        assert block != NO_BLOCK, f"{seq.request_id}: position {position} was reclaimed"
+        return group, block * bs + position % bs
 
     def step(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         for c in chunks:
             stop = c.start + len(c.token_ids)
             for p, token, digest in prefix_digests(c.seq.token_slice(0, stop))[c.start :]:
-                if self.blocks is not None:
-                    block = c.seq.block_table[p // self.block_size]
-                    assert self.blocks.ref_count(block) == 1, "a write to a shared block"
-                    assert not self.blocks.is_cached(block), "a write to a cached block"
-                self.pool[self.slot(c.seq, p)] = (p, token, digest)
+                for group in range(len(self.windows)):
+                    if self.blocks is not None:
+                        block = c.seq.block_tables[group][p // self.block_size]
+                        assert self.blocks.ref_count(block) == 1, "a write to a shared block"
+                        assert not self.blocks.is_cached(block), "a write to a cached block"
+                    self.pool[self.slot(c.seq, p, group)] = (p, token, digest)
         return {c.seq.request_id: self.sample(c) for c in chunks if c.sample}
 
     def sample(self, chunk: ScheduledChunk) -> int:
         seq, end = chunk.seq, chunk.start + len(chunk.token_ids)
-        cached = [self.pool[self.slot(seq, p)] for p in range(end)]
-        assert cached == prefix_digests(seq.token_slice(0, end)), seq.request_id
-        return next_token([t for _, t, _ in cached], self.vocab)
+        expected = prefix_digests(seq.token_slice(0, end))
+        for group, window in enumerate(self.windows):
+            first = max(0, chunk.start - window + 1) if window else 0
+            cached = [self.pool[self.slot(seq, p, group)] for p in range(first, end)]
+            assert cached == expected[first:], seq.request_id
+        return next_token([t for _, t, _ in expected], self.vocab)
 
 
 def make(
@@ -119,14 +129,16 @@ def make_scheduler(
     max_model_len: int | None = None,
     prefix_caching: bool = True,
     max_decode_slowdown: float = 2.5,
+    windows: tuple[int, ...] = (0,),
 ) -> Scheduler:
     """``max_model_len`` None: the longest context the KV cache holds (its
     last token is never fed back, so one more than the cache's tokens)."""
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, windows=windows)
     return Scheduler(
-        BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
+        bm,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len or num_blocks * block_size + 1,
+        max_model_len=max_model_len or min(bm.max_positions, 10**6) + 1,
         eos_token_ids=[EOS],
         max_decode_slowdown=max_decode_slowdown,
     )
@@ -648,13 +660,16 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
     max_num_seqs = draw(st.integers(1, 8))
     num_blocks = draw(st.integers(2, 48))
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    windows = draw(st.sampled_from([(0,), (0,), (5,), (3, 0), (6, 6, 0), (2, 9)]))
+    longest = BlockManager(num_blocks, block_size, windows=windows).max_positions
     return {
         "num_blocks": num_blocks,
         "block_size": block_size,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_seqs + draw(st.integers(0, 48)),
-        "max_model_len": min(draw(st.integers(4, 160)), num_blocks * block_size + 1),
+        "max_model_len": min(draw(st.integers(4, 160)), longest + 1),
         "max_decode_slowdown": draw(st.sampled_from([0, 1, 1.1, 2.5])),
+        "windows": windows,
     }
 
 
@@ -666,11 +681,18 @@ MIDSIZE = {"block_size": 4, "max_num_seqs": 6, "max_num_batched_tokens": 24, "ma
 @example(config={**MIDSIZE, "num_blocks": 20, "max_model_len": 81}, seed=3, prefix_caching=True)
 @example(config={**MIDSIZE, "num_blocks": 20, "max_model_len": 81}, seed=3, prefix_caching=False)
 @example(config={"num_blocks": 40, **MIDSIZE}, seed=5, prefix_caching=True)
+@example(
+    config={**MIDSIZE, "num_blocks": 30, "max_model_len": 81, "windows": (6, 6, 0)},
+    seed=7,
+    prefix_caching=True,
+)
+@example(config={**MIDSIZE, "num_blocks": 9, "windows": (5,)}, seed=11, prefix_caching=True)
 def test_random_simulation_keeps_every_invariant(
     config: dict[str, Any], seed: int, prefix_caching: bool
 ) -> None:
     """Random arrivals, lengths, shared prefixes, aborts, EOS and deadlines against
-    a small KV cache, with the prefix cache on or off.
+    a small KV cache, with the prefix cache on or off, its layers in one group
+    or in groups of which some have a sliding window (their blocks reclaimed).
 
     After every step: the allocator's invariants (reference counts equal the block
     tables), the budget, decodes-always-run, FCFS admission, and no write into a
@@ -683,6 +705,7 @@ def test_random_simulation_keeps_every_invariant(
     sched = make_scheduler(**config, prefix_caching=prefix_caching)
     bm = sched.block_manager
     model = PagedFakeModel(config["block_size"], vocab=rng.choice([3, 16, 64]), blocks=bm)
+    assert bm.windows == config.get("windows", (0,))
     stems = [[rng.randint(1, 50) for _ in range(sched.max_model_len)] for _ in range(3)]
     eos = frozenset({EOS})
     added: list[Sequence] = []
@@ -721,7 +744,7 @@ def test_random_simulation_keeps_every_invariant(
     assert first_scheduled == sorted(first_scheduled), "a request overtook an older one"
     for seq in added:
         expected = reference_output(seq, model.vocab, eos)
-        assert seq.is_finished and seq.block_table == []
+        assert seq.is_finished and not any(seq.block_tables)
         if seq.request_id in aborted:
             assert seq.finish_reason is FinishReason.ABORT
             assert seq.output_token_ids == expected[: seq.num_output_tokens]
@@ -755,3 +778,39 @@ def cannot_run(seq: Sequence, sched: Scheduler) -> bool:
     """What the engine refuses before ``add`` (``tserve.validity``'s length rules)."""
     n, m = len(seq.prompt_token_ids), seq.params.max_tokens
     return n == 0 or m < 1 or n + m > sched.max_model_len
+
+
+# -- sliding windows -------------------------------------------------------------------
+
+
+def test_an_8k_token_sequence_of_gemma3_s_layout_holds_one_window_in_its_local_groups() -> None:
+    """Five groups of window 512 and one global (Gemma 3: 15 local layers to 3
+    global, three a group), block 16: the local groups give back every block
+    behind the window as the prefill moves on; the fake model reads each
+    query's window back from the pool, so a block freed too early fails."""
+    windows = (512,) * 5 + (0,)
+    sched = make_scheduler(
+        num_blocks=2048, block_size=16, max_num_batched_tokens=512, windows=windows
+    )
+    bm = sched.block_manager
+    model = PagedFakeModel(16, blocks=bm)
+    seq = make("long", 8192, 4, ignore_eos=True)
+    sched.add(seq)
+    during: list[int] = []  # blocks held while each step runs
+    after: list[int] = []  # and once it has been recorded
+    while sched.has_work:
+        chunks = sched.schedule()
+        during.append(bm.num_used_blocks)
+        sched.update(chunks, model.step(chunks))
+        sched.check()
+        after.append(bm.num_used_blocks)
+        if seq.num_computed_tokens == 8192:  # the prompt is in: 512 global blocks
+            assert bm.num_used_blocks == 512 + 5 * 32  # 7681..8191 in the local ones
+            assert bm.num_free_blocks == 2048 - 512 - 5 * 32
+    # A 512-token chunk holds its own 32 blocks and the 32 of the window before it;
+    # between steps a local group holds the 33 blocks that positions 7681..8195 touch.
+    assert (max(during), max(after)) == (512 + 5 * 64, 513 + 5 * 33)
+    # One group (every layer in a block) holds 513 blocks of six times the size.
+    assert (513 * 6 / max(during), 513 * 6 / max(after)) == pytest.approx((3.70, 4.54), abs=0.01)
+    assert seq.output_token_ids == reference_output(seq, model.vocab, frozenset({EOS}))
+    assert (bm.num_used_blocks, bm.num_free_blocks) == (0, 2048)

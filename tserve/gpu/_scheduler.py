@@ -39,6 +39,10 @@ tokens and ``max_num_seqs`` running sequences; passes 2 and 3 share the
    grows with D (a bigger decode batch hides more prefill), so admissions keep
    pace with a full batch. ``max_decode_slowdown == 0`` turns the rule off.
 
+After each step ``update`` hands back the blocks of sliding-window layer groups
+that no later position reads (``BlockManager.reclaim``), so a long sequence of a
+model with local layers holds their window, not its length, in those groups.
+
 A chunk samples (``sample=True``) only when it reaches the sequence's last known
 token, so a prefill split over several steps samples once, at its end.
 
@@ -57,6 +61,7 @@ preempted repeatedly; each time wastes at most the tokens it had computed.
 from __future__ import annotations
 
 import collections
+import sys
 from collections.abc import Collection, Iterable, Mapping
 
 from tserve.gpu._budget import STEP_OVERHEAD_TOKENS, check_budget, prefill_budget
@@ -105,9 +110,10 @@ class Scheduler:
             )
         # The last sampled token is never fed back, so a full context holds
         # max_model_len - 1 positions of KV: they must fit the cache.
-        if not 1 <= max_model_len <= block_manager.tokens_total + 1:
+        longest = min(block_manager.max_positions, sys.maxsize - 1) + 1
+        if not 1 <= max_model_len <= longest:
             raise ValueError(
-                f"max_model_len must be in [1, {block_manager.tokens_total + 1}] (a context must "
+                f"max_model_len must be in [1, {longest}] (a context must "
                 f"fit the KV cache), got {max_model_len}"
             )
         check_budget(max_decode_slowdown, step_overhead_tokens)
@@ -274,6 +280,7 @@ class Scheduler:
             assert seq.status is _RUNNING and chunk.start == seq.num_computed_tokens
             seq.num_computed_tokens += len(chunk.token_ids)
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.reclaim(seq)
             if not chunk.sample:
                 continue
             token = sampled.get(seq.request_id)

@@ -49,8 +49,11 @@ class Sequence:
     Invariants:
     * ``num_computed_tokens <= len(all_token_ids)``: tokens whose K/V are in the
       cache. It drops to 0 when the sequence is preempted (recompute).
-    * ``block_table`` covers at least ``num_computed_tokens`` positions while
-      RUNNING, and is empty while WAITING or FINISHED.
+    * ``block_tables`` (one per KV layer group, :mod:`tserve.gpu._kv_groups`;
+      ``block_table`` is the first) are of one length, cover at least
+      ``num_computed_tokens`` positions while RUNNING, and are empty while
+      WAITING or FINISHED. A windowed group's table may start with
+      ``NO_BLOCK`` entries: blocks reclaimed outside its window.
     * ``output_token_ids`` only grows; ``num_sent`` of them have been reported.
     * ``block_hashes[i]`` is the prefix-cache key of the tokens of full block
       ``i`` and everything before them (see :mod:`tserve.gpu._kv`); the tokens
@@ -69,7 +72,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
-    block_table: list[int] = dataclasses.field(default_factory=list)
+    block_tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_param: str | None = None  # what ``error`` is about ("constraint"), if set
@@ -82,6 +85,16 @@ class Sequence:
 
     def __post_init__(self, defaults: SamplingDefaults | None) -> None:
         self.sampling = (defaults or _NO_DEFAULTS).resolve(self.params)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's block table: the only one of a model whose layers
+        all attend alike."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from tests.gpu import kquant_blocks
 from tserve.gpu._attention import KVPool, build_step
 from tserve.gpu._cpu_kernels import CpuKernels, cpu_kernels
 from tserve.gpu._decoder import MAX_FUSED_TOKENS, fused_decoder
+from tserve.gpu._kv_groups import KVGroups
 from tserve.gpu._llama import TORCH_OPS, LayerWeights, PagedLlama
 from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._quant import FORMATS, Activations, QuantizedLinear, QuantizedWeight, quant_kernels
@@ -120,7 +121,9 @@ def _cpu_kernels() -> CpuKernels:
 
 def _pool(model: PagedLlama, dtype: torch.dtype) -> KVPool:
     shape = (len(model.layers), model.num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, model.head_dim)
-    return KVPool(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), BLOCK_SIZE)
+    groups = KVGroups.single(len(model.layers))
+    k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    return KVPool(k, v, BLOCK_SIZE, groups)
 
 
 def _sequences() -> tuple[Sequence, Sequence]:

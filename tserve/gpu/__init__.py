@@ -34,7 +34,9 @@ Modules:
 * ``_scheduler.py`` — continuous batching: which tokens of which requests run
   in a step (plain Python).
 * ``_budget.py`` — a step's prefill budget beside its decodes (plain Python).
-* ``_kv.py`` — KV-cache accounting: the paged block allocator (plain Python).
+* ``_kv.py`` — KV-cache accounting: the paged block allocator, a block table
+  per layer group, blocks behind a sliding window given back (plain Python).
+* ``_kv_groups.py`` — which layers share a KV block: groups of one window each.
 * ``_sequence.py`` — one record per request and the chunk of work in a step.
 * ``_model_runner.py`` — one forward pass over the scheduled chunks; owns the
   KV pool; the one place that decides the device path (``resolve_device``,

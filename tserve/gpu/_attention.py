@@ -26,8 +26,12 @@ Per layer, :func:`paged_attention_forward`:
 4. scatters the real (non-padding) rows back into packed order.
 
 Decodes and prefill chunks are grouped apart so that a long chunk does not pad
-every decode to its length. Pool layout ``[layers, KVH, slots, D]``, ``slot =
-block * block_size + offset``: B sequences' keys gather as ``[KVH, B * Kmax, D]``.
+every decode to its length. Pool layout ``[group layers, KVH, slots, D]``,
+``slot = block * block_size + offset``: B sequences' keys gather as ``[KVH, B *
+Kmax, D]``. A model whose layers attend alike has one KV layer group of every
+layer; one with sliding-window layers among global ones has several
+(:mod:`tserve.gpu._kv_groups`), each with its own block tables, so each step
+has a row of slots and each attention group its key slots per KV group.
 
 The pool's dtype (``--kv-cache-dtype``) may differ from the model's: K/V are
 cast to it as they are written and back to the queries' dtype as they are
@@ -48,6 +52,7 @@ from typing import Any, Final, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from tserve.gpu._kv_groups import KVGroups
 from tserve.gpu._sequence import ScheduledChunk
 from tserve.gpu._step_layout import block_tables, lay_out, token_tables
 
@@ -70,15 +75,22 @@ ATTENTION_NAME: Final = "tserve_paged"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVPool:
-    """Preallocated K and V for every layer: each ``[layers, KVH, slots, D]``."""
+    """Preallocated K and V: each ``[group layers, KVH, slots, D]``; layer ``l``
+    keeps its K/V in row ``groups.place(l)[1]`` at its group's slots."""
 
     k: torch.Tensor
     v: torch.Tensor
     block_size: int
+    groups: KVGroups
 
     @property
     def num_slots(self) -> int:
         return int(self.k.shape[2])
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(K [KVH, slots, D], V, its KV group)`` of ``layer``."""
+        group, row = self.groups.place(layer)
+        return self.k[row], self.v[row], group
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -106,11 +118,13 @@ class AttentionGroup:
     q_index: torch.Tensor  # [B * Qmax] long: packed token index of each query
     out_rows: torch.Tensor  # [n] long: rows of the flattened [B*Qmax] output that are real
     out_index: torch.Tensor  # [n] long: packed token index of each of those rows
-    kv_slots: torch.Tensor  # [B * Kmax] long: pool slot of each key position; empty if fresh
-    # [B, ceil(Kmax / block_size)] long: each sequence's blocks (padding -> block 0), and
-    # [B] long: its number of keys. Only for a decode group that reads the pool (empty
-    # otherwise), for the fused CPU kernel alone: kept on the CPU by to().
-    block_tables: torch.Tensor
+    # Per KV group: [B * Kmax_g] long: pool slot of each key position from the sequence's
+    # first in ``kv_firsts`` (padding -> slot 0); empty if fresh.
+    kv_slots: tuple[torch.Tensor, ...]
+    # Per KV group, [B, ceil(Kmax / block_size)] long: each sequence's blocks (padding
+    # -> block 0), and [B] long: its number of keys. Only for a decode group that reads
+    # the pool (empty otherwise), for the fused CPU kernel alone: kept on the CPU by to().
+    block_tables: tuple[torch.Tensor, ...]
     kv_lens: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, Qmax, Kmax] bool: True where the query may attend
     # [B, 1, Kmax] float, 0 where visible and -inf past a sequence's length: the mask of a
@@ -123,13 +137,26 @@ class AttentionGroup:
     products: bool = False
     starts: tuple[int, ...] = ()  # each sequence's first query position
     kv_lengths: tuple[int, ...] = ()  # each sequence's keys
+    # Per KV group: each sequence's first key read (0, or in a sliding-window group
+    # the first key of its first query's window: no block before it is read), and
+    # Kmax_g, the most keys read from there. Empty if fresh (every key from 0).
+    kv_firsts: tuple[tuple[int, ...], ...] = ()
+    kv_maxes: tuple[int, ...] = ()
 
-    def window_mask(self, window: int, device: torch.device) -> torch.Tensor:
-        """``[B, 1, Qmax, Kmax]`` bool: True where a query may attend (causal,
-        within its sequence; with a sliding ``window`` > 0, its last ``window``
-        keys); padding queries see their sequence's first valid key."""
-        _, q_max, kv_max = self.shape
-        k_pos = torch.arange(kv_max)[None, None, :]
+    def keys_read(self, kv_group: int) -> tuple[tuple[int, ...], int]:
+        """``(each sequence's first key, Kmax)`` of the keys read for ``kv_group``."""
+        if not self.kv_firsts:
+            return (0,) * self.shape[0], self.shape[2]
+        return self.kv_firsts[kv_group], self.kv_maxes[kv_group]
+
+    def window_mask(self, window: int, device: torch.device, kv_group: int = 0) -> torch.Tensor:
+        """``[B, 1, Qmax, Kmax_g]`` bool over the keys read for ``kv_group``: True
+        where a query may attend (causal, within its sequence; with a sliding
+        ``window`` > 0, its last ``window`` keys); padding queries see their
+        sequence's first key read."""
+        _, q_max, _ = self.shape
+        firsts, kv_max = self.keys_read(kv_group)
+        k_pos = torch.tensor(firsts)[:, None, None] + torch.arange(kv_max)[None, None, :]
         q_pos = torch.tensor(self.starts)[:, None, None] + torch.arange(q_max)[None, :, None]
         valid = k_pos < torch.tensor(self.kv_lengths)[:, None, None]
         mask = (k_pos <= q_pos) & valid
@@ -139,7 +166,7 @@ class AttentionGroup:
         return mask.unsqueeze(1).to(device)
 
     def to(self, device: torch.device) -> AttentionGroup:
-        if self.kv_slots.device == device:
+        if self.q_index.device == device:
             return self
 
         def move(t: torch.Tensor) -> torch.Tensor:
@@ -148,7 +175,7 @@ class AttentionGroup:
         return dataclasses.replace(
             self,
             q_index=move(self.q_index),
-            kv_slots=move(self.kv_slots),
+            kv_slots=tuple(move(slots) for slots in self.kv_slots),
             mask=None if self.mask is None else move(self.mask),
             key_bias=None if self.key_bias is None else move(self.key_bias),
             out_rows=move(self.out_rows),
@@ -161,7 +188,8 @@ class TokenTables:
     """Each token's sequence's blocks, for the fused step's attention (token
     ``t`` at position ``p`` over keys ``0..p`` of its sequence; on CPU)."""
 
-    tables: torch.Tensor  # [chunks, width] long: each chunk's sequence's blocks, padding -> 0
+    # [groups, chunks, width] long: each chunk's sequence's blocks per KV group, padding -> 0
+    tables: torch.Tensor
     rows: torch.Tensor  # [T] long: the row of ``tables`` of each token
 
 
@@ -174,7 +202,7 @@ class StepMetadata:
     """
 
     pool: KVPool
-    slot_mapping: torch.Tensor  # [T] long: pool slot where each new token's K/V goes
+    slot_mapping: torch.Tensor  # [groups, T] long: pool slot where each new token's K/V goes
     groups: tuple[AttentionGroup, ...]
     token_tables: TokenTables | None = None
 
@@ -198,23 +226,24 @@ def build_step(
     Every chunk's sequence must have a block table covering ``start +
     len(token_ids)`` positions.
     """
-    block_size = pool.block_size
-    layout = lay_out(chunks, block_size)
+    block_size, windows = pool.block_size, pool.groups.windows
+    num_groups = len(windows)
+    layout = lay_out(chunks, block_size, num_groups)
     offsets = layout.offsets
     packed = torch.from_numpy(layout.packed).to(device)  # one transfer
     if per_token:
-        tables, rows = token_tables(chunks, offsets, block_size)
+        tables, rows = token_tables(chunks, offsets, block_size, num_groups)
         token_rows = TokenTables(torch.from_numpy(tables), torch.from_numpy(rows))
-        return packed[0:1], packed[1:2], StepMetadata(pool, packed[2], (), token_rows)
+        return packed[0:1], packed[1:2], StepMetadata(pool, packed[2:], (), token_rows)
 
     decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
     groups = tuple(
-        _group(members, chunks, offsets, block_size, decode_products).to(device)
+        _group(members, chunks, offsets, block_size, decode_products, windows).to(device)
         for members in (decodes, prefills)
         if members
     )
-    return packed[0:1], packed[1:2], StepMetadata(pool, packed[2], groups)
+    return packed[0:1], packed[1:2], StepMetadata(pool, packed[2:], groups)
 
 
 def _group(
@@ -223,8 +252,10 @@ def _group(
     offsets: list[int],
     block_size: int,
     decode_products: bool,
+    windows: Sequence[int],
 ) -> AttentionGroup:
-    """Index tensors (on CPU) for one padded attention batch over ``members``."""
+    """Index tensors (on CPU) for one padded attention batch over ``members``;
+    ``windows``: each KV group's sliding window (0: none)."""
     q_lens = [len(chunks[i].token_ids) for i in members]
     starts = [chunks[i].start for i in members]
     firsts = [offsets[i] for i in members]
@@ -244,11 +275,26 @@ def _group(
     out_index = [q_index[row] for row in out_rows]
 
     fresh = not any(starts)  # keys are the queries' own tokens: no pool gather
-    kv_slots = tables = lens = torch.empty(0, dtype=torch.long)
+    empty = torch.empty(0, dtype=torch.long)
+    kv_slots, tables, lens = (empty,) * len(windows), (empty,) * len(windows), empty
+    kv_firsts: tuple[tuple[int, ...], ...] = ()
+    kv_maxes: tuple[int, ...] = ()
     if not fresh:
-        blocks, kv_slots = _kv_slots(members, chunks, kv_lens, kv_max, block_size)
+        kv_firsts = tuple(
+            tuple(max(0, start - window + 1) if window else 0 for start in starts)
+            for window in windows
+        )
+        kv_maxes = tuple(
+            max(n - first for n, first in zip(kv_lens, firsts, strict=True)) for firsts in kv_firsts
+        )
+        per_group = [
+            _kv_slots(members, chunks, kv_lens, firsts, block_size, g)
+            for g, firsts in enumerate(kv_firsts)
+        ]
+        kv_slots = tuple(slots for _, slots in per_group)
         if q_max == 1:  # read by the fused decode kernel
-            tables, lens = blocks, torch.tensor(kv_lens, dtype=torch.long)
+            tables = tuple(blocks for blocks, _ in per_group)
+            lens = torch.tensor(kv_lens, dtype=torch.long)
 
     mask = None
     unpadded = all(n == q_max for n in q_lens) and all(k == kv_max for k in kv_lens)
@@ -281,6 +327,8 @@ def _group(
         products=decode_products and q_max == 1 and not fresh,
         starts=tuple(starts),
         kv_lengths=tuple(kv_lens),
+        kv_firsts=kv_firsts,
+        kv_maxes=kv_maxes,
     )
 
 
@@ -288,16 +336,21 @@ def _kv_slots(
     members: list[int],
     chunks: Sequence[ScheduledChunk],
     kv_lens: list[int],
-    kv_max: int,
+    firsts: Sequence[int],
     block_size: int,
+    group: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([B, blocks] block tables, [B * Kmax] pool slot of each key position)``;
-    padding -> block 0, slot 0."""
-    tables = torch.from_numpy(block_tables(members, chunks, kv_lens, block_size))  # [B, blocks]
-    slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :kv_max]
-    if any(kv_len != kv_max for kv_len in kv_lens):
-        k_valid = torch.arange(kv_max)[None, :] < torch.tensor(kv_lens)[:, None]
-        slots = torch.where(k_valid, slots, 0)
+    """``([B, blocks] block tables, [B * Kmax] pool slot of each key position read)``
+    of KV group ``group``: sequence ``b``'s keys ``firsts[b] .. kv_lens[b] - 1``,
+    ``Kmax`` the most of them; padding -> block 0, slot 0."""
+    tables = torch.from_numpy(block_tables(members, chunks, kv_lens, block_size, group))
+    counts = [n - first for n, first in zip(kv_lens, firsts, strict=True)]
+    kv_max = max(counts)
+    positions = torch.tensor(firsts)[:, None] + torch.arange(kv_max)[None, :]  # [B, Kmax]
+    valid = torch.arange(kv_max)[None, :] < torch.tensor(counts)[:, None]
+    positions = torch.where(valid, positions, 0)
+    blocks = tables.gather(1, positions // block_size)
+    slots = torch.where(valid, blocks * block_size + positions % block_size, 0)
     return tables, slots.flatten()
 
 
@@ -326,10 +379,12 @@ def paged_attention_forward(
         raise NotImplementedError("attention softcap / sinks are not supported")
     layer: int = module.layer_idx  # type: ignore[assignment]
     new = Tokens(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
-    k_pool, v_pool = tserve_step.pool.k[layer], tserve_step.pool.v[layer]
-    k_pool.index_copy_(1, tserve_step.slot_mapping, key[0].to(k_pool.dtype))
-    v_pool.index_copy_(1, tserve_step.slot_mapping, value[0].to(v_pool.dtype))
-    return attend_groups(tserve_step.groups, new, k_pool, v_pool, scaling).unsqueeze(0), None
+    k_pool, v_pool, group = tserve_step.pool.layer(layer)
+    slots = tserve_step.slot_mapping[group]
+    k_pool.index_copy_(1, slots, key[0].to(k_pool.dtype))
+    v_pool.index_copy_(1, slots, value[0].to(v_pool.dtype))
+    out = attend_groups(tserve_step.groups, new, k_pool, v_pool, scaling, kv_group=group)
+    return out.unsqueeze(0), None
 
 
 class Tokens(NamedTuple):
@@ -349,17 +404,19 @@ def attend_groups(
     faster: Callable[[AttentionGroup, Tokens], torch.Tensor | None] | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    kv_group: int = 0,
 ) -> torch.Tensor:
     """Attention of this step's packed queries ``new.q [T, H, D]`` over the pool
     (this step's keys and values already written): ``[T, H, D]``, group by group;
     ``faster(group, new)`` gives a group's ``[B * Qmax, H, D]`` or None (torch's turn).
     ``window`` > 0: each query attends to its last ``window`` keys only;
-    ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``."""
+    ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``;
+    ``kv_group``: the KV layer group whose slots ``k_pool`` and ``v_pool`` are read at."""
 
     def attend(group: AttentionGroup) -> torch.Tensor:
         o = None if faster is None else faster(group, new)
         if o is None:
-            return _attend(group, new, k_pool, v_pool, scaling, window, softcap)
+            return _attend(group, new, k_pool, v_pool, scaling, window, softcap, kv_group)
         return o
 
     num_tokens = new.q.shape[0]
@@ -384,13 +441,15 @@ def _attend(
     scaling: float | None,
     window: int = 0,
     softcap: float = 0.0,
+    kv_group: int = 0,
 ) -> torch.Tensor:
     """Attention for one group; returns ``[B * Qmax, H, D]`` (rows in ``[B, Qmax]`` order)."""
-    batch, _, kv_max = group.shape
+    batch, _, _ = group.shape
+    _, kv_max = group.keys_read(kv_group)
     q = _take(new.q, group)
     mask, key_bias, is_causal = group.mask, group.key_bias, group.is_causal
     if window:
-        mask, is_causal = group.window_mask(window, q.device), False
+        mask, is_causal = group.window_mask(window, q.device, kv_group), False
         if group.products:  # one query per sequence: the mask as a bias
             key_bias = torch.zeros(batch, 1, kv_max, device=q.device, dtype=q.dtype)
             key_bias.masked_fill_(~mask[:, 0], -math.inf)
@@ -398,13 +457,14 @@ def _attend(
         k = _as_stored(_take(new.k, group), k_pool.dtype).transpose(1, 2)
         v = _as_stored(_take(new.v, group), v_pool.dtype).transpose(1, 2)
     else:  # [KVH, B, Kmax, D], widened (or narrowed) from the pool's dtype to the queries'
-        k = _gather(k_pool, group.kv_slots, q.dtype).view(-1, batch, kv_max, k_pool.shape[-1])
-        v = _gather(v_pool, group.kv_slots, q.dtype).view(-1, batch, kv_max, v_pool.shape[-1])
+        slots = group.kv_slots[kv_group]
+        k = _gather(k_pool, slots, q.dtype).view(-1, batch, kv_max, k_pool.shape[-1])
+        v = _gather(v_pool, slots, q.dtype).view(-1, batch, kv_max, v_pool.shape[-1])
         if group.products and not softcap:
             return _attend_decode(q, k, v, key_bias, scaling)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     if softcap:  # SDPA has no soft-cap: the products, the cap and the softmax in torch
-        full = group.window_mask(window, q.device)
+        full = group.window_mask(window, q.device, kv_group)
         return _attend_capped(q, k, v, full, scaling, softcap)
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [B, H, Qmax, D]

@@ -20,8 +20,10 @@
  * and a key tile that lies wholly past a row's position leaves it exactly as
  * it was (m unchanged, alpha 1, P 0). Splitting a prefill into calls
  * therefore changes no bit. A layer with a sliding window reads only the key
- * tiles that reach into its rows' windows; a row none of whose keys a tile
- * holds keeps m = -inf and is left as it was too.
+ * tiles that reach into its rows' windows, and in the first of them no key
+ * before the window of the tile's first row (zeros stand in: masked, they
+ * change no bit, and their blocks may have gone back to the pool); a row none
+ * of whose keys a tile holds keeps m = -inf and is left as it was too.
  *
  * Instruction sets: each ISA_* variant (tserve_quant_isa()'s codes, the
  * decoder's `isa`) is the same code in 16-float GCC vectors compiled for it,

@@ -145,6 +145,10 @@ TILE_TARGET INLINE_ALWAYS void query_tile(const step *c, const buffers *b, const
         int64_t keys = highest + 1 - first_key < KEY_TILE ? highest + 1 - first_key : KEY_TILE;
         for (int64_t k = 0; k < keys; k++) {
             int64_t p = first_key + k;
+            if (p < start) { /* before every row's window: masked, and its block may be gone */
+                b->k_rows[k] = b->v_rows[k] = b->zeros;
+                continue;
+            }
             int64_t row = head_row + table[p / c->block_size] * c->block_size + p % c->block_size;
             b->k_rows[k] = kv_row(c->k_pool, row, dim, kv_type, TILE_F16C, b->k_tile + k * dim);
             b->v_rows[k] = kv_row(c->v_pool, row, dim, kv_type, TILE_F16C, b->v_tile + k * dim);

@@ -78,8 +78,10 @@ class FusedDecoder:
             positions.data_ptr(),
             step.slot_mapping.data_ptr(),
             tables.tables.data_ptr(),
-            tables.tables.shape[1],
+            tables.tables.shape[2],
             tables.rows.data_ptr(),
+            slot_stride=step.slot_mapping.stride(0),
+            table_stride=tables.tables.stride(0),
         )
 
 
@@ -148,7 +150,8 @@ def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDe
                 max_tokens = min(max_tokens, kernel_rows)
         qkv, o, gate_up, down = (product for product, _ in found)
         attn_norm, mlp_norm = (n for n in norms if n is not None)
-        k_pool, v_pool = pool.k[layer.layer_idx].data_ptr(), pool.v[layer.layer_idx].data_ptr()
+        k, v, group = pool.layer(layer.layer_idx)
+        k_pool, v_pool = k.data_ptr(), v.data_ptr()
         qkv_bias, q_norm, k_norm, post_attn_norm, post_mlp_norm = (x or 0 for x in extra)
         local = layer.window > 0 and model.local_rope_cos is not model.rope_cos
         layers.append(
@@ -158,7 +161,7 @@ def fused_decoder(model: PagedLlama, pool: KVPool, progress: int = 0) -> FusedDe
                 post_attn_norm=post_attn_norm, post_mlp_norm=post_mlp_norm,
                 rope_cos=local_cos if local else 0,
                 rope_sin=local_sin if local else 0,
-                window=layer.window,
+                window=layer.window, group=group,
             )
         )  # fmt: skip
     shape = DecoderShape(

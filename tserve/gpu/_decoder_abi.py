@@ -114,6 +114,7 @@ class _Layer(ctypes.Structure):
         ("rope_cos", _PTR),
         ("rope_sin", _PTR),
         ("window", _I64),
+        ("group", _I64),
     )
 
 
@@ -149,8 +150,9 @@ class LayerPointers:
     (:mod:`tserve.gpu._architectures`; 0 where it has none): the fp32 Q/K/V
     biases ``[qkv.n]``, the Q and K heads' norm weights ``[D]``, the post-norms
     of the attention's and the MLP's outputs ``[hidden]``, a RoPE table of its
-    own (``[positions, D/2]`` each, else the model's) (addresses), and a
-    sliding window's keys."""
+    own (``[positions, D/2]`` each, else the model's) (addresses), a
+    sliding window's keys, and its KV layer group (:mod:`tserve.gpu._kv_groups`):
+    the row of a step's slots and block tables it uses."""
 
     qkv: Product
     o: Product
@@ -168,6 +170,7 @@ class LayerPointers:
     rope_cos: int = 0
     rope_sin: int = 0
     window: int = 0
+    group: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +200,7 @@ class DecoderShape:
 def _functions(library: ctypes.CDLL) -> tuple[Any, Any]:
     step = declare(
         library.tserve_decoder_step,
-        _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
+        _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64,
         restype=ctypes.c_int,
     )  # fmt: skip
     product = declare(library.tserve_product_run, _PTR, ctypes.c_int, _PTR, _I64, _PTR,
@@ -261,16 +264,23 @@ class DecoderStep:
         tables: int,
         width: int,
         token_rows: int,
+        slot_stride: int = 0,
+        table_stride: int = 0,
     ) -> None:
         """Every layer over ``tokens`` packed tokens, in place: ``residual``
         (fp32 ``[tokens, hidden]``), their embeddings, becomes the last layer's
-        output plus its residual; K/V are written into the pool. ``positions``,
-        ``slots`` and ``token_rows`` are int64 ``[tokens]``; token ``t``'s
-        sequence's blocks are row ``token_rows[t]`` of int64 ``tables [*,
-        width]``. Blocks until done; MemoryError when its scratch cannot be had."""
+        output plus its residual; K/V are written into the pool. ``positions``
+        and ``token_rows`` are int64 ``[tokens]``; in a layer of KV group ``g``,
+        token ``t``'s K/V goes to slot ``slots[g * slot_stride + t]`` and its
+        sequence's blocks are row ``token_rows[t]`` of the int64 ``[*, width]``
+        tables at ``tables + g * table_stride`` (strides in elements; any for
+        one group). Blocks until done; MemoryError when its scratch cannot be had."""
         assert 0 < tokens <= self.max_tokens, f"{tokens} tokens in one fused call"
         decoder = ctypes.byref(self._decoder)
-        if self._step(decoder, residual, tokens, positions, slots, tables, width, token_rows):
+        strides = slot_stride, table_stride
+        if self._step(
+            decoder, residual, tokens, positions, slots, tables, width, token_rows, *strides
+        ):
             raise MemoryError(f"no memory for the scratch of a {tokens}-token step")
 
 

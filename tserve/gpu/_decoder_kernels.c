@@ -63,14 +63,15 @@ typedef struct {
  * head before RoPE; post_attn_norm and post_mlp_norm [hidden] RMSNorms of the
  * attention's and the MLP's outputs before each is added to the residual;
  * rope_cos and rope_sin a table of the layer's own (else the model's); window
- * the keys a sliding-window layer attends to (its last ones). */
+ * the keys a sliding-window layer attends to (its last ones); group its KV
+ * layer group: the row of the step's slots and block tables it uses. */
 typedef struct {
     tserve_product qkv, o, gate_up, down;
     const float *attn_norm, *mlp_norm;
     void *k_pool, *v_pool;
     const float *qkv_bias, *q_norm, *k_norm, *post_attn_norm, *post_mlp_norm;
     const float *rope_cos, *rope_sin;
-    int64_t window;
+    int64_t window, group;
 } tserve_layer;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* the MLP's gate activation: _decoder_abi.py's */
@@ -183,19 +184,23 @@ static void qkv_extras(const tserve_decoder *model, const tserve_layer *layer, i
 
 /* Every layer over `tokens` packed tokens. residual [tokens, hidden]: their
  * embeddings on entry, the last layer's output plus its residual on return.
- * Token t sits at positions[t], its K/V goes to pool slot slots[t], and its
- * sequence's blocks are row token_rows[t] of tables [*, width] (covering
- * positions[t] + 1 keys). Returns 0, or -1 when scratch cannot be had
- * (residual is then partly updated: the step is lost). */
+ * Token t sits at positions[t]; in a layer of KV group g its K/V goes to pool
+ * slot slots[g * slot_stride + t], and its sequence's blocks are row
+ * token_rows[t] of the [*, width] tables at tables + g * table_stride
+ * (covering positions[t] + 1 keys). Returns 0, or -1 when scratch cannot be
+ * had (residual is then partly updated: the step is lost). */
 int tserve_decoder_step(const tserve_decoder *model, float *residual, int64_t tokens,
                         const int64_t *positions, const int64_t *slots, const int64_t *tables,
-                        int64_t width, const int64_t *token_rows) {
+                        int64_t width, const int64_t *token_rows, int64_t slot_stride,
+                        int64_t table_stride) {
     scratch s;
     if (scratch_alloc(model, tokens, &s)) return -1;
     int isa = model->isa, failed = 0;
     int64_t hidden = model->hidden;
     for (int64_t i = 0; i < model->num_layers && !failed; i++) {
         const tserve_layer *layer = model->layers + i;
+        const int64_t *layer_slots = slots + layer->group * slot_stride;
+        const int64_t *layer_tables = tables + layer->group * table_stride;
         tserve_add_rms_norm(residual, s.out, layer->attn_norm, s.x, tokens, hidden, model->eps,
                             i > 0);
         failed |= product(&layer->qkv, isa, s.x, tokens, s.qkv);
@@ -203,9 +208,9 @@ int tserve_decoder_step(const tserve_decoder *model, float *residual, int64_t to
         tserve_rope_store(s.qkv, tokens, layer->qkv.n, model->heads, model->kv_heads,
                           model->head_dim, positions,
                           layer->rope_cos ? layer->rope_cos : model->rope_cos,
-                          layer->rope_sin ? layer->rope_sin : model->rope_sin, slots,
+                          layer->rope_sin ? layer->rope_sin : model->rope_sin, layer_slots,
                           layer->k_pool, layer->v_pool, model->num_slots, model->kv_type);
-        failed |= attend(model, layer, tokens, positions, tables, width, token_rows, &s);
+        failed |= attend(model, layer, tokens, positions, layer_tables, width, token_rows, &s);
         failed |= product(&layer->o, isa, s.attn, tokens, s.out);
         if (layer->post_attn_norm)
             tserve_add_rms_norm(s.out, 0, layer->post_attn_norm, s.out, tokens, hidden,

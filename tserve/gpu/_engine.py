@@ -34,6 +34,7 @@ ERROR, its ``error_param`` "constraint".
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -45,6 +46,7 @@ from tserve.gpu._constraints import Constraints, GrammarCompiler, Mask
 from tserve.gpu._core import CoreBookkeeping, PeerOutput
 from tserve.gpu._engine_load import Progress, load_engine_model
 from tserve.gpu._kv import BlockManager, kv_budget_blocks, kv_token_bytes
+from tserve.gpu._kv_groups import KVGroups
 from tserve.gpu._sampler import Sampler
 from tserve.gpu._sampling_defaults import read_sampling_defaults
 from tserve.gpu._scheduler import Scheduler
@@ -88,25 +90,31 @@ class EngineCore(CoreBookkeeping[Sequence]):
         progress(self.sampling_defaults.describe())
         self.vocab_size = int(model_config.vocab_size)
         self.device = loaded.device
-        token_bytes = kv_token_bytes(model_config, loaded.kv_itemsize)
+        groups = KVGroups.of(loaded.layer_windows)
+        # K and V of one token in one layer group's layers (every layer's, in one group).
+        group_bytes = kv_token_bytes(model_config, loaded.kv_itemsize) // groups.num_groups
         num_blocks = kv_budget_blocks(
             kv_cache_tokens=config.kv_cache_tokens,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            bytes_per_token=token_bytes,
+            bytes_per_token=group_bytes,
             block_size=config.block_size,
+            num_groups=groups.num_groups,
+        )
+        self.blocks = BlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            windows=groups.windows,
         )
         model_len = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
-        # The context is capped by the model and by the whole KV budget.
+        # The context is capped by the model and by what one sequence may hold alone.
         self.max_model_len = min(
-            config.max_model_len or model_len, model_len, num_blocks * config.block_size
+            config.max_model_len or model_len, model_len, self.blocks.max_positions
         )
         self.config = config
-        self.runner = loaded.runner(num_blocks)
+        self.runner = loaded.runner(num_blocks, groups)
         tokenizer = loaded.tokenizer
         self.sampler = Sampler()
-        self.blocks = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
-        )
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=config.max_num_seqs,
@@ -134,11 +142,8 @@ class EngineCore(CoreBookkeeping[Sequence]):
         # logits row (float32 [V], a copy) to sample once the mask is ready.
         # Bound: one per constrained request in the scheduler.
         self._held: dict[str, np.ndarray[Any, np.dtype[np.float32]]] = {}
-        kv_tokens = num_blocks * config.block_size
-        progress(
-            f"engine ready: {self.model_name}, {kv_tokens} KV tokens "
-            f"({loaded.kv_dtype}, {kv_tokens * token_bytes / 2**20:.0f} MiB)"
-        )
+        capacity = _capacity(self.blocks, groups, group_bytes, loaded.kv_dtype)
+        progress(f"engine ready: {self.model_name}, {capacity}")
 
     # -- requests in ---------------------------------------------------------
 
@@ -430,3 +435,17 @@ def _tokenizer_json(tokenizer: object, model_dir: Path) -> str:
         return str(backend.to_str())
     path = model_dir / "tokenizer.json"
     return path.read_text(encoding="utf-8") if path.is_file() else "{}"
+
+
+def _capacity(blocks: BlockManager, groups: KVGroups, group_bytes: int, dtype: str) -> str:
+    """The KV cache for the startup line: its tokens of every layer, its dtype
+    and size, and with sliding-window groups the longest sequence it holds
+    alone (their blocks behind the window go back to the pool)."""
+    slots = blocks.num_blocks * blocks.block_size
+    mib = slots * group_bytes / 2**20
+    line = f"{slots // groups.num_groups} KV tokens ({dtype}, {mib:.0f} MiB"
+    if not any(groups.windows):
+        return line + ")"
+    longest = blocks.max_positions
+    reach = "any length" if longest == sys.maxsize else f"{longest} tokens"
+    return f"{line}; {groups.describe()}: one sequence may reach {reach})"

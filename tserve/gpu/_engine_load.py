@@ -19,7 +19,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from tserve.gpu._gguf_file import GgufFile, read_vocab, sampling_metadata
+from tserve.gpu._gguf_plan import layer_window
 from tserve.gpu._gguf_vocab import end_of_generation_ids
+from tserve.gpu._kv_groups import KVGroups
 from tserve.gpu._models import (
     DEFAULT_MODEL_NAME,
     ModelLoadError,
@@ -61,7 +63,8 @@ class LoadedModel:
     device: str
     kv_dtype: str  # a --kv-cache-dtype name, "auto" resolved
     kv_itemsize: int
-    runner: Callable[[int], Runner]  # given the KV pool's blocks
+    layer_windows: tuple[int, ...]  # each layer's sliding window as its runner runs it (0: none)
+    runner: Callable[[int, KVGroups], Runner]  # given the KV pool's blocks and layer groups
     bundled: bool = False  # the bundled default model's file (its card's sampling values)
 
 
@@ -154,9 +157,13 @@ def _load_native(
     set_threads(model.quant.library, config.threads)
     kv_dtype = "fp32" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
 
-    def runner(num_blocks: int) -> Runner:
+    def runner(num_blocks: int, groups: KVGroups) -> Runner:
         return NativeRunner(
-            model, num_blocks=num_blocks, block_size=config.block_size, kv_dtype=kv_dtype
+            model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            kv_dtype=kv_dtype,
+            kv_groups=groups,
         )
 
     return LoadedModel(
@@ -170,6 +177,9 @@ def _load_native(
         device="cpu",
         kv_dtype=kv_dtype,
         kv_itemsize=np.dtype(KV_STORAGE[kv_dtype]).itemsize,
+        layer_windows=tuple(
+            layer_window(model.config, i) for i in range(model.config.num_hidden_layers)
+        ),
         runner=runner,
     )
 
@@ -193,6 +203,7 @@ def _load_torch(
     from tserve.gpu._model_runner import (
         KV_CACHE_DTYPES,
         ModelRunner,
+        kv_windows,
         resolve_device,
         resolve_kv_dtype,
         runs_gguf,
@@ -235,7 +246,7 @@ def _load_torch(
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
     kv_name = next(name for name, d in KV_CACHE_DTYPES.items() if d == kv_dtype)
 
-    def runner(num_blocks: int) -> Runner:
+    def runner(num_blocks: int, groups: KVGroups) -> Runner:
         return ModelRunner(
             model,
             num_blocks=num_blocks,
@@ -245,6 +256,7 @@ def _load_torch(
             kv_dtype=kv_dtype,
             cpu_gemm=config.cpu_gemm,
             model_impl=config.model_impl,
+            kv_groups=groups,
         )
 
     return LoadedModel(
@@ -258,6 +270,7 @@ def _load_torch(
         device=str(device),
         kv_dtype=kv_name,
         kv_itemsize=kv_dtype.itemsize,
+        layer_windows=kv_windows(model, config.model_impl),
         runner=runner,
     )
 

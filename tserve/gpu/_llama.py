@@ -24,8 +24,9 @@ and K heads' norms) and the one layer loop runs those it holds.
 Which models qualify is decided by :func:`unsupported_reason` (architecture,
 activation, a RoPE whose angles depend on the position alone); every other
 model stays on the Hugging Face path. A layer whose config says
-``sliding_attention`` attends to its last ``sliding_window`` keys (a mask;
-no block outside the window is freed).
+``sliding_attention`` attends to its last ``sliding_window`` keys; where the
+runner's pool keeps such layers in KV groups of their own
+(:mod:`tserve.gpu._kv_groups`), their blocks behind the window go back to the pool.
 
 One forward pass for every device: the glue between the products (residual
 add and RMSNorm, RoPE and the K/V write, the MLP activation, decode
@@ -58,6 +59,7 @@ __all__ = [
     "PagedLlama",
     "StepOps",
     "TorchOps",
+    "hf_layer_windows",
     "rope_table",
     "unsupported_reason",
 ]
@@ -281,6 +283,15 @@ class LayerWeights(torch.nn.Module):
         )
 
 
+def hf_layer_windows(config: Any) -> list[int]:
+    """Each layer's sliding window (0: global) in a transformers config, as
+    tserve's own forward pass runs it: ``sliding_window`` on the layers its
+    ``layer_types`` call ``sliding_attention``."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or 0
+    return [window if kind == "sliding_attention" else 0 for kind in types]
+
+
 class PagedLlama(torch.nn.Module):
     """A Llama-family decoder over packed tokens and tserve's paged KV pool.
 
@@ -362,9 +373,8 @@ class PagedLlama(torch.nn.Module):
         assert arch is not None
         heads = config.num_attention_heads
         decoder = model.model
+        windows = hf_layer_windows(config)
         types = getattr(config, "layer_types", None) or ["full_attention"] * len(decoder.layers)
-        window = getattr(config, "sliding_window", None) or 0
-        windows = [window if kind == "sliding_attention" else 0 for kind in types]
         rotary, positions = decoder.rotary_emb, config.max_position_embeddings
         per_type = isinstance(getattr(rotary, "rope_type", None), dict)  # Gemma 3's two bases
 
@@ -441,7 +451,7 @@ class PagedLlama(torch.nn.Module):
                 return None  # prefill chunks, and keys that are only this step's: torch
             rows = qkv[slice(*group.packed)] if group.packed else qkv[group.q_index]
             return ops.paged_decode(
-                rows, heads, k_pool, v_pool, group.block_tables, group.kv_lens,
+                rows, heads, k_pool, v_pool, group.block_tables[kv_group], group.kv_lens,
                 group.shape[2], pool.block_size, self.scaling, window, self.attn_softcap,
             )  # fmt: skip
 
@@ -456,20 +466,20 @@ class PagedLlama(torch.nn.Module):
             if layer.q_norm is not None:
                 self._norm_heads(qkv, layer.q_norm, 0, heads)
                 self._norm_heads(qkv, layer.k_norm, heads, kv_heads)
-            k_pool, v_pool = pool.k[layer.layer_idx], pool.v[layer.layer_idx]
+            k_pool, v_pool, kv_group = pool.layer(layer.layer_idx)
             cos, sin = (
                 (self.local_rope_cos, self.local_rope_sin)
                 if window
                 else (self.rope_cos, self.rope_sin)
             )
-            ops.rope_store(
-                qkv, heads, kv_heads, positions, cos, sin, step.slot_mapping, k_pool, v_pool
-            )
+            slots = step.slot_mapping[kv_group]
+            ops.rope_store(qkv, heads, kv_heads, positions, cos, sin, slots, k_pool, v_pool)
             split = qkv.view(tokens, heads + 2 * kv_heads, dim)
             new = Tokens(split[:, :heads], split[:, heads : heads + kv_heads], split[:, -kv_heads:])
             out = attend_groups(
-                step.groups, new, k_pool, v_pool, self.scaling, decode, window, self.attn_softcap
-            )
+                step.groups, new, k_pool, v_pool, self.scaling, decode, window,
+                self.attn_softcap, kv_group,
+            )  # fmt: skip
             hidden = layer.o(out.reshape(tokens, heads * dim))
             if layer.post_attn_norm is not None:
                 hidden = ops.add_rms_norm(hidden, None, layer.post_attn_norm, self.eps)

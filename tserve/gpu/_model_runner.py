@@ -47,7 +47,14 @@ from tserve.gpu._decoder import fused_decoder
 from tserve.gpu._gemm import tune_linears
 from tserve.gpu._heap import untouched_pages
 from tserve.gpu._kv import kv_shape, kv_token_bytes
-from tserve.gpu._llama import TORCH_OPS, PagedLlama, StepOps, unsupported_reason
+from tserve.gpu._kv_groups import KVGroups
+from tserve.gpu._llama import (
+    TORCH_OPS,
+    PagedLlama,
+    StepOps,
+    hf_layer_windows,
+    unsupported_reason,
+)
 from tserve.gpu._models import ModelLoadError
 from tserve.gpu._quant import tune_quantized
 from tserve.gpu._sequence import ScheduledChunk
@@ -57,6 +64,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "ModelRunner",
     "kv_bytes_per_token",
+    "kv_windows",
     "resolve_device",
     "resolve_kv_dtype",
 ]
@@ -103,6 +111,18 @@ def runs_gguf(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
+def kv_windows(model: Any, model_impl: ModelImpl = "auto") -> tuple[int, ...]:
+    """Each layer's sliding window as the runner will run ``model`` (0: global):
+    a :class:`PagedLlama`'s, or those of the layers tserve's own forward pass
+    will run, or none on transformers' modules (they attend globally here)."""
+    if isinstance(model, PagedLlama):
+        return tuple(layer.window for layer in model.layers)  # type: ignore[misc]
+    layers = _model_kv_shape(model)[0]
+    if model_impl == "hf" or unsupported_reason(model) is not None:
+        return (0,) * layers
+    return tuple(hf_layer_windows(model.config))
+
+
 def _model_kv_shape(model: Any) -> tuple[int, int, int]:
     if isinstance(model, PagedLlama):
         return len(model.layers), model.num_kv_heads, model.head_dim
@@ -126,6 +146,9 @@ class ModelRunner:
     through transformers' ``AttentionInterface``. On transformers' modules,
     layers with sliding-window attention get full attention (exact only
     within the window); tserve's own forward pass honours the window.
+    ``kv_groups`` (default: one group of every layer) lays the pool out by
+    KV layer group (:mod:`tserve.gpu._kv_groups`): take them from
+    :func:`kv_windows` of the same model and ``model_impl``.
     """
 
     def __init__(
@@ -139,6 +162,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         cpu_gemm: CpuGemm = "auto",
         model_impl: ModelImpl = "auto",
+        kv_groups: KVGroups | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -169,12 +193,18 @@ class ModelRunner:
         self.kv_dtype = self.dtype if kv_dtype is None else kv_dtype
         if self.kv_dtype not in KV_CACHE_DTYPES.values():
             raise ValueError(f"a KV cache stores one of {sorted(KV_CACHE_DTYPES)}, not {kv_dtype}")
-        shape = (layers, kv_heads, num_blocks * block_size, head_dim)
+        groups = kv_groups or KVGroups.single(layers)
+        if groups.num_layers != layers:
+            raise ValueError(f"{groups.num_layers} layers in KV groups, not {layers}")
+        if groups.num_groups > 1 and not isinstance(self.model, PagedLlama):
+            raise ValueError("KV layer groups need tserve's own forward pass")
+        shape = (groups.group_size, kv_heads, num_blocks * block_size, head_dim)
         with torch.inference_mode():
             self.pool = KVPool(
                 k=_untouched_zeros(shape, self.device, self.kv_dtype),
                 v=_untouched_zeros(shape, self.device, self.kv_dtype),
                 block_size=block_size,
+                groups=groups,
             )
         # Steps of at most this many tokens run every layer in one call (0: none do;
         # None: decided at the first step, over the model's modules as they are then).

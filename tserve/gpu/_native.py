@@ -78,6 +78,7 @@ from tserve.gpu._gguf_plan import (
     rope_tables,
 )
 from tserve.gpu._heap import untouched_pages
+from tserve.gpu._kv_groups import KVGroups
 from tserve.gpu._library import KV_CODES
 from tserve.gpu._models import ModelLoadError, ProgressCallback
 from tserve.gpu._quant_abi import Activations, QuantLibrary, quant_library
@@ -236,27 +237,37 @@ class NativeRunner:
         block_size: int,
         kv_dtype: str = "fp32",
         max_tokens: int = MAX_FUSED_TOKENS,
+        kv_groups: KVGroups | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
             )
         config = model.config
+        groups = kv_groups or KVGroups.single(config.num_hidden_layers)
+        if groups.num_layers != config.num_hidden_layers:
+            raise ValueError(
+                f"{groups.num_layers} layers in KV groups, not {config.num_hidden_layers}"
+            )
+        self.kv_groups = groups
         self.model = model
         self.vocab_size = config.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype
         slots = num_blocks * block_size
-        shape = (config.num_hidden_layers, config.num_key_value_heads, slots, config.head_dim)
+        shape = (groups.group_size, config.num_key_value_heads, slots, config.head_dim)
         self.k_pool, self.v_pool = (_untouched(shape, KV_STORAGE[kv_dtype]) for _ in "kv")
         library = model.quant.library
         self._library = library
         layers = []
         for i, ((qkv, o, gate_up, down), (attn_norm, mlp_norm), extras) in enumerate(model.layers):
-            pools = _address(self.k_pool[i]), _address(self.v_pool[i])
+            group, row = groups.place(i)
+            pools = _address(self.k_pool[row]), _address(self.v_pool[row])
             layers.append(
-                LayerPointers(qkv, o, gate_up, down, attn_norm, mlp_norm, *pools, **extras)
+                LayerPointers(
+                    qkv, o, gate_up, down, attn_norm, mlp_norm, *pools, **extras, group=group
+                )
             )
         shape_ = DecoderShape(
             hidden=config.hidden_size,
@@ -298,13 +309,15 @@ class NativeRunner:
         """
         if not chunks:
             return np.empty((0, self.vocab_size), dtype=np.float32)
-        layout = lay_out(chunks, self.block_size)
-        tables, rows = token_tables(chunks, layout.offsets, self.block_size)
+        groups = self.kv_groups.num_groups
+        layout = lay_out(chunks, self.block_size, groups)
+        tables, rows = token_tables(chunks, layout.offsets, self.block_size, groups)
         tokens = layout.tokens
         positions, slots = layout.positions, layout.slots  # rows of one C array: contiguous
         residual = self.model.embed(tokens)  # [T, hidden]; the sums accumulate here
         hidden = residual.shape[1]
-        width, step = tables.shape[1], self._step.max_tokens
+        width, step = tables.shape[2], self._step.max_tokens
+        strides = {"slot_stride": len(tokens), "table_stride": tables[0].size}
         for start in range(0, len(tokens), step):
             count = min(step, len(tokens) - start)
             self._step(
@@ -315,6 +328,7 @@ class NativeRunner:
                 _address(tables),
                 width,
                 _address(rows) + 8 * start,
+                **strides,
             )
         keep = [layout.offsets[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
         return self._head(residual[keep])

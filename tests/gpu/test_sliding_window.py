@@ -40,7 +40,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 @pytest.fixture(scope="module")
-def gemma3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_gemma3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Gemma 3 (six layers, window 8) with the tiny model's tokenizer."""
     import transformers
 
@@ -80,8 +80,8 @@ def gemma3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="module")
-def gemma3_gguf(gemma3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_gguf(gemma3_dir, tmp_path_factory.mktemp("gguf") / "m.gguf", "F32")
+def tiny_gemma3_gguf(tiny_gemma3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tiny_gemma3_dir, tmp_path_factory.mktemp("gguf") / "m.gguf", "F32")
 
 
 def _prompt(length: int, salt: int = 0) -> list[int]:
@@ -128,9 +128,9 @@ def _request(request_id: str, prompt: list[int], n: int = 10) -> AddRequest:
 
 
 @pytest.fixture(params=["gguf", "directory"])
-def served(request: pytest.FixtureRequest, gemma3_gguf: Path, gemma3_dir: Path) -> Path:
+def served(request: pytest.FixtureRequest, tiny_gemma3_gguf: Path, tiny_gemma3_dir: Path) -> Path:
     """The model as each runner serves it: the file natively, the directory on torch."""
-    return gemma3_gguf if request.param == "gguf" else gemma3_dir
+    return tiny_gemma3_gguf if request.param == "gguf" else tiny_gemma3_dir
 
 
 def test_the_engine_keeps_the_local_layers_in_groups_of_their_own(
@@ -146,12 +146,12 @@ def test_the_engine_keeps_the_local_layers_in_groups_of_their_own(
 
 @pytest.mark.parametrize("batched", [64, 5], ids=["whole", "chunks-of-5"])
 def test_a_prompt_whole_or_in_chunks_gives_transformers_greedy_tokens(
-    served: Path, gemma3_dir: Path, tmp_path: Path, batched: int
+    served: Path, tiny_gemma3_dir: Path, tmp_path: Path, batched: int
 ) -> None:
     prompt = _prompt(41)  # five windows and a bit: ten full blocks
     core = _core(served, tmp_path, max_num_batched_tokens=batched, max_num_seqs=2)
     ours = _run(core, [_request("r", prompt, 12)])["r"]
-    assert ours == _greedy(gemma3_dir, prompt, 12)
+    assert ours == _greedy(tiny_gemma3_dir, prompt, 12)
     assert (core.blocks.num_used_blocks, core.blocks.num_free_blocks) == (
         0,
         core.blocks.num_blocks,
@@ -159,21 +159,21 @@ def test_a_prompt_whole_or_in_chunks_gives_transformers_greedy_tokens(
 
 
 def test_a_prefix_cache_hit_gives_the_cold_run_s_tokens(
-    served: Path, gemma3_dir: Path, tmp_path: Path
+    served: Path, tiny_gemma3_dir: Path, tmp_path: Path
 ) -> None:
     """The second prompt shares the first's blocks: its local groups' from the
     window of its first computed position on, the global group's from 0."""
     first, second = _prompt(38), [*_prompt(37), 7, 8, 9, 10, 11]
     core = _core(served, tmp_path, max_num_batched_tokens=16)
-    assert _run(core, [_request("a", first)])["a"] == _greedy(gemma3_dir, first, 10)
+    assert _run(core, [_request("a", first)])["a"] == _greedy(tiny_gemma3_dir, first, 10)
     hits = core.blocks.prefix_cache_hits
     ours = _run(core, [_request("b", second)])["b"]
     assert core.blocks.prefix_cache_hits - hits == 36  # nine of 4: 0..35
-    assert ours == _greedy(gemma3_dir, second, 10)
+    assert ours == _greedy(tiny_gemma3_dir, second, 10)
 
 
 def test_a_preempted_sequence_continues_as_an_uninterrupted_one(
-    served: Path, gemma3_dir: Path, tmp_path: Path
+    served: Path, tiny_gemma3_dir: Path, tmp_path: Path
 ) -> None:
     """A cache of 30 one-layer blocks: two long sequences cannot both hold their
     global blocks, so the younger is preempted and recomputed (its local
@@ -189,7 +189,7 @@ def test_a_preempted_sequence_continues_as_an_uninterrupted_one(
     assert core.blocks.num_blocks == 30
     ours = _run(core, [_request("a", a, 14), _request("b", b, 14)])
     assert core.scheduler.num_preemptions > 0
-    assert ours == {"a": _greedy(gemma3_dir, a, 14), "b": _greedy(gemma3_dir, b, 14)}
+    assert ours == {"a": _greedy(tiny_gemma3_dir, a, 14), "b": _greedy(tiny_gemma3_dir, b, 14)}
 
 
 # -- the runners: reclaimed blocks are neither read nor missed -------------------------
@@ -256,13 +256,13 @@ def _poison(runner: Any, blocks: list[int]) -> None:
 
 @pytest.mark.parametrize("chunk", [5, 12])
 def test_the_native_runner_reads_no_block_it_handed_back(
-    gemma3_gguf: Path, tmp_path: Path, chunk: int
+    tiny_gemma3_gguf: Path, tmp_path: Path, chunk: int
 ) -> None:
     """Bit for bit the logits of a runner that keeps every block (one group,
     nothing handed back), with the handed-back blocks poisoned and reused."""
     prompt = _prompt(40)
     spans = _chunks(prompt, chunk, decodes=6)
-    file = GgufFile(gemma3_gguf, has_kernels=True)
+    file = GgufFile(tiny_gemma3_gguf, has_kernels=True)
     model = NativeModel(file, cache_dir=tmp_path, progress=lambda _: None)
     groups = KVGroups.of(WINDOWS)
     grouped = NativeRunner(model, num_blocks=96, block_size=BLOCK_SIZE, kv_groups=groups)
@@ -277,7 +277,7 @@ def test_the_native_runner_reads_no_block_it_handed_back(
 
 
 def test_the_torch_runner_with_groups_gives_the_ungrouped_logits(
-    gemma3_dir: Path, tmp_path: Path
+    tiny_gemma3_dir: Path, tmp_path: Path
 ) -> None:
     """The torch forward pass over grouped blocks, handed-back ones poisoned:
     the logits of one group that keeps every block, within fp32 rounding."""
@@ -286,7 +286,7 @@ def test_the_torch_runner_with_groups_gives_the_ungrouped_logits(
     groups = KVGroups.of(WINDOWS)
 
     def runner(num_blocks: int, kv_groups: KVGroups | None) -> ModelRunner:
-        model, _ = load_model(gemma3_dir, device="cpu", dtype=torch.float32)
+        model, _ = load_model(tiny_gemma3_dir, device="cpu", dtype=torch.float32)
         return ModelRunner(
             model, num_blocks=num_blocks, block_size=BLOCK_SIZE, cpu_gemm="blas",
             kv_groups=kv_groups,

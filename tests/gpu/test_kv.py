@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tserve.gpu._kv import NO_BLOCK, BlockManager, kv_budget_blocks
+from tserve.gpu._kv_groups import KVGroups
 from tserve.gpu._sequence import Sequence
 from tserve.protocol import SamplingParams
 
@@ -405,3 +406,17 @@ def test_a_windowed_prefix_whose_window_blocks_were_evicted_is_cut_short() -> No
     prefix = bm.find_prefix(b)
     assert len(prefix) == 4 and prefix.tables[0][:3] == (NO_BLOCK,) * 3
     bm.check([c])
+
+
+def test_layer_groups_are_of_one_window_and_one_size() -> None:
+    gemma3 = KVGroups.of([512 if (i + 1) % 6 else 0 for i in range(18)])  # 15 local, 3 global
+    assert gemma3.windows == (512,) * 5 + (0,) and gemma3.group_size == 3
+    assert gemma3.layers[0] == (0, 1, 2) and gemma3.layers[5] == (5, 11, 17)
+    assert gemma3.place(11) == (5, 1) and gemma3.place(6) == (1, 2)
+    gemma2 = KVGroups.of([4096, 0] * 13)
+    assert (gemma2.windows, gemma2.group_size) == ((4096, 0), 13)
+    assert KVGroups.of([0] * 30) == KVGroups.single(30)
+    assert KVGroups.of([64] * 4).windows == (64,)  # every layer local: one group, reclaimed
+    assert KVGroups.of([8, 8, 8, 0, 0]).group_size == 1  # gcd(3, 2)
+    assert KVGroups.of([64] * 4).describe() == "1 KV group of 4 layers (1 of window 64)"
+    assert gemma3.describe() == "6 KV groups of 3 layers (5 of window 512, 1 global)"

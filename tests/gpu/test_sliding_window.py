@@ -32,7 +32,7 @@ from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._models import load_model
 from tserve.gpu._native import NativeModel, NativeRunner
 from tserve.gpu._sequence import ScheduledChunk, Sequence
-from tserve.protocol import AddRequest, FinishReason, SamplingParams
+from tserve.protocol import AddRequest, EngineConfig, FinishReason, SamplingParams
 
 WINDOW, BLOCK_SIZE = 8, 4
 WINDOWS = (WINDOW,) * 5 + (0,)  # layer 5 global, as llama.cpp's Gemma 3 pattern has it
@@ -136,12 +136,24 @@ def served(request: pytest.FixtureRequest, tiny_gemma3_gguf: Path, tiny_gemma3_d
 def test_the_engine_keeps_the_local_layers_in_groups_of_their_own(
     served: Path, tmp_path: Path
 ) -> None:
-    core = _core(served, tmp_path)
+    lines: list[str] = []
+    config = EngineConfig(
+        model=str(served), device="cpu", dtype="float32", kv_cache_dtype="fp32",
+        kv_cache_tokens=1024, block_size=BLOCK_SIZE, cache_dir=str(tmp_path),
+    )  # fmt: skip
+    core = EngineCore(config, progress=lines.append)
     assert core.blocks.windows == WINDOWS
     kind = NativeRunner if served.suffix == ".gguf" else ModelRunner
     assert isinstance(core.runner, kind)
-    # The budget of 8192 tokens of every layer: six one-layer blocks each.
-    assert core.blocks.num_blocks == 8192 // BLOCK_SIZE * 6
+    # The budget of 1024 tokens of every layer: six one-layer blocks each, the
+    # memory of 1024 tokens; one sequence alone may grow past them (to the
+    # model's 256) as five of its groups hold 3 blocks at most.
+    assert core.blocks.num_blocks == 1024 // BLOCK_SIZE * 6
+    assert core.blocks.max_positions == (1536 - 5 * 3) * BLOCK_SIZE
+    assert core.max_model_len == 256
+    ready = next(line for line in lines if line.startswith("engine ready"))
+    assert "1024 KV tokens (fp32, 2 MiB; 6 KV groups of 1 layer (5 of window 8, 1 global)" in ready
+    assert ready.endswith("one sequence may reach 6084 tokens)")
 
 
 @pytest.mark.parametrize("batched", [64, 5], ids=["whole", "chunks-of-5"])

@@ -89,11 +89,12 @@ class KVGroups:
 
     def describe(self) -> str:
         """One line for the engine log: the groups and their windows."""
-        local = sorted({w for w in self.windows if w})
-        if not local:
+        if not any(self.windows):
             return "one KV group"
         kinds = ", ".join(
             f"{self.windows.count(w)} of window {w}" if w else f"{self.windows.count(0)} global"
             for w in dict.fromkeys(self.windows)
         )
-        return f"{self.num_groups} KV groups of {self.group_size} layers ({kinds})"
+        groups = "1 KV group" if self.num_groups == 1 else f"{self.num_groups} KV groups"
+        layers = "1 layer" if self.group_size == 1 else f"{self.group_size} layers"
+        return f"{groups} of {layers} ({kinds})"

@@ -319,3 +319,62 @@ def test_a_reclaimed_entry_is_never_handed_to_a_kernel_as_a_block() -> None:
     chunk = ScheduledChunk(seq, 16, [3, 4, 5, 6], True)
     tables, _ = token_tables([chunk], [0, 4], BLOCK_SIZE, 2)
     assert tables.tolist() == [[[0, 0, 7, 8, 9]], [[1, 2, 3, 4, 5]]]
+
+
+def test_mixed_traffic_under_kv_pressure_gives_every_request_transformers_tokens(
+    tiny_gemma3_gguf: Path, tiny_gemma3_dir: Path, tmp_path: Path
+) -> None:
+    """Twenty requests, six at a time, on prompts that share system prompts of
+    one to four windows (some repeated whole), in steps of 12 tokens, with a
+    cache of 60 one-layer blocks: prefix hits, reclaims, preemptions and
+    recomputes interleave in batched steps, with the prefix cache on and off."""
+    import random
+
+    rng = random.Random(4)
+    systems = [[rng.randrange(500) for _ in range(k)] for k in (9, 18, 33)]
+    prompts: list[list[int]] = []
+    for _ in range(20):
+        if prompts and rng.random() < 0.2:
+            prompts.append(list(rng.choice(prompts)))
+            continue
+        tail = [rng.randrange(500) for _ in range(rng.choice([1, 5, 13]))]
+        prompts.append(rng.choice([[], *systems]) + tail)
+    requests = [_request(f"m{i}", p, 8) for i, p in enumerate(prompts)]
+    outputs = {}
+    for caching in (True, False):
+        core = _core(
+            tiny_gemma3_gguf,
+            tmp_path,
+            enable_prefix_caching=caching,
+            kv_cache_tokens=10 * BLOCK_SIZE,
+            max_num_batched_tokens=12,
+            max_num_seqs=6,
+        )
+        outputs[caching] = _run_concurrently(core, requests, 6)
+        assert core.scheduler.num_preemptions > 0
+        assert (core.blocks.num_used_blocks, core.blocks.num_free_blocks) == (0, 60)
+        if caching:
+            assert core.blocks.prefix_cache_hits > 0
+    assert outputs[True] == outputs[False]
+    for request in requests:
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        assert outputs[True][rid] == _greedy(tiny_gemma3_dir, prompt, 8), rid
+
+
+def _run_concurrently(
+    core: EngineCore, requests: list[AddRequest], concurrency: int
+) -> dict[str, list[int]]:
+    """Every request's tokens, at most ``concurrency`` in flight (a new one joins
+    as one ends), the scheduler's invariants checked after every step."""
+    queue = list(reversed(requests))
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    in_flight = 0
+    while queue or in_flight:
+        while queue and in_flight < concurrency:
+            core.add(queue.pop(), b"p")
+            in_flight += 1
+        for _, out in core.step():
+            tokens[out.request_id] += out.token_ids
+            in_flight -= out.finish_reason is not None
+        core.scheduler.check()
+    return tokens

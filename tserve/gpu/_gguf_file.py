@@ -116,13 +116,29 @@ def _reader(path: Path) -> Any:
         def data(self, mapping: np.ndarray) -> None:
             self._plain = np.asarray(mapping)
 
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            # Every read of the header, the metadata and the tensors' data passes here.
+            end = offset + np.dtype(dtype).itemsize * int(count)
+            if end > self._plain.shape[0]:
+                raise _Truncated(
+                    f"{path.name}: the file is cut short: it has {self._plain.shape[0]:,} bytes "
+                    f"and its contents run to byte {end:,} at least"
+                )
+            return super()._get(offset, dtype, count, override_order)
+
     return Reader(path, "c")
+
+
+class _Truncated(ValueError):
+    """A GGUF file that ends before its header, metadata or tensors do."""
 
 
 def _open(path: Path) -> Any:
     try:
         return _reader(path)
-    except (OSError, ValueError) as exc:
+    except _Truncated as exc:
+        raise ModelLoadError(str(exc)) from None
+    except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read {str(path)!r} as GGUF: {exc}") from exc
 
 
@@ -171,6 +187,7 @@ class GgufFile:
         """Its ``tokenizer.*`` metadata (a vocabulary tserve builds), or None
         where a ``tokenizer.json`` beside the file is its tokenizer."""
         config = _config(meta, self._tensors, arch)
+        _check_tensors(path, self._tensors, config, meta, self.vocab)
         if self.vocab is not None:
             eog = end_of_generation_ids(self.vocab)
             config = dataclasses.replace(config, end_of_generation_ids=eog)
@@ -280,6 +297,51 @@ def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dic
             )
         counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def _check_tensors(
+    path: Path,
+    tensors: dict[str, Any],
+    config: GgufConfig,
+    meta: _Metadata,
+    vocab: GgufVocab | None,
+) -> None:
+    """That every tensor the weight plan reads is there in the shape the metadata
+    give it, and that the embedding, the output head, the metadata and the
+    tokenizer (``vocab``: the file's own) agree on the vocabulary's size;
+    else ModelLoadError, one line naming what disagrees. Reads no weight."""
+    from tserve.gpu._gguf_plan import head_name, tensor_shapes
+
+    rows = config.vocab_size
+    sizes = {f"the output head ({head_name(config)!r})": _shape(tensors[head_name(config)])[-1]}
+    stated = meta.get(f"{config.architecture.name}.vocab_size")
+    if stated is not None:
+        sizes[f"'{config.architecture.name}.vocab_size'"] = int(stated)
+    if vocab is not None:
+        sizes["its tokenizer"] = len(vocab.tokens)
+    for what, size in sizes.items():
+        if size != rows:
+            raise ModelLoadError(
+                f"{path.name}: the vocabulary has {size:,} tokens by {what} "
+                f"but {rows:,} by the embedding ({EMBEDDING!r})"
+            )
+    for name, want in tensor_shapes(config).items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{path.name}: no tensor {name!r}")
+        if _shape(tensor) != want:
+            raise ModelLoadError(
+                f"{path.name}: tensor {name!r} has shape {list(_shape(tensor))}, not the "
+                f"{list(want)} its metadata give it"
+            )
+
+
+def _shape(tensor: Any) -> tuple[int, ...]:
+    """A tensor's shape in GGUF's order (a row's length first), trailing 1s dropped."""
+    dims = [int(d) for d in tensor.shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(dims)
 
 
 def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture) -> GgufConfig:

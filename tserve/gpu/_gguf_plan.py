@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tserve.gpu._gguf_file import EMBEDDING, GgufConfig
+from tserve.gpu._gguf_file import EMBEDDING, OUTPUT_NORM, GgufConfig
 
 __all__ = [
     "embed_scale",
@@ -19,6 +19,7 @@ __all__ = [
     "layer_vectors",
     "layer_window",
     "rope_tables",
+    "tensor_shapes",
 ]
 
 
@@ -73,6 +74,36 @@ def layer_vectors(config: GgufConfig, i: int) -> dict[str, list[str]]:
         vectors["post_attn_norm"] = [f"{block}.post_attention_norm.weight"]
         vectors["post_mlp_norm"] = [f"{block}.post_ffw_norm.weight"]
     return vectors
+
+
+def tensor_shapes(config: GgufConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the plan reads, by name, with the shape ``config`` gives it in
+    GGUF's order (a row's length first: ``[in, out]``; a vector ``[n]``)."""
+    hidden, dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * dim, config.num_key_value_heads * dim
+    shapes: dict[str, tuple[int, ...]] = {
+        EMBEDDING: (hidden, config.vocab_size),
+        OUTPUT_NORM: (hidden,),
+        head_name(config): (hidden, config.vocab_size),
+    }
+    inputs = {"qkv": hidden, "o": q, "gate_up": hidden, "down": inter}
+    outputs = {"qkv": [q, kv, kv], "o": [hidden], "gate_up": [inter, inter], "down": [hidden]}
+    vectors = {
+        "qkv_bias": [q, kv, kv],
+        "q_norm": [dim],
+        "k_norm": [dim],
+        "post_attn_norm": [hidden],
+        "post_mlp_norm": [hidden],
+    }
+    for i in range(config.num_hidden_layers):
+        for part, (names, _) in layer_products(config, i).items():
+            widths = outputs[part] if len(names) > 1 else [sum(outputs[part])]
+            for name, width in zip(names, widths, strict=True):
+                shapes[name] = (inputs[part], width)
+        shapes.update((name, (hidden,)) for name in layer_norms(i).values())
+        for part, names in layer_vectors(config, i).items():
+            shapes.update((name, (n,)) for name, n in zip(names, vectors[part], strict=True))
+    return shapes
 
 
 def layer_window(config: GgufConfig, i: int) -> int:

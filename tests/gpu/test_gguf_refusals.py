@@ -20,10 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.gpu.cores import small_core
+from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import write_gguf
 from tests.gpu.tiny_vocabs import PIECES, sentencepiece_vocab
+from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._models import ModelLoadError
+from tserve.protocol import AddRequest, SamplingParams
 
 _SUPPORTED = "llama, qwen2, qwen3, phi3, gemma2, gemma3"
 
@@ -121,3 +123,15 @@ def test_serve_prints_the_one_line_and_exits_1(bad_file: tuple[Path, str], tmp_p
     prefix = f"tserve: cannot serve: the model '{path}' failed to load: engine failed to start: "
     assert last.startswith(prefix), done.stderr
     assert _matches(last.removeprefix(prefix), line), last
+
+
+def test_dequantize_serves_a_file_whose_format_has_no_kernel(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """As the format's refusal says."""
+    formats = {"blk.1.attn_k.weight": "IQ4_NL"}
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "m.gguf", "Q8_0", formats=formats)
+    core = small_core(path, cache_dir=str(tmp_path / "cache"), dequantize=True)
+    assert isinstance(core.runner, ModelRunner)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(generated(core, AddRequest("r", [5, 6, 7], params))) == 3

@@ -167,12 +167,13 @@ class GgufFile:
     """A GGUF file of an architecture tserve runs whose every tensor it runs.
 
     ``has_kernels`` False (the compiled library is absent) makes any tensor
-    not in F32 an error. Raises ModelLoadError naming the file, and the
-    tensor where one is the problem. The arrays it hands out are views of
+    not in F32 an error; ``dequantize`` (its fp32 conversion) allows any
+    format. Raises ModelLoadError naming the file, and the tensor where one
+    is the problem. The arrays it hands out are views of
     the file's mapping (or copies where rows are reordered or joined).
     """
 
-    def __init__(self, path: Path, *, has_kernels: bool) -> None:
+    def __init__(self, path: Path, *, has_kernels: bool, dequantize: bool = False) -> None:
         self.path = path
         reader = _open(path)
         self._tensors: dict[str, Any] = {tensor.name: tensor for tensor in reader.tensors}
@@ -181,7 +182,7 @@ class GgufFile:
             arch = gguf_architecture(meta.get("general.architecture"))
         except UnknownArchitecture as exc:
             raise ModelLoadError(f"{path.name}: {exc}") from exc
-        self.formats = _check_formats(path, self._tensors.values(), has_kernels)
+        self.formats = _check_formats(path, self._tensors.values(), has_kernels, dequantize)
         """GGUF format name -> tensors in it."""
         self.vocab = None if _tokenizer_beside(path) else _vocab(meta)
         """Its ``tokenizer.*`` metadata (a vocabulary tserve builds), or None
@@ -281,10 +282,15 @@ def sampling_metadata(path: Path) -> dict[str, Any]:
     return _Metadata(_open(path), path).with_prefix(GGUF_SAMPLING_PREFIX)
 
 
-def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dict[str, int]:
+def _check_formats(
+    path: Path, tensors: Iterable[Any], has_kernels: bool, dequantize: bool
+) -> dict[str, int]:
     counts: dict[str, int] = {}
     for tensor in tensors:
         name = tensor.tensor_type.name
+        if dequantize:
+            counts[name] = counts.get(name, 0) + 1
+            continue
         if name != "F32" and name not in FORMATS:
             raise ModelLoadError(
                 f"{path.name}: tensor {tensor.name!r} is {name}, which tserve has no kernel "

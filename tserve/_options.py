@@ -176,15 +176,17 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "--model-impl",
         str,
         d.model_impl,
-        "'auto' (tserve's own forward pass for Llama, Mistral and Qwen2 models, "
-        "transformers' for the rest) or 'hf' (transformers' for every model)",
+        "'auto' (tserve's own forward pass for the Llama, Qwen2, Qwen3, Phi-3, Gemma 2 and "
+        "Gemma 3 families, transformers' modules over tserve's paged attention for the rest) "
+        "or 'hf' (transformers' modules for every model)",
         choices=("auto", "hf"),
     )
     _flag(
         eng,
         "--dequantize",
-        "serve a GGUF file (the default model is one) through a one-time fp32 conversion "
-        "instead of as it is (quantized, through tserve's CPU kernels)",
+        "serve a GGUF file (the default model is one) through a one-time conversion to an "
+        "fp32 transformers directory instead of as it is (quantized, through tserve's CPU "
+        "kernels); it reads formats tserve has no kernel for",
     )
     _option(
         eng,

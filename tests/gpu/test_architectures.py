@@ -27,10 +27,11 @@ from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import write_gguf
 from tests.gpu.tiny_architectures import KINDS, build_tiny_architecture
 from tserve.gpu._architectures import ARCHITECTURES, hf_architecture
+from tserve.gpu._gguf_convert import converted_gguf_dir
 from tserve.gpu._gguf_file import GgufFile
 from tserve.gpu._llama import PagedLlama
 from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._models import ModelLoadError, converted_gguf_dir, load_model
+from tserve.gpu._models import ModelLoadError, load_model
 from tserve.gpu._native import NativeModel, NativeRunner
 from tserve.gpu._sequence import ScheduledChunk, Sequence
 from tserve.protocol import AddRequest, ModelImpl, SamplingParams

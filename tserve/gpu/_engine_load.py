@@ -23,7 +23,6 @@ from tserve.gpu._gguf_vocab import end_of_generation_ids
 from tserve.gpu._models import (
     DEFAULT_MODEL_NAME,
     ModelLoadError,
-    converted_gguf_dir,
     default_cache_root,
     default_gguf,
 )
@@ -190,6 +189,7 @@ def _load_torch(
     import torch
 
     from tserve.gpu._gguf import load_gguf
+    from tserve.gpu._gguf_convert import converted_gguf_dir
     from tserve.gpu._model_runner import (
         KV_CACHE_DTYPES,
         ModelRunner,

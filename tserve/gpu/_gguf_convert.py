@@ -24,7 +24,10 @@ Blocks (file IO, seconds of CPU per GB of weights); imports no torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Final
@@ -39,9 +42,25 @@ from tserve.gpu._gguf_plan import (
     layer_window,
 )
 from tserve.gpu._gguf_vocab import write_tokenizer_files
-from tserve.gpu._models import ModelLoadError, ProgressCallback
+from tserve.gpu._models import (
+    DEFAULT_MODEL_NAME,
+    ModelLoadError,
+    ProgressCallback,
+    default_cache_root,
+    default_gguf,
+    publish_dir,
+    staging_dir,
+)
 
-__all__ = ["write_fp32_dir"]
+__all__ = ["converted_gguf_dir", "default_model_dir", "write_fp32_dir"]
+
+log = logging.getLogger(__name__)
+
+# Written last into a converted directory; a directory without it is not a cache hit.
+_COMPLETE_MARKER: Final = ".tserve-converted"
+# The conversion's version, in a converted file's directory name: one an older
+# converter wrote is not reused.
+_CONVERSION_VERSION: Final = 2
 
 # Each product of the plan (its tensors, in order) by transformers' names.
 _PRODUCTS: Final = {
@@ -174,3 +193,50 @@ def _hf_config(config: GgufConfig) -> dict[str, Any]:
             local = {"rope_type": "default", "rope_theta": config.local_rope_theta}
             out["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
     return out
+
+
+def default_model_dir(
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+) -> Path:
+    """The default model (:func:`default_gguf`) converted to fp32, on first use
+    (:func:`converted_gguf_dir`; ~20 s on one core, ~540 MB)."""
+    target = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    return converted_gguf_dir(default_gguf(), target, name=DEFAULT_MODEL_NAME, progress=progress)
+
+
+def converted_gguf_dir(
+    gguf: Path,
+    cache_dir: Path,
+    *,
+    name: str | None = None,
+    progress: ProgressCallback | None = None,
+) -> Path:
+    """``gguf`` dequantized into a plain fp32 transformers directory under
+    ``cache_dir`` (named ``name``, else for the file: its name, and a key of its
+    path, size, modification time and the converter's version), converting it
+    on first use (:mod:`tserve.gpu._gguf_convert`).
+
+    Conversion writes into a temporary sibling and renames it into place, so
+    an interrupted conversion leaves no half cache and a later call converts
+    afresh; a complete directory is never rewritten.
+    """
+    report = progress or log.info
+    if name is None:
+        stat = gguf.stat()
+        key = hashlib.blake2b(
+            f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_CONVERSION_VERSION}".encode(),
+            digest_size=8,
+        ).hexdigest()
+        name = f"{gguf.stem}-fp32-{key}"
+    target = cache_dir / name
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    report(f"converting {gguf.name} into {target} (once)")
+    with staging_dir(target.parent) as staging:
+        write_fp32_dir(gguf, staging, report)
+        publish_dir(staging, target, _COMPLETE_MARKER, f"{gguf}\n")
+    report(f"converted model ready in {target}")
+    return target

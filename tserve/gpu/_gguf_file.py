@@ -38,6 +38,7 @@ from typing import Any, Final
 import numpy as np
 
 from tserve.gpu._architectures import Architecture, UnknownArchitecture, gguf_architecture
+from tserve.gpu._gguf_plan import EMBEDDING, OUTPUT_NORM, GgufConfig, head_name, tensor_shapes
 from tserve.gpu._gguf_vocab import (
     GgufVocab,
     VocabError,
@@ -49,7 +50,9 @@ from tserve.gpu._quant_abi import FORMATS
 from tserve.gpu._sampling_defaults import GGUF_SAMPLING_PREFIX
 
 __all__ = [
+    "EMBEDDING",
     "F32",
+    "OUTPUT_NORM",
     "GgufConfig",
     "GgufFile",
     "read_vocab",
@@ -62,40 +65,6 @@ F32: Final = 0
 _TOKENIZER_COMPLETE: Final = ".tserve-tokenizer"
 # The cache's layout version: a directory written by an older builder is not reused.
 _TOKENIZER_VERSION: Final = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class GgufConfig:
-    """What a file's metadata says of its model, under the names of a
-    transformers ``LlamaConfig`` (the engine reads either alike), and its
-    architecture."""
-
-    architecture: Architecture
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_linear_factor: float  # positions are divided by it (linear scaling); 1.0: none
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_id: int | None
-    pad_token_id: int | None
-    # Every id that ends a generation (EOS, EOT, end-of-turn markers), by the
-    # file's vocabulary as llama.cpp reads it.
-    end_of_generation_ids: tuple[int, ...] = ()
-    sliding_window: int = 0  # the keys of a sliding-window layer (0: none is)
-    attn_softcap: float = 0.0  # attention scores soft-capped to it (0: not)
-    final_softcap: float = 0.0  # logits soft-capped to it (0: not)
-    # Each inverse frequency is divided by its factor (``rope_freqs.weight``: Llama 3.1's
-    # "llama3" scaling as llama.cpp's converter writes it); empty: none.
-    rope_freq_factors: tuple[float, ...] = ()
-    local_rope_theta: float = 0.0  # the RoPE base of sliding-window layers (0: rope_theta)
 
 
 def _reader(path: Path) -> Any:
@@ -271,10 +240,6 @@ class GgufFile:
                 _release_pages(tensor.data)
 
 
-EMBEDDING: Final = "token_embd.weight"
-OUTPUT_NORM: Final = "output_norm.weight"
-
-
 def sampling_metadata(path: Path) -> dict[str, Any]:
     """``path``'s ``general.sampling.*`` metadata (full key -> value), for a file
     served through its fp32 conversion, which keeps none of it. Blocking: the
@@ -316,8 +281,6 @@ def _check_tensors(
     give it, and that the embedding, the output head, the metadata and the
     tokenizer (``vocab``: the file's own) agree on the vocabulary's size;
     else ModelLoadError, one line naming what disagrees. Reads no weight."""
-    from tserve.gpu._gguf_plan import head_name, tensor_shapes
-
     rows = config.vocab_size
     sizes = {f"the output head ({head_name(config)!r})": _shape(tensors[head_name(config)])[-1]}
     stated = meta.get(f"{config.architecture.name}.vocab_size")

@@ -1,4 +1,5 @@
-"""The GGUF weight plan: which tensors of a file make each part of a layer,
+"""The GGUF weight plan: the model a file's metadata describe
+(:class:`GgufConfig`), which tensors of a file make each part of a layer,
 per architecture, and the tables derived from its config (RoPE, embedding
 scale, sliding windows). The torch builder (:mod:`tserve.gpu._gguf`) and the
 native one (:mod:`tserve.gpu._native`) both read it, so the two runners hold
@@ -7,11 +8,17 @@ the same parts. No torch, no file IO.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Final
+
 import numpy as np
 
-from tserve.gpu._gguf_file import EMBEDDING, OUTPUT_NORM, GgufConfig
+from tserve.gpu._architectures import Architecture
 
 __all__ = [
+    "EMBEDDING",
+    "OUTPUT_NORM",
+    "GgufConfig",
     "embed_scale",
     "head_name",
     "layer_norms",
@@ -21,6 +28,44 @@ __all__ = [
     "rope_tables",
     "tensor_shapes",
 ]
+
+
+EMBEDDING: Final = "token_embd.weight"
+OUTPUT_NORM: Final = "output_norm.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufConfig:
+    """What a file's metadata says of its model, under the names of a
+    transformers ``LlamaConfig`` (the engine reads either alike), and its
+    architecture."""
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_linear_factor: float  # positions are divided by it (linear scaling); 1.0: none
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    # Every id that ends a generation (EOS, EOT, end-of-turn markers), by the
+    # file's vocabulary as llama.cpp reads it.
+    end_of_generation_ids: tuple[int, ...] = ()
+    sliding_window: int = 0  # the keys of a sliding-window layer (0: none is)
+    attn_softcap: float = 0.0  # attention scores soft-capped to it (0: not)
+    final_softcap: float = 0.0  # logits soft-capped to it (0: not)
+    # Each inverse frequency is divided by its factor (``rope_freqs.weight``: Llama 3.1's
+    # "llama3" scaling as llama.cpp's converter writes it); empty: none.
+    rope_freq_factors: tuple[float, ...] = ()
+    local_rope_theta: float = 0.0  # the RoPE base of sliding-window layers (0: rope_theta)
 
 
 def head_name(config: GgufConfig) -> str:

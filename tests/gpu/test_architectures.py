@@ -192,16 +192,8 @@ def test_dequantize_gives_transformers_logits(
 ) -> None:
     """A file (F32: the directory's own weights) converted to fp32 by tserve's
     plan, on tserve's forward pass and on transformers' modules, gives
-    transformers' logits on the directory; a file with Llama 3's RoPE factors
-    is refused in one line (served as it is, it runs: above)."""
-    if json.loads((model_dir / "config.json").read_text())["model_type"] == "llama":
-        with pytest.raises(ModelLoadError) as refused:
-            _converted(model_dir, tmp_path)
-        assert str(refused.value) == (
-            "m.gguf: its RoPE frequency factors ('rope_freqs.weight', Llama 3's scaling) have "
-            "no transformers config; serve it as it is (without --dequantize)"
-        )
-        return
+    transformers' logits on the directory (Llama 3.1's RoPE scaling from the
+    file's factors)."""
     model, _ = load_model(_converted(model_dir, tmp_path), device="cpu", dtype=torch.float32)
     runner = ModelRunner(
         model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, cpu_gemm="blas", model_impl=impl
@@ -209,6 +201,23 @@ def test_dequantize_gives_transformers_logits(
     prompt = _prompt(30)
     ours = _chunked_logits(lambda c: runner.execute(c).numpy(), prompt, chunk=7, decodes=6)
     np.testing.assert_allclose(ours, _expected(model_dir, prompt, 7, 6), atol=1e-4, rtol=0)
+
+
+def test_dequantize_refuses_rope_factors_of_no_llama3_scaling(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Factors that no Llama 3 parameters give (a transformers config states no
+    others), in one line; served as it is, the file runs."""
+    factors = {"rope_freqs.weight": np.array([1, 2, 1, 2, 1, 2, 1, 2], np.float32)}
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "m.gguf", "F32", extra_tensors=factors)
+    with pytest.raises(ModelLoadError) as refused:
+        converted_gguf_dir(path, tmp_path / "cache", progress=lambda _: None)
+    assert str(refused.value) == (
+        "m.gguf: its RoPE frequency factors ('rope_freqs.weight') are not Llama 3's scaling, "
+        "which is all a transformers config states; serve it as it is (without --dequantize)"
+    )
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half written
+    assert isinstance(small_core(path, cache_dir=str(tmp_path / "cache")).runner, NativeRunner)
 
 
 def test_dequantize_gives_a_llamas_transformers_logits(

@@ -15,9 +15,9 @@ other: its architectures on tserve's own forward pass. transformers' own
 GGUF loader is not used: it drops Llama 3's RoPE factors, Qwen3's head
 size, Phi-3's padding and Gemma's norms and windows.
 
-A file whose RoPE is scaled by per-frequency factors (``rope_freqs``) is
-refused: transformers' configs state Llama 3's scaling by its parameters,
-which a file does not keep. Served as it is, it runs.
+A file's per-frequency RoPE factors (``rope_freqs``) become the Llama 3
+scaling parameters that give them; factors no such parameters give are
+refused (a transformers config states no others). Served as it is, any runs.
 
 Blocks (file IO, seconds of CPU per GB of weights); imports no torch.
 """
@@ -78,10 +78,11 @@ def write_fp32_dir(path: Path, out: Path, progress: ProgressCallback) -> None:
     exists). Raises ModelLoadError, one line, for a file it cannot convert."""
     file = GgufFile(path, has_kernels=False, dequantize=True)
     config = file.config
-    if config.rope_freq_factors:
+    if config.rope_freq_factors and _llama3_rope(config) is None:
         raise ModelLoadError(
-            f"{path.name}: its RoPE frequency factors ('rope_freqs.weight', Llama 3's "
-            "scaling) have no transformers config; serve it as it is (without --dequantize)"
+            f"{path.name}: its RoPE frequency factors ('rope_freqs.weight') are not Llama 3's "
+            "scaling, which is all a transformers config states; serve it as it is "
+            "(without --dequantize)"
         )
     progress(f"dequantizing {file.describe()}")
     state = _state(file, config)
@@ -156,12 +157,53 @@ def _weight(file: GgufFile, name: str, permute_heads: int | None = None) -> np.n
     return values.reshape(rows.shape[0], file.in_features(name))
 
 
+def _llama3_rope(config: GgufConfig) -> dict[str, Any] | None:
+    """transformers' ``llama3`` RoPE parameters that give the file's factors
+    (llama.cpp's converter computes them from those parameters), or None
+    where none do.
+
+    A factor ``f`` of a frequency in the smooth band is ``1 / ((1 - s) /
+    factor + s)`` with ``s = (old / wavelength - low) / (high - low)``, a line
+    in ``1 / wavelength``: two of them give it (all of them must lie on
+    it), and the parameters follow from the line, ``old`` rounded to the
+    integer transformers wants. Without two such frequencies, None."""
+    factors = np.asarray(config.rope_freq_factors, dtype=np.float64)
+    factor = float(factors.max())
+    dim = config.head_dim
+    inverse_wavelength = config.rope_theta ** -(np.arange(0, dim, 2) / dim) / (2 * np.pi)
+    s = (1 / factors - 1 / factor) / (1 - 1 / factor) if factor > 1 else factors * 0
+    band = (s > 1e-4) & (s < 1 - 1e-4)
+    if factor <= 1 or band.sum() < 2:
+        return None
+    slope, intercept = np.polyfit(inverse_wavelength[band], s[band], 1)
+    if intercept >= 0 or slope <= 0:
+        return None
+    old = round(-slope / intercept)  # with low_freq_factor 1
+    width = old / slope  # high - low
+    low = -intercept * width
+    params = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(low + width),
+        "original_max_position_embeddings": old,
+    }
+    # The factors these give, as transformers computes them, must be the file's.
+    smooth = np.clip((old * inverse_wavelength - low) / width, 0, 1)
+    again = 1 / ((1 - smooth) / factor + smooth)
+    return params if np.allclose(again, factors, rtol=1e-4, atol=0) else None
+
+
 def _hf_config(config: GgufConfig) -> dict[str, Any]:
     """The transformers config of the model ``config`` describes."""
     arch = config.architecture
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_linear_factor != 1.0:
         rope = {**rope, "rope_type": "linear", "factor": config.rope_linear_factor}
+    if config.rope_freq_factors:
+        llama3 = _llama3_rope(config)
+        assert llama3 is not None, "checked before the weights"
+        rope = {**rope, **llama3}
     out: dict[str, Any] = {
         "model_type": arch.model_types[0],
         "vocab_size": config.vocab_size,

@@ -258,7 +258,7 @@ def converted_gguf_dir(
     """``gguf`` dequantized into a plain fp32 transformers directory under
     ``cache_dir`` (named ``name``, else for the file: its name, and a key of its
     path, size, modification time and the converter's version), converting it
-    on first use (:mod:`tserve.gpu._gguf_convert`).
+    on first use (:func:`write_fp32_dir`).
 
     Conversion writes into a temporary sibling and renames it into place, so
     an interrupted conversion leaves no half cache and a later call converts

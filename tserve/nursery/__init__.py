@@ -3,8 +3,11 @@
 Modules, each with one job (imports run down this list, never up)::
 
     _registry.py        ModelRegistry: the served models, each one's engine owned
-                        by one task; loads on demand, one per model at a time;
-                        keep-alive timer, memory budget applied before each load
+                        by one task; loads on demand, one per model at a time
+    _keeper.py          Keeper: the residency rules applied to the registry's
+                        slots (room in the budget, the keep-alive timer, RSS);
+                        ModelsBusy, ModelFigures
+    _model_slot.py      a served model's slot: spec, lifecycle, load, residency fields
     _residency.py       sans-IO: which models stay loaded (keep-alive, the
                         budget's least-recently-used rule); parse_keep_alive
     _memory.py          a process's RSS, the machine's memory, a model's weight bytes
@@ -56,17 +59,11 @@ from tserve.nursery._errors import (
     RequestTimeout,
     ShuttingDown,
 )
+from tserve.nursery._keeper import ModelFigures, ModelsBusy
 from tserve.nursery._llm import LLM, LLMStats
 from tserve.nursery._model_state import ModelState
 from tserve.nursery._open import attach_embedder, attach_llm, open_embedder, open_llm
-from tserve.nursery._registry import (
-    ModelFigures,
-    ModelLoadFailed,
-    ModelNotServed,
-    ModelRegistry,
-    ModelsBusy,
-    open_models,
-)
+from tserve.nursery._registry import ModelLoadFailed, ModelNotServed, ModelRegistry, open_models
 from tserve.nursery._request import RequestStream
 from tserve.nursery._residency import parse_keep_alive
 from tserve.nursery._results import Completion, Delta, Usage

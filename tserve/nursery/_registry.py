@@ -14,20 +14,15 @@ stopped, so that a cancelled request leaves nothing behind. A load that
 fails fails every request waiting for it with :class:`ModelLoadFailed`
 naming the model; the next request starts a new load.
 
-Which models stay loaded follows the rules of ``_residency.py``: each
-model's keep-alive, ended by the registry's one timer task, and the memory
-budget, applied before each load (loads are placed one at a time, in
-arrival order, each waiting at most ``fit_timeout`` for room and then
-failing with :class:`ModelsBusy`). Each engine's RSS is measured once it
-has loaded and again whenever the budget is applied or figures are read.
+Which models stay loaded follows the rules of ``_residency.py``, applied
+by the registry's :class:`~tserve.nursery._keeper.Keeper`: each model's
+keep-alive, and the memory budget before each load.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -39,31 +34,26 @@ import anyio.abc
 from tserve._errors import LLMError
 from tserve.nursery._admission import Overload
 from tserve.nursery._client import ClientSettings
-from tserve.nursery._errors import Overloaded, ShuttingDown
+from tserve.nursery._errors import ShuttingDown
+from tserve.nursery._keeper import DEFAULT_FIT_TIMEOUT, Keeper, ModelFigures
 from tserve.nursery._llm import LLM
-from tserve.nursery._memory import default_memory_budget, resident_bytes, weight_bytes
+from tserve.nursery._model_slot import Load, ModelSlot, ModelSpec
 from tserve.nursery._model_state import ModelLifecycle, ModelState
 from tserve.nursery._open import EngineOwner
-from tserve.nursery._residency import DEFAULT_KEEP_ALIVE, Occupant, expiry, plan_room
+from tserve.nursery._residency import DEFAULT_KEEP_ALIVE
 from tserve.nursery._session import unwrap
 from tserve.protocol import EngineConfig
 
 __all__ = [
-    "DEFAULT_FIT_TIMEOUT",
-    "ModelFigures",
     "ModelLoadFailed",
     "ModelNotServed",
     "ModelRegistry",
     "ModelSpec",
-    "ModelsBusy",
     "open_models",
     "open_registry",
 ]
 
 log = logging.getLogger("tserve")
-
-DEFAULT_FIT_TIMEOUT = 30.0
-"""Seconds a load waits for room in the memory budget before ModelsBusy."""
 
 
 class ModelNotServed(LLMError):
@@ -83,99 +73,11 @@ class ModelLoadFailed(LLMError):
         self.reason = reason
 
 
-class ModelsBusy(Overloaded):
-    """No room in the memory budget to load ``model``: the models holding it
-    (``busy``) stayed busy for the whole wait. Retry after ``retry_after`` s;
-    an Overloaded, so the server answers 503 with ``Retry-After``."""
-
-    def __init__(self, model: str, busy: Iterable[str], waited: float) -> None:
-        self.model = model
-        self.busy = tuple(busy)
-        holders = ", ".join(repr(name) for name in self.busy) or "the loads ahead of it"
-        super().__init__(
-            f"no room to load the model '{model}' in the memory budget: "
-            f"{holders} stayed busy for {waited:g} s",
-            retry_after=max(1.0, waited),  # no sooner than they have already held it
-        )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """One served model: the name requests use, its engine, its embedding engine if any."""
-
-    name: str
-    config: EngineConfig
-    embedding_model: str | None = None
-
-
-class _Load:
-    """One load of one model, as its waiters see it."""
-
-    def __init__(self) -> None:
-        self.done = anyio.Event()  # set once the model is LOADED, FAILED or the load cancelled
-        self.error: str | None = None  # why it failed; None if it loaded (or was cancelled)
-        # Callers in acquire() waiting for it; the last one to leave early cancels it.
-        # Bound: one per waiting call (each holds its own task).
-        self.waiters = 0
-        self.pinned = False  # a preload or an admin load: runs to its end with no waiter
-        self.scope = anyio.CancelScope()  # the owner task's, cancelled to cancel the load
-
-
-class _Model:
-    """One model's engine slot: its spec, lifecycle, current load and its LLM when LOADED."""
-
-    def __init__(self, spec: ModelSpec) -> None:
-        self.spec = spec
-        self.life = ModelLifecycle(spec.name)
-        self.llm: LLM | None = None  # set exactly while LOADED
-        self.load: _Load | None = None  # the load under way, or the last one
-        self.release = anyio.Event()  # set, with the move to UNLOADING, to stop the engine
-        # Calls inside use() on this model's LLM; unload() waits for 0 (never
-        # under a request). Bound: one per caller task. ``idle`` is set while 0.
-        self.in_flight = 0
-        self.idle = anyio.Event()
-        self.idle.set()
-        self.gone = anyio.Event()  # set when its owner task has ended (no process)
-        self.gone.set()
-        self.load_seconds = 0.0  # the last load's duration
-        # Residency (rules of _residency.py). ``keep_alive``: the latest call's (rule 1).
-        self.keep_alive = DEFAULT_KEEP_ALIVE
-        self.last_used = -math.inf  # loop clock: its last acquire, or its last use block's end
-        # Its engines' RSS while it has a process (LOADED, UNLOADING), else 0;
-        # while LOADING, what the budget counts for it (rule 3's estimate).
-        self.resident_bytes = 0
-        self.estimate: int | None = None  # the RSS measured in its last residency
-        self.weights: int | None = None  # its weights' bytes on disk, once looked up
-
-    @property
-    def held(self) -> bool:
-        """Requests in flight, or callers about to receive it from its load: not idle."""
-        return self.in_flight > 0 or (self.load is not None and self.load.waiters > 0)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ModelFigures:
-    """One model's figures at one moment, for metrics. Times are Unix times."""
-
-    name: str
-    state: ModelState
-    loads: int  # loads that reached LOADED
-    unloads: int  # LOADED engines that stopped (asked to, idle, evicted, or dead)
-    load_seconds: float  # the last load's duration; 0.0 before any
-    resident_bytes: int  # its engines' RSS now; 0 with no engine (LOADING: its estimate)
-    in_flight: int  # use() blocks inside it now
-    keep_alive: float  # seconds idle before it is unloaded; negative: pinned
-    last_used: float | None  # its last acquire or use block's end; None before any
-    expires_at: float | None  # when its keep-alive unloads it if it stays idle; None if not due
-
-
 class ModelRegistry:
     """The served models by name. Create with :func:`open_registry`; call from its event loop.
 
-    ``keep_alive``: the default of rule 1 of ``_residency.py``, in seconds
-    (negative: pinned). ``memory_budget``: bytes of RSS that the models'
-    engines may hold together (None: ``DEFAULT_BUDGET_FRACTION`` of the
-    machine's memory). ``fit_timeout``: seconds a load waits for room.
+    ``keep_alive``, ``memory_budget`` and ``fit_timeout``: the residency
+    rules (see :class:`~tserve.nursery._keeper.Keeper`).
     """
 
     def __init__(
@@ -188,35 +90,23 @@ class ModelRegistry:
         memory_budget: int | None = None,
         fit_timeout: float = DEFAULT_FIT_TIMEOUT,
     ) -> None:
-        if math.isnan(keep_alive):
-            raise ValueError("keep_alive must be a number of seconds, not NaN")
-        if memory_budget is not None and memory_budget <= 0:
-            raise ValueError(f"memory_budget must be > 0 bytes, not {memory_budget}")
-        if not fit_timeout > 0:
-            raise ValueError(f"fit_timeout must be > 0 seconds, not {fit_timeout}")
         self._owner = owner
         self._tg = tg
-        self._keep_alive = keep_alive
-        self._budget = default_memory_budget() if memory_budget is None else memory_budget
-        self._fit_timeout = fit_timeout
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, ModelSlot] = {}
         for spec in specs:
             if spec.name in self._models:
                 raise ValueError(f"two models are named {spec.name!r}")
-            self._models[spec.name] = _Model(spec)
-            self._models[spec.name].keep_alive = keep_alive
+            self._models[spec.name] = ModelSlot(spec, keep_alive)
         if not self._models:
             raise ValueError("a registry needs at least one model")
+        self._keeper = Keeper(
+            self._models,
+            keep_alive=keep_alive,
+            memory_budget=memory_budget,
+            fit_timeout=fit_timeout,
+        )
         self._closed = False
-        self._placing = anyio.Lock()  # one load placed at a time, first come first served
-        self._waiting = 0  # calls in _place; bound: one per calling task
-        # Set and replaced whenever a model goes idle, loads or is gone, or a keep-alive
-        # changes: what the keep-alive timer and loads waiting for room wait on.
-        self._changed = anyio.Event()
-        # Rule 3's engine floor: the least RSS beyond its weights of any engine
-        # measured right after its load; None until one was.
-        self._floor: int | None = None
-        tg.start_soon(self._expire_idle, name="model keep-alive")
+        tg.start_soon(self._keeper.expire_idle, name="model keep-alive")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -225,17 +115,17 @@ class ModelRegistry:
     @property
     def memory_budget(self) -> int:
         """Bytes of RSS the models' engines may hold together (rules 4-5 of ``_residency.py``)."""
-        return self._budget
-
-    @property
-    def waiting_for_room(self) -> int:
-        """Calls whose load waits to be placed now: in line, or for room in the budget."""
-        return self._waiting
+        return self._keeper.memory_budget
 
     @property
     def keep_alive(self) -> float:
         """The default keep-alive in seconds, for calls that give none (negative: pinned)."""
-        return self._keep_alive
+        return self._keeper.keep_alive
+
+    @property
+    def waiting_for_room(self) -> int:
+        """Calls whose load waits to be placed now: in line, or for room in the budget."""
+        return self._keeper.waiting_for_room
 
     def state(self, name: str) -> ModelState:
         return self._model(name).life.state
@@ -252,25 +142,11 @@ class ModelRegistry:
         return {name: model.spec for name, model in self._models.items()}
 
     def figures(self, name: str) -> ModelFigures:
-        """The model's figures now, its RSS measured afresh. Not a checkpoint."""
-        model = self._model(name)
-        self._measure(model)
-        now, wall = anyio.current_time(), time.time()
-        due = self._expiry(model)
-        return ModelFigures(
-            name=name,
-            state=model.life.state,
-            loads=model.life.loads,
-            unloads=model.life.unloads,
-            load_seconds=model.load_seconds,
-            resident_bytes=model.resident_bytes,
-            in_flight=model.in_flight,
-            keep_alive=model.keep_alive,
-            last_used=None if model.last_used == -math.inf else wall - (now - model.last_used),
-            expires_at=None if due is None else wall + (due - now),
-        )
+        """The model's figures now (state, loads, unloads, load time, RSS measured
+        afresh, in flight, keep-alive, last use, expiry). Not a checkpoint."""
+        return self._keeper.figures(self._model(name))
 
-    def _model(self, name: str) -> _Model:
+    def _model(self, name: str) -> ModelSlot:
         model = self._models.get(name)
         if model is None:
             raise ModelNotServed(name, self._models)
@@ -299,12 +175,7 @@ class ModelRegistry:
         ModelsBusy, ShuttingDown once the registry is closing.
         """
         model = self._model(name)
-        if keep_alive is not None and math.isnan(keep_alive):
-            raise ValueError("keep_alive must be a number of seconds, not NaN")
-        keep = self._keep_alive if keep_alive is None else keep_alive
-        if keep != model.keep_alive:
-            model.keep_alive = keep
-            self._notify()  # a shorter keep-alive may be due sooner
+        self._keeper.asked(model, keep_alive)
         while True:
             if self._closed:
                 raise ShuttingDown("the server is shutting down")
@@ -320,7 +191,9 @@ class ModelRegistry:
             if state in (ModelState.UNLOADED, ModelState.FAILED):
                 await model.gone.wait()  # a dead engine is reaped before the next load
                 if model.life.state in (ModelState.UNLOADED, ModelState.FAILED):
-                    await self._place(model)
+                    room = await self._keeper.place(model)
+                    if room is not None:  # no checkpoint since: the room is still there
+                        self._start_load(model, room)
                 continue
             load = model.load
             assert load is not None
@@ -329,7 +202,7 @@ class ModelRegistry:
             if load.error is not None:
                 raise ModelLoadFailed(name, load.error)
 
-    async def _wait_for(self, load: _Load) -> None:
+    async def _wait_for(self, load: Load) -> None:
         load.waiters += 1
         try:
             await load.done.wait()
@@ -338,107 +211,12 @@ class ModelRegistry:
             if not load.done.is_set() and load.waiters == 0 and not load.pinned:
                 load.scope.cancel()  # nobody wants it any more
 
-    async def _place(self, model: _Model) -> None:
-        """Start ``model``'s load once the budget has room for it (rules 3-5 of
-        ``_residency.py``), unloading idle models for it and waiting until
-        they are gone. Returns early if another call moved the model on.
+    def _start_load(self, model: ModelSlot, room: int) -> None:
+        load = model.start_load()
+        model.resident_bytes = room  # what the budget counts for it while LOADING
+        self._tg.start_soon(self._own, model, load, name=f"model {model.name}")
 
-        Waits in line behind other loads being placed, then for a busy model
-        to go idle, at most ``fit_timeout`` s in all: ModelsBusy. Waiting for
-        the models it unloads to stop is bounded by their stop bound instead.
-        Cancellable; models already unloaded for it stay unloaded.
-        """
-        if model.weights is None:
-            model.weights = await anyio.to_thread.run_sync(_model_weights, model.spec)
-        deadline = anyio.current_time() + self._fit_timeout
-        self._waiting += 1
-        try:
-            in_line = False
-            with anyio.move_on_at(deadline):
-                await self._placing.acquire()
-                in_line = True
-            if in_line:
-                try:
-                    if await self._place_when_room(model, deadline):
-                        return
-                finally:
-                    self._placing.release()
-        finally:
-            self._waiting -= 1
-        holders = (m for m in self._models.values() if m is not model and m.resident_bytes)
-        busy = [m.spec.name for m in holders if m.held or m.life.state is not ModelState.LOADED]
-        raise ModelsBusy(model.spec.name, busy, self._fit_timeout)
-
-    async def _place_when_room(self, model: _Model, deadline: float) -> bool:
-        """:meth:`_place`'s loop, under its lock: plan; unload the idle models the
-        plan names and wait until they are gone, or wait (until ``deadline``:
-        then False) for a change; until the load starts or another call has
-        moved the model on (True)."""
-        name = model.spec.name
-        while model.life.state in (ModelState.UNLOADED, ModelState.FAILED):
-            changed = self._changed
-            need = self._estimate(model)
-            others = [self._occupant(m) for m in self._models.values() if m is not model]
-            victims = plan_room(need, self._budget, others)
-            if victims is None:
-                with anyio.move_on_at(deadline) as waiting:
-                    await changed.wait()
-                if waiting.cancelled_caught:
-                    return False
-            elif not victims:
-                if need > self._budget:
-                    log.warning("model %r: %d bytes, over the budget: loads alone", name, need)
-                self._start_load(model, need)
-                return True
-            else:
-                for victim in victims:
-                    log.info("model %r unloaded to make room for %r", victim, name)
-                    self._release(self._models[victim])
-                for victim in victims:
-                    await self._models[victim].gone.wait()
-        return True
-
-    def _estimate(self, model: _Model) -> int:
-        """Rule 3 of ``_residency.py``: what ``model`` will hold once loaded."""
-        if model.estimate is not None:
-            return model.estimate
-        return (model.weights or 0) + (self._floor or 0)
-
-    def _occupant(self, model: _Model) -> Occupant:
-        """``model`` as the budget sees it (rule 2), its RSS measured afresh."""
-        self._measure(model)
-        evictable = model.life.state is ModelState.LOADED and not model.held
-        return Occupant(model.spec.name, model.resident_bytes, evictable, model.last_used)
-
-    @staticmethod
-    def _measure(model: _Model) -> None:
-        """Read the RSS of ``model``'s engines while it is LOADED; an engine
-        that has just died (0 bytes) leaves the last figure."""
-        llm = model.llm
-        if llm is None or model.life.state is not ModelState.LOADED:
-            return
-        pids = [llm.engine_pid] + ([] if llm.embedder is None else [llm.embedder.engine_pid])
-        if measured := sum(resident_bytes(pid) for pid in pids):
-            model.resident_bytes = model.estimate = measured
-
-    def _start_load(self, model: _Model, estimate: int) -> None:
-        model.life.load()
-        model.load = _Load()
-        model.release = anyio.Event()
-        model.gone = anyio.Event()
-        model.resident_bytes = estimate  # what it counts while LOADING (rule 2)
-        self._tg.start_soon(self._own, model, model.load, name=f"model {model.spec.name}")
-
-    def _release(self, model: _Model) -> None:
-        """Move a LOADED ``model`` to UNLOADING and tell its owner task to stop it."""
-        model.life.unload()
-        model.release.set()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def _own(self, model: _Model, load: _Load) -> None:
+    async def _own(self, model: ModelSlot, load: Load) -> None:
         """The one task that owns ``model``'s engine, from its start to its exit."""
         life, spec = model.life, model.spec
         started = time.monotonic()
@@ -452,9 +230,8 @@ class ModelRegistry:
                         model.load_seconds = time.monotonic() - started
                         model.llm = llm
                         life.loaded()
-                        self._loaded(model)
+                        self._keeper.loaded(model)
                         load.done.set()
-                        self._notify()
                         log.info("model %r loaded in %.1f s", spec.name, model.load_seconds)
                         reason = await self._serve_until_released(model, llm)
                         model.llm = None
@@ -471,30 +248,13 @@ class ModelRegistry:
         finally:
             self._settle(model, load)
 
-    def _loaded(self, model: _Model) -> None:
-        """A fresh engine's figures: its RSS, the engine floor (rule 3), its
-        keep-alive's start; then, if its estimate was short and the budget is
-        now exceeded, the idle models that make it fit are unloaded (rule 5)."""
-        self._measure(model)
-        beyond = max(0, model.resident_bytes - (model.weights or 0))
-        self._floor = beyond if self._floor is None else min(self._floor, beyond)
-        model.last_used = anyio.current_time()
-        others = [self._occupant(m) for m in self._models.values() if m is not model]
-        victims = plan_room(model.resident_bytes, self._budget, others)
-        if victims is None:
-            log.warning("models over the memory budget of %d bytes while busy", self._budget)
-        for name in victims or ():
-            log.info("model %r unloaded: %r needed more room", name, model.spec.name)
-            self._release(self._models[name])
-
-    def _settle(self, model: _Model, load: _Load) -> None:
+    def _settle(self, model: ModelSlot, load: Load) -> None:
         """The owner task's last step: its engine is gone, whichever way it ended."""
         life = model.life
         model.llm = None
-        model.resident_bytes = 0
         if life.state is ModelState.LOADING:  # cancelled: nobody waited, or shutdown
             life.cancel()
-            log.info("model %r: load cancelled", model.spec.name)
+            log.info("model %r: load cancelled", model.name)
         elif life.state is ModelState.LOADED:  # the registry closed
             life.unload()
         if life.state is ModelState.UNLOADING or (
@@ -503,10 +263,10 @@ class ModelRegistry:
             life.unloaded()
         load.done.set()
         model.gone.set()
-        self._notify()
+        self._keeper.gone(model)
 
     @staticmethod
-    async def _serve_until_released(model: _Model, llm: LLM) -> str | None:
+    async def _serve_until_released(model: ModelSlot, llm: LLM) -> str | None:
         """Block until ``model`` is released (None) or its engine dies (the reason)."""
         reason: str | None = None
         async with anyio.create_task_group() as tg:
@@ -520,30 +280,6 @@ class ModelRegistry:
             await model.release.wait()
             tg.cancel_scope.cancel()
         return reason
-
-    def _expiry(self, model: _Model) -> float | None:
-        """When the keep-alive timer unloads ``model`` (loop clock); None if not due."""
-        if model.life.state is not ModelState.LOADED or model.held:
-            return None
-        return expiry(model.last_used, model.keep_alive)
-
-    async def _expire_idle(self) -> None:
-        """The registry's one keep-alive timer (rule 1 of ``_residency.py``):
-        unloads each idle model whose keep-alive has passed. Sleeps until the
-        next one is due or a model's residency changes; runs until the
-        registry's task group is cancelled."""
-        while True:
-            changed = self._changed
-            now, due = anyio.current_time(), math.inf
-            for model in self._models.values():
-                at = self._expiry(model)
-                if at is not None and at <= now:
-                    log.info("model %r unloaded after its keep-alive", model.spec.name)
-                    self._release(model)
-                elif at is not None:
-                    due = min(due, at)
-            with anyio.move_on_at(due):
-                await changed.wait()
 
     @contextlib.asynccontextmanager
     async def use(self, name: str, *, keep_alive: float | None = None) -> AsyncIterator[LLM]:
@@ -562,7 +298,7 @@ class ModelRegistry:
             model.last_used = anyio.current_time()
             if model.in_flight == 0:
                 model.idle.set()
-                self._notify()
+                self._keeper.notify()
 
     def in_flight(self, name: str) -> int:
         """Blocks inside :meth:`use` for the model now."""
@@ -582,7 +318,7 @@ class ModelRegistry:
             await model.idle.wait()
         state = model.life.state
         if state is ModelState.LOADED:  # idle: no checkpoint since the check above
-            self._release(model)
+            model.unload()
         elif state is ModelState.LOADING and model.load is not None:
             model.load.scope.cancel()
         await model.gone.wait()
@@ -590,12 +326,6 @@ class ModelRegistry:
     def close(self) -> None:
         """Refuse every later acquire with ShuttingDown. Synchronous."""
         self._closed = True
-
-
-def _model_weights(spec: ModelSpec) -> int:
-    """What the model's engines load from disk (rule 3 of ``_residency.py``). Blocks (stats)."""
-    paths = [spec.config.model, spec.embedding_model]
-    return sum(weight_bytes(path) for path in paths if path is not None and path != "default")
 
 
 @contextlib.asynccontextmanager

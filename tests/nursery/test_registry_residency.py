@@ -181,8 +181,9 @@ async def test_a_busy_model_is_never_unloaded_and_a_load_gives_up_with_models_bu
 ) -> None:
     """Two of three models fit, and both are busy under streams that cannot
     end on their own: a load of the third waits for room, unloads neither,
-    and fails with ModelsBusy naming them after ``fit_timeout``. A load that
-    waits while one of them goes idle unloads that one and loads."""
+    and fails with ModelsBusy naming them after ``fit_timeout`` (a wait that
+    is cancelled leaves nothing). A load that waits while one of them goes
+    idle unloads that one and loads."""
     specs = [_echo(name, tiny_model_dir, SLOW_STEP) for name in "abc"]
     seen = {"a": 0, "b": 0}
     release = {"a": anyio.Event(), "b": anyio.Event()}
@@ -192,6 +193,11 @@ async def test_a_busy_model_is_never_unloaded_and_a_load_gives_up_with_models_bu
         async with _registry(*specs, **rules) as reg, anyio.create_task_group() as tg:
             for name in "ab":
                 await tg.start(_hold, reg, name, seen, release[name])
+            async with anyio.create_task_group() as waiting:  # cancelled: nothing left
+                waiting.start_soon(reg.acquire, "c")
+                await eventually(lambda: reg.waiting_for_room == 1, "c waits for room")
+                waiting.cancel_scope.cancel()
+            assert reg.waiting_for_room == 0 and reg.state("c") is UNLOADED
             with pytest.raises(ModelsBusy) as busy:
                 await reg.acquire("c")
             assert (busy.value.model, busy.value.busy, busy.value.retry_after) == (

@@ -419,9 +419,10 @@ async def open_registry(
 ) -> AsyncIterator[ModelRegistry]:
     """A :class:`ModelRegistry` of ``specs`` for the block, ``preload`` loaded first.
 
-    Enters once every preloaded model is LOADED (ModelNotServed for a name
-    it does not serve, ModelLoadFailed if one fails, ModelsBusy if they do
-    not fit the budget together, with nothing left running). ``keep_alive``
+    Enters once every preloaded model is loaded (ModelNotServed for a name
+    it does not serve, ModelLoadFailed if one fails, with nothing left
+    running); preloads are loads like any other, so those that do not fit
+    the budget together unload the earlier ones, least recently used first. ``keep_alive``
     (seconds; 0: unload once idle; negative: pinned), ``memory_budget``
     (bytes of engine RSS; None: ``DEFAULT_BUDGET_FRACTION`` of the
     machine's memory) and ``fit_timeout`` (seconds a load waits for room)

@@ -1,15 +1,25 @@
 """The residency rules without processes: Ollama's keep_alive forms, expiry,
-and which idle models the memory budget unloads for a load."""
+which idle models the memory budget unloads for a load; memory as /proc
+reports it."""
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tserve.nursery import parse_keep_alive
+from tserve.nursery._memory import (
+    DEFAULT_BUDGET_FRACTION,
+    default_memory_budget,
+    machine_memory,
+    resident_bytes,
+    weight_bytes,
+)
 from tserve.nursery._residency import Occupant, expiry, plan_room
 
 
@@ -110,3 +120,24 @@ def test_a_plan_keeps_the_rules(
     if plan:  # one fewer would not have done
         fewer = [*left, by_name[plan[-1]]]
         assert sum(o.resident_bytes for o in fewer) + need > budget
+
+
+def test_memory_as_the_host_reports_it(tmp_path: Path) -> None:
+    """RSS from statm (this process's, and 0 for a pid that is gone), the
+    default budget as 75% of MemTotal, weights as a file's or a directory's
+    bytes (0 for a name that is no path)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    assert abs(resident_bytes(os.getpid()) - pages * os.sysconf("SC_PAGE_SIZE")) < 64 << 20
+    assert resident_bytes(2**22 + 1) == 0  # past pid_max: no such process
+    with open("/proc/meminfo") as f:
+        total_kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    assert machine_memory() == total_kib * 1024
+    assert default_memory_budget() == int(total_kib * 1024 * DEFAULT_BUDGET_FRACTION)
+    (tmp_path / "model.gguf").write_bytes(b"x" * 1000)
+    (tmp_path / "config.json").write_bytes(b"{}")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "ignored.bin").write_bytes(b"y" * 500)
+    assert weight_bytes(os.fspath(tmp_path / "model.gguf")) == 1000
+    assert weight_bytes(os.fspath(tmp_path)) == 1002
+    assert weight_bytes(os.fspath(tmp_path / "missing")) == 0

@@ -88,7 +88,9 @@ async def _llm(plan: ServePlan) -> AsyncIterator[LLM]:
     assert plan.model is not None
     owner = EngineOwner(plan.client, log_level=plan.log_level.upper())
     name = plan.model.name
-    async with open_registry(owner, [plan.model], preload=[name]) as registry:
+    # Its one LLM is held for the server's life outside any use() block: pinned,
+    # or the keep-alive would stop the engine under it.
+    async with open_registry(owner, [plan.model], preload=[name], keep_alive=-1) as registry:
         loaded = registry.loaded(name)
         assert loaded is not None, "open_registry enters with its preloads loaded"
         with serving_gc():

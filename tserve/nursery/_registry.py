@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 import anyio
@@ -306,6 +306,53 @@ class ModelRegistry:
     def close(self) -> None:
         """Refuse every later acquire with ShuttingDown. Synchronous."""
         self._closed = True
+
+    # -- for a server: holds that outlive a block, served names that change, figures --
+
+    async def hold(self, name: str) -> tuple[LLM, Callable[[], None]]:
+        """:meth:`use` without a block, for a hold that outlives its caller's
+        frame (a streamed response body): the model's LLM, loaded first as
+        :meth:`acquire` does (its rules, bounds and errors), and the release
+        that ends the hold (synchronous, idempotent)."""
+        llm = await self.acquire(name)
+        model = self._models[name]
+        model.in_flight += 1
+        model.idle = anyio.Event() if model.in_flight == 1 else model.idle
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                model.in_flight -= 1
+                if model.in_flight == 0:
+                    model.idle.set()
+
+        return llm, release
+
+    def add(self, spec: ModelSpec) -> None:
+        """Serve ``spec`` too, unloaded (a new file in a models directory). Synchronous."""
+        if spec.name in self._models:
+            raise ValueError(f"two models are named {spec.name!r}")
+        self._models[spec.name] = _Model(spec)
+
+    def remove(self, name: str) -> bool:
+        """Stop serving ``name`` if it has no engine, no load and no caller; whether
+        it was removed (a loaded model stays until it is unloaded). Synchronous."""
+        model = self._model(name)
+        if (
+            model.life.state not in (ModelState.UNLOADED, ModelState.FAILED)
+            or not model.gone.is_set()
+            or model.in_flight
+            or (model.load is not None and model.load.waiters)
+        ):
+            return False
+        del self._models[name]
+        return True
+
+    def load_seconds(self, name: str) -> float:
+        """How long the model's last load took (0.0 before any). Not a checkpoint."""
+        return self._model(name).load_seconds
 
 
 @contextlib.asynccontextmanager

@@ -152,7 +152,7 @@ class ModelLookup(abc.ABC):
 
     def __init__(self, reasoning_parser: str) -> None:
         self._reasoning_parser = reasoning_parser
-        self.draining = False  # set by the drain: every later hold is refused
+        self.draining = False  # set by the drain: later requests are refused
 
     def start_draining(self) -> None:
         """Refuse every later request with ShuttingDown (the drain's step 1). Synchronous."""
@@ -213,8 +213,6 @@ class ModelLookup(abc.ABC):
         """The model ``name`` means, held for the block (or, when a streamed body
         took it, until that body closes). A checkpoint; raises ModelNotFound,
         InvalidRequest, ModelLoadError, ModelLoadTimeout, ShuttingDown."""
-        if self.draining:
-            raise ShuttingDown("the server is shutting down")
         held = await self._take(self.resolve(name))
         try:
             yield held
@@ -336,6 +334,8 @@ class ManyModels(ModelLookup):
         return name
 
     async def _take(self, name: str) -> ModelHold:
+        if self.draining:  # no new load once the drain began
+            raise ShuttingDown("the server is shutting down")
         try:
             with trio.fail_after(self._load_timeout or float("inf")):
                 llm, release = await self._registry.hold(name)

@@ -129,7 +129,7 @@ def test_a_hundred_first_requests_cause_one_load(start_models: Callable[..., Ser
     assert _model_metric(server, "tserve_model_loads_total", "b") == 1
     assert _model_metric(server, "tserve_model_loads_total", "a") == 0
     assert _model_metric(server, "vllm:request_success_total", "b") == 100
-    assert _model_metric(server, "vllm:num_requests_running", "b") == 0
+    assert _model_metric(server, "tserve_requests_live", "b") == 0  # every slot freed
     assert _model_metric(server, "tserve_model_resident_bytes", "b") > 0
     assert _model_metric(server, "tserve_model_state", "b") == 1  # one state at a time
     card = server.client.get("/v1/models/b").json()
@@ -381,3 +381,17 @@ def test_a_models_dir_is_rescanned_when_listed(
     assert _states(server) == {"x": "loaded"}
     server.client.post("/models/unload", json={"model": "x"})
     assert _states(server) == {}
+
+
+def test_one_model_stays_loaded_and_shows_its_state(server: Server) -> None:
+    """One model, served as before: listed loaded, loaded by /models/load
+    already, never unloaded (400 naming the field); an unknown name lists it."""
+    assert _states(server) == {"tiny": "loaded"}
+    assert server.client.get("/ready").json() == {"status": "ready", "models": {"tiny": "loaded"}}
+    assert server.client.post("/models/load", json={"model": "tiny"}).json()["success"]
+    refused = server.client.post("/models/unload", json={"model": "tiny"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    assert server.client.get("/v1/models/tiny").json()["state"] == "loaded"
+    unknown = server.client.get("/v1/models/other").json()["error"]
+    assert unknown["code"] == "model_not_found" and "served: tiny" in unknown["message"]
+    assert server.client.get("/health").json() == {"status": "ok"}

@@ -117,6 +117,10 @@ class ModelHold:
         weakref.finalize(body, self._release)
         return self._release
 
+    def release(self) -> None:
+        """End the hold (a second call does nothing). Synchronous."""
+        self._release()
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelStatus:
@@ -211,14 +215,15 @@ class ModelLookup(abc.ABC):
     @contextlib.asynccontextmanager
     async def hold(self, name: str | None) -> AsyncIterator[ModelHold]:
         """The model ``name`` means, held for the block (or, when a streamed body
-        took it, until that body closes). A checkpoint; raises ModelNotFound,
-        InvalidRequest, ModelLoadError, ModelLoadTimeout, ShuttingDown."""
+        took it, until that body closes). Blocks (cancellably) only while the
+        model loads; raises ModelNotFound, InvalidRequest, ModelLoadError,
+        ModelLoadTimeout, ShuttingDown."""
         held = await self._take(self.resolve(name))
         try:
             yield held
         finally:
             if not held.kept:
-                held._release()
+                held.release()
 
     def not_found(self, name: str) -> ModelNotFound:
         """The 404 for a model this server does not serve, listing those it does."""

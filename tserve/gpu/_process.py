@@ -31,16 +31,24 @@ during a step). Any exception out of
 the batch (the model, the device) is fatal: every peer gets EngineDead with
 the reason and the process exits 1. Errors that concern one request never
 get here; the core ends that request alone.
+
+Test-only fault injection: when ``TSERVE_TEST_FAULT_LOAD_HOLD`` names a
+directory, the engine creates ``DIR/held-PID`` before it builds its core and
+waits there until ``DIR/release`` exists: a load that cannot finish on its
+own, for tests of requests that wait for a model's load. It is unset in
+production and nothing that arrives over HTTP or the wire can set it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 import zmq
 
@@ -136,8 +144,23 @@ def run_engine(
         ctx.term()
 
 
+LOAD_HOLD_ENV: Final = "TSERVE_TEST_FAULT_LOAD_HOLD"
+_LOAD_HOLD_POLL = 0.01  # s between looks for the release file
+
+
+def _hold_load() -> None:
+    """The test-only load hold of the module docstring; returns at once when unset."""
+    directory = os.environ.get(LOAD_HOLD_ENV)
+    if not directory:
+        return
+    (Path(directory) / f"held-{os.getpid()}").touch()
+    while not (Path(directory) / "release").exists():
+        time.sleep(_LOAD_HOLD_POLL)
+
+
 def _build_core(config: EngineConfig) -> Core:
     """The core ``config`` asks for; each is imported only when chosen (torch: seconds)."""
+    _hold_load()
     if config.engine_kind == "echo":
         from tserve.gpu._echo_core import EchoCore
 

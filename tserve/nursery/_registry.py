@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 import anyio
@@ -287,18 +287,11 @@ class ModelRegistry:
         (its rules, bounds and errors; ``keep_alive`` as it takes it); the
         model is not unloaded while any block is inside, and its keep-alive
         runs from the end of the last one. Leaving it is synchronous."""
-        llm = await self.acquire(name, keep_alive=keep_alive)
-        model = self._models[name]
-        model.in_flight += 1
-        model.idle = anyio.Event() if model.in_flight == 1 else model.idle
+        llm, release = await self.hold(name, keep_alive=keep_alive)
         try:
             yield llm
         finally:
-            model.in_flight -= 1
-            model.last_used = anyio.current_time()
-            if model.in_flight == 0:
-                model.idle.set()
-                self._keeper.notify()
+            release()
 
     def in_flight(self, name: str) -> int:
         """Blocks inside :meth:`use` for the model now."""
@@ -326,6 +319,59 @@ class ModelRegistry:
     def close(self) -> None:
         """Refuse every later acquire with ShuttingDown. Synchronous."""
         self._closed = True
+
+    # -- for a server: holds that outlive a block, served names that change, figures --
+
+    async def hold(
+        self, name: str, *, keep_alive: float | None = None
+    ) -> tuple[LLM, Callable[[], None]]:
+        """:meth:`use` without a block, for a hold that outlives its caller's
+        frame (a streamed response body): the model's LLM, loaded first as
+        :meth:`acquire` does (its rules, bounds and errors), and the release
+        that ends the hold (synchronous, idempotent). The model is not
+        unloaded while held; its keep-alive runs from the last release."""
+        llm = await self.acquire(name, keep_alive=keep_alive)
+        model = self._models[name]
+        model.in_flight += 1
+        model.idle = anyio.Event() if model.in_flight == 1 else model.idle
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                model.in_flight -= 1
+                model.last_used = anyio.current_time()
+                if model.in_flight == 0:
+                    model.idle.set()
+                    self._keeper.notify()
+
+        return llm, release
+
+    def add(self, spec: ModelSpec) -> None:
+        """Serve ``spec`` too, unloaded (a new file in a models directory). Synchronous."""
+        if spec.name in self._models:
+            raise ValueError(f"two models are named {spec.name!r}")
+        self._models[spec.name] = ModelSlot(spec, self._keeper.keep_alive)
+        self._keeper.notify()
+
+    def remove(self, name: str) -> bool:
+        """Stop serving ``name`` if it has no engine, no load and no caller; whether
+        it was removed (a loaded model stays until it is unloaded). Synchronous."""
+        model = self._model(name)
+        if (
+            model.life.state not in (ModelState.UNLOADED, ModelState.FAILED)
+            or not model.gone.is_set()
+            or model.in_flight
+            or (model.load is not None and model.load.waiters)
+        ):
+            return False
+        del self._models[name]
+        return True
+
+    def load_seconds(self, name: str) -> float:
+        """How long the model's last load took (0.0 before any). Not a checkpoint."""
+        return self._model(name).load_seconds
 
 
 @contextlib.asynccontextmanager

@@ -43,7 +43,7 @@ import torch
 
 from benchmarks._results import result_stem, write_json
 from tserve.gpu._engine import EngineCore
-from tserve.gpu._models import default_model_dir
+from tserve.gpu._gguf_convert import default_model_dir
 from tserve.protocol import AddRequest, EngineConfig, SamplingParams
 
 _PEER = b"bench"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -172,3 +173,55 @@ def test_kv_cache_dtype_and_byte_budget_from_the_flags_or_the_environment(
     with pytest.raises(SystemExit) as info:
         parse_args(["--kv-cache-dtype", "fp8"])
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["a", "b", "--api-processes", "2"], "--api-processes"),
+        (["a", "b", "--metrics-port", "0"], "--metrics-port"),
+        (["a", "--engine", "tcp://127.0.0.1:5555", "--insecure"], "--engine"),
+        (["--models-dir", ".", "--engine", "tcp://127.0.0.1:5555", "--insecure"], "--engine"),
+        (["a", "b", "--served-model-name", "x"], "--served-model-name"),
+        (["x=a", "x=b"], "'x'"),
+        (["a", "b", "--preload", "c"], "--preload c"),
+        (["a", "--preload", "c"], "--preload c"),
+        (["a", "b", "--model-load-timeout", "0"], "--model-load-timeout"),
+        (["--models-dir", "/no/such/dir"], "--models-dir"),
+    ],
+)
+def test_what_several_models_cannot_serve_is_refused_in_one_line(
+    argv: list[str], named: str
+) -> None:
+    """Several models with one API process only and no remote engine; names that
+    clash or are unknown: exit 2 with one line naming the flag, nothing started."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tserve", "serve", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], done.stderr
+
+
+def test_several_models_are_named_by_alias_flag_or_file(tmp_path: Path) -> None:
+    """NAME=MODEL, then --served-model-name (one per MODEL, in order), then the
+    file or directory name; --models-dir adds its folder's models after them."""
+    from tserve.__main__ import _plan
+
+    (tmp_path / "c.gguf").write_bytes(b"")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("")
+    plan = _plan(parse_args(["serve", "x=m/a.gguf", "m/b", "--models-dir", str(tmp_path)]))
+    assert plan.several and [s.name for s in plan.models] == ["x", "b"]
+    assert plan.models_dir is not None
+    assert [s.name for s in plan.models_dir.specs({"x", "b"})] == ["c", "d"]
+    assert plan.models[0].embedding_model is not None and plan.models[1].embedding_model is None
+    named = _plan(parse_args(["serve", "m/a.gguf", "m/b", "--served-model-name", "p,q"]))
+    assert [s.name for s in named.models] == ["p", "q"]
+    one = _plan(parse_args(["serve", "tiny=m/a.gguf"]))
+    assert not one.several and one.server.app.served_model_names == ("tiny",)
+    assert one.models[0].config.model == "m/a.gguf"

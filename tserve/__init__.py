@@ -9,8 +9,8 @@ Packages (imports run ``web → nursery → mux → protocol ← gpu``):
 embeddable API), ``mux`` (the one socket to the engine), ``gpu`` (the engine
 process), ``bench`` (``python -m tserve bench``). Modules beside them:
 ``__main__`` (the commands: serve, engine, keys, bench), ``_serve`` (serving
-once the options are parsed), ``_options`` (their options and environment
-defaults), ``protocol`` (the wire), ``engine_config``
+once the options are parsed), ``_models_dir`` (the models of ``--models-dir``),
+``_options`` (their options and environment defaults), ``protocol`` (the wire), ``engine_config``
 (how to start an engine), ``sampling`` (how a request samples: its
 parameters, constraints and the model's defaults), ``validity`` (the one
 rule for a valid request), ``grammar`` (structured-output constraints as
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         ModelLoadFailed,
         ModelNotServed,
         ModelRegistry,
+        ModelsBusy,
         ModelState,
         Overloaded,
         RequestFailed,
@@ -72,6 +73,7 @@ __all__ = [
     "ModelNotServed",
     "ModelRegistry",
     "ModelState",
+    "ModelsBusy",
     "Overloaded",
     "Regex",
     "RequestFailed",

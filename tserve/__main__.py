@@ -18,9 +18,11 @@ refused us; 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tserve._curve import KeyFileError, client_keys, require_keys, server_keys, write_keys
 from tserve._host import configure_logging
@@ -117,7 +119,7 @@ def _plan(args: argparse.Namespace) -> ServePlan:
         max_queued_tokens=args.max_queued_tokens,
         request_timeout=args.request_timeout,
     )
-    common = {
+    common: dict[str, Any] = {
         "server": server,
         "client": client,
         "heartbeat_interval": args.heartbeat_interval,
@@ -126,22 +128,120 @@ def _plan(args: argparse.Namespace) -> ServePlan:
         "log_level": args.log_level,
     }
     if args.engine is not None:
-        if args.model is not None:
-            _usage_error("serve", "with --engine, give no MODEL: the engine serves its own")
+        if args.model or args.models_dir is not None:
+            _usage_error(
+                "serve",
+                "with --engine, give no MODEL or --models-dir: the remote engine serves its "
+                "own one model",
+            )
         if args.embedding_model.strip().lower() not in ("default", "none", ""):
             _usage_error("serve", "--embedding-model needs an engine of its own, not --engine")
         _check_link(args, "serve", args.engine)
         remote = RemoteEngine(address=args.engine, keys=args.keys, insecure=args.insecure)
-        return ServePlan(model=None, remote=remote, **common)
+        return ServePlan(remote=remote, **common)
+    if args.model_load_timeout <= 0:
+        _usage_error("serve", "--model-load-timeout must be positive")
     embedding = args.embedding_model
-    model = args.model or "default"
-    names = server.app.served_model_names
+    embedding_model = None if embedding.strip().lower() in ("", "none") else embedding
+    words = args.model or ([] if args.models_dir is not None else ["default"])
+    named = [_named_model(word) for word in words]
+    if len(named) > 1 or args.models_dir is not None:
+        return _several(args, named, embedding_model, common)
+    alias, model = named[0]
+    names = server.app.served_model_names or ((alias,) if alias else ())
     spec = ModelSpec(
         name=names[0] if names else model,
         config=EngineConfig(model=model, **engine_options(args)),
-        embedding_model=None if embedding.strip().lower() in ("", "none") else embedding,
+        embedding_model=embedding_model,
     )
-    return ServePlan(model=spec, **common)
+    if names and not server.app.served_model_names:  # NAME=MODEL: NAME is what clients use
+        app = dataclasses.replace(server.app, served_model_names=names)
+        common["server"] = dataclasses.replace(server, app=app)
+    unknown = set(args.preload) - {spec.name, *names}
+    if unknown:
+        _usage_error("serve", f"--preload {sorted(unknown)[0]}: no model of that name is served")
+    return ServePlan(models=(spec,), **common)
+
+
+def _named_model(word: str) -> tuple[str | None, str]:
+    """``NAME=MODEL`` as (NAME, MODEL); a plain MODEL (or an existing path) as (None, MODEL)."""
+    name, sep, model = word.partition("=")
+    if sep and name and model and "/" not in name and not os.path.exists(word):
+        return name, model
+    return None, word
+
+
+def _several(
+    args: argparse.Namespace,
+    named: list[tuple[str | None, str]],
+    embedding_model: str | None,
+    common: dict[str, Any],
+) -> ServePlan:
+    """The plan of several models (docs/several-models.md); exit 2 for what cannot be served."""
+    from tserve._models_dir import ModelsDir
+    from tserve._serve import ServePlan
+    from tserve.nursery._registry import ModelSpec
+    from tserve.protocol import EngineConfig
+
+    if args.api_processes > 1:
+        _usage_error(
+            "serve",
+            "--api-processes above 1 serves one model: each API process would load and "
+            "unload its own engines; serve several models from one API process",
+        )
+    if args.metrics_port is not None:
+        _usage_error(
+            "serve", "--metrics-port serves one model; with several, scrape /metrics instead"
+        )
+    server = common["server"]
+    given = server.app.served_model_names
+    if given and len(given) != len(named):
+        _usage_error(
+            "serve",
+            f"--served-model-name gives {len(given)} names for {len(named)} models: with "
+            "several MODELs, give one name per MODEL, in order",
+        )
+    options = engine_options(args)
+    specs: list[ModelSpec] = []
+    for i, (alias, model) in enumerate(named):
+        name = given[i] if given else alias or _default_name(model)
+        specs.append(ModelSpec(name, EngineConfig(model=model, **options)))
+    if embedding_model is not None and specs:  # the first model's engine pair embeds
+        specs[0] = dataclasses.replace(specs[0], embedding_model=embedding_model)
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        _usage_error("serve", f"two models are named '{twice}': name them with NAME=MODEL")
+    models_dir = None
+    if args.models_dir is not None:
+        models_dir = ModelsDir(args.models_dir, EngineConfig(model="default", **options))
+        try:
+            names += [spec.name for spec in models_dir.specs(set(names))]
+        except OSError as exc:
+            _usage_error("serve", f"--models-dir {args.models_dir}: {exc}")
+        if not names:
+            _usage_error("serve", f"--models-dir {args.models_dir} holds no model")
+    unknown = set(args.preload) - set(names)
+    if unknown:
+        _usage_error("serve", f"--preload {sorted(unknown)[0]}: no model of that name is served")
+    common["server"] = dataclasses.replace(
+        server, app=dataclasses.replace(server.app, served_model_names=())
+    )
+    return ServePlan(
+        models=tuple(specs),
+        several=True,
+        models_dir=models_dir,
+        preload=tuple(args.preload),
+        load_timeout=args.model_load_timeout,
+        **common,
+    )
+
+
+def _default_name(model: str) -> str:
+    """A model's served name when none is given: its file name without ``.gguf``, or
+    its directory's name."""
+    path = os.path.basename(os.path.normpath(model))
+    return path.removesuffix(".gguf") or model
 
 
 def _serve(args: argparse.Namespace) -> int:

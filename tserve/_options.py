@@ -176,15 +176,17 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "--model-impl",
         str,
         d.model_impl,
-        "'auto' (tserve's own forward pass for Llama, Mistral and Qwen2 models, "
-        "transformers' for the rest) or 'hf' (transformers' for every model)",
+        "'auto' (tserve's own forward pass for the Llama, Qwen2, Qwen3, Phi-3, Gemma 2 and "
+        "Gemma 3 families, transformers' modules over tserve's paged attention for the rest) "
+        "or 'hf' (transformers' modules for every model)",
         choices=("auto", "hf"),
     )
     _flag(
         eng,
         "--dequantize",
-        "serve a GGUF file (the default model is one) through a one-time fp32 conversion "
-        "instead of as it is (quantized, through tserve's CPU kernels)",
+        "serve a GGUF file (the default model is one) through a one-time conversion to an "
+        "fp32 transformers directory instead of as it is (quantized, through tserve's CPU "
+        "kernels); it reads formats tserve has no kernel for",
     )
     _option(
         eng,
@@ -258,6 +260,40 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _models_group(p: argparse.ArgumentParser) -> None:
+    """The options of serving several models (``tserve._serve``, ``tserve._models_dir``)."""
+    models = p.add_argument_group("several models")
+    _option(
+        models,
+        "--models-dir",
+        str,
+        None,
+        "serve every .gguf file and model directory in DIR too, named by file (without "
+        ".gguf) or directory name; rescanned when /v1/models is listed",
+    )
+    env = os.environ.get("TSERVE_PRELOAD")
+    models.add_argument(
+        "--preload",
+        action="append",
+        default=_names(env) if env else [],
+        metavar="NAME",
+        help="load this model at start (repeatable; env TSERVE_PRELOAD, comma-separated); "
+        "the others load on their first request",
+    )
+    _option(
+        models,
+        "--model-load-timeout",
+        float,
+        600.0,
+        "seconds a request waits for its model to load before a 503 (the load goes on "
+        "while any request waits for it)",
+    )
+
+
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve",
@@ -265,12 +301,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Serve a model over the OpenAI-compatible HTTP API: with an engine of "
         "its own, or with --engine, the engine that 'python -m tserve engine' serves.",
     )
+    env_model = os.environ.get("TSERVE_MODEL")
     p.add_argument(
         "model",
-        nargs="?",
-        default=os.environ.get("TSERVE_MODEL"),
-        help=f"{_MODEL_HELP}; default 'default'; none with --engine (env TSERVE_MODEL)",
+        nargs="*",
+        default=[env_model] if env_model else [],
+        metavar="MODEL",
+        help=f"{_MODEL_HELP}, or NAME=MODEL to serve it as NAME; several serve several "
+        "models, each loaded on its first request (docs/several-models.md); default "
+        "'default'; none with --engine (env TSERVE_MODEL: one)",
     )
+    _models_group(p)
     http = p.add_argument_group("HTTP server")
     _option(http, "--host", str, "127.0.0.1", "address to bind")
     _option(http, "--port", int, 8000, "port to bind (0: any free port)")
@@ -281,7 +322,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--served-model-name",
         str,
         None,
-        "model name(s) clients use, comma-separated (default: the model's directory name)",
+        "model name(s) clients use, comma-separated (default: the model's directory name); "
+        "with several MODELs, one name per MODEL, in order",
     )
     _option(http, "--max-body-bytes", int, 4 * 1024 * 1024, "largest request body (413 above)")
     _option(

@@ -1,11 +1,17 @@
 """``python -m tserve serve`` once its options are read: the engines, the API processes.
 
 :func:`run` takes a :class:`ServePlan` (what ``__main__`` parsed) and serves
-until shutdown: the model's engine through a
+until shutdown: the models' engines through a
 :class:`~tserve.nursery._registry.ModelRegistry` (or, with ``--engine``,
 the ``tserve engine`` at that address), HTTP from this process, and with
 ``--api-processes N`` / ``--metrics-port`` the other processes of
 ``tserve.web._workers``. Returns the exit status of ``__main__``'s docstring.
+
+One model is loaded before the server listens and served as one LLM: the
+server exits non-zero when its engine dies. Several models (``several``)
+are served through a :class:`~tserve.web._model_lookup.ManyModels`: the
+``preload`` ones are loaded before the server listens, the others on their
+first request; one engine's death fails only its own model's requests.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from collections.abc import AsyncIterator
 
 import trio
 
+from tserve._models_dir import ModelsDir
 from tserve.nursery import LLM, ClientSettings, EngineDeadError, attach_llm
 from tserve.nursery._gc import serving_gc
 from tserve.nursery._open import EngineOwner
 from tserve.nursery._registry import ModelLoadFailed, ModelSpec, open_registry
 from tserve.web import ServerConfig, serve
+from tserve.web._model_lookup import ManyModels
 from tserve.web._response_store import responses_store_dir
 from tserve.web._workers import MetricsSpec, Workers, WorkerSpec
 
@@ -46,8 +54,14 @@ class ServePlan:
 
     server: ServerConfig
     client: ClientSettings
-    model: ModelSpec | None  # None: the engine of ``remote`` serves its own
+    # The models, in order; none: the engine of ``remote`` serves its own.
+    models: tuple[ModelSpec, ...] = ()
     remote: RemoteEngine | None = None
+    # Several models (two or more, or a models directory): loaded on demand.
+    several: bool = False
+    models_dir: ModelsDir | None = None  # its models are not in ``models``
+    preload: tuple[str, ...] = ()  # loaded before the server listens (several models)
+    load_timeout: float | None = None  # s a request waits for its model's load
     heartbeat_interval: float = 0.5  # s between an engine's heartbeats
     api_processes: int = 1
     metrics_port: int | None = None
@@ -64,7 +78,7 @@ class ServePlan:
 def run(plan: ServePlan) -> int:
     """Serve ``plan`` until shutdown; the exit status. Blocks (runs trio)."""
     try:
-        return trio.run(_serve, plan)
+        return trio.run(_serve_several if plan.several else _serve, plan)
     except (EngineDeadError, ModelLoadFailed) as exc:  # at startup; later, serve returns 1
         print(f"tserve: cannot serve: {exc}", file=sys.stderr)
         return 1
@@ -85,11 +99,12 @@ async def _llm(plan: ServePlan) -> AsyncIterator[LLM]:
         async with attach as llm:
             yield llm
         return
-    assert plan.model is not None
+    (model,) = plan.models
     owner = EngineOwner(plan.client, log_level=plan.log_level.upper())
-    name = plan.model.name
-    async with open_registry(owner, [plan.model], preload=[name]) as registry:
-        loaded = registry.loaded(name)
+    # Its one LLM is held for the server's life outside any use() block: pinned,
+    # or the keep-alive would stop the engine under it.
+    async with open_registry(owner, [model], preload=[model.name], keep_alive=-1) as registry:
+        loaded = registry.loaded(model.name)
         assert loaded is not None, "open_registry enters with its preloads loaded"
         with serving_gc():
             yield loaded
@@ -110,6 +125,36 @@ async def _serve(plan: ServePlan) -> int:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(run_server)
             _print_serving(_served_name(llm, plan.server), url)
+    return codes[0]
+
+
+async def _serve_several(plan: ServePlan) -> int:
+    """Serve several models from this process, each loaded on demand (see the module
+    docstring); ``--api-processes``, ``--metrics-port`` and ``--engine`` are refused
+    with several models before this."""
+    owner = EngineOwner(plan.client, log_level=plan.log_level.upper())
+    specs = list(plan.models)
+    if plan.models_dir is not None:
+        specs += plan.models_dir.specs({spec.name for spec in specs})
+    async with open_registry(owner, specs, preload=plan.preload) as registry:
+        models_dir = plan.models_dir
+        models = ManyModels(
+            registry,
+            load_timeout=plan.load_timeout,
+            reasoning_parser=plan.server.app.reasoning_parser,
+            rescan=None if models_dir is None else lambda: models_dir.rescan(registry),
+            embedding_owner=next((s.name for s in specs if s.embedding_model), None),
+            admission=(plan.client.max_pending, plan.client.max_queued),
+        )
+        codes: list[int] = []
+
+        async def run_server(task_status: trio.TaskStatus[str]) -> None:
+            codes.append(await serve(models, plan.server, task_status=task_status))
+
+        with serving_gc():
+            async with trio.open_nursery() as nursery:
+                url = await nursery.start(run_server)
+                _print_serving(", ".join(registry.names), url)
     return codes[0]
 
 

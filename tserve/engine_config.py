@@ -60,9 +60,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     prompt tokens may cost at most this many times a decode-only step (the
     scheduler's token cost model), so streams never stall behind a long
     prompt; 0 = no bound. ``model_impl`` "auto": tserve's own forward pass for
-    Llama-family models (Llama, Mistral, Qwen2), transformers' for others;
-    "hf": transformers' for all. ``dequantize``: a GGUF file (the default
-    model is one) is converted once to an fp32 directory and served from it,
+    the architectures of ``tserve.gpu._architectures``, transformers' modules
+    over the paged attention for others; "hf": transformers' modules for all.
+    ``dequantize``: a GGUF file (the default model is one) is converted once
+    (``tserve.gpu._gguf_convert``) to an fp32 directory and served from it,
     instead of as it is (its quantized weights through tserve's kernels; CPU
     fp32 only). ``gguf_activations`` (a GGUF file served as it is): "int8",
     activations quantized to 8 bits per block of 32 against the packed

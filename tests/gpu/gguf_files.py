@@ -11,7 +11,8 @@ permuted into interleaved-pair RoPE order (the converter's
 scaling as ``rope_freqs`` factors), 2-D weights in the
 format asked for and norms in F32, and the directory's tokenizer files
 copied beside the file (or a vocabulary in its metadata).
-K-quants, which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`.
+K-quants, which ``gguf`` cannot quantize, come from :mod:`tests.gpu.kquant_blocks`;
+IQ4_NL tensors (which tserve has no kernel for) are Q4_0's blocks read as IQ4_NL's.
 """
 
 from __future__ import annotations
@@ -182,6 +183,10 @@ def write_gguf(
             writer.add_tensor(name, weight.astype(np.float16))
         elif kind in kquant_blocks.FORMATS:
             writer.add_tensor(name, kquant_blocks.quantize(weight, kind), raw_dtype=qtype)
+        elif kind == "IQ4_NL":  # Q4_0's block layout (fp16 scale, 32 4-bit indices): its
+            # blocks are valid IQ4_NL blocks, of other values (its table's, not linear ones)
+            q4_0 = gguf.GGMLQuantizationType.Q4_0
+            writer.add_tensor(name, gguf.quants.quantize(weight, q4_0), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

@@ -1,12 +1,15 @@
 """Every architecture tserve's own forward pass runs, against transformers' own.
 
-For each, a tiny random model from its transformers config (seed fixed; its
-biases and norm weights random too, so that each part counts) is saved as a
+For each, a tiny random model from its transformers config is saved as a
 directory and written as a GGUF file as llama.cpp's converter lays it out.
 The file runs on the native runner (the C decoder), the directory on the
 torch forward pass; both give transformers' eager logits on the same
 weights, for a prompt run in chunks and for decode steps after it over the
 paged KV pool, and an engine on either generates ``generate``'s greedy tokens.
+The transformers path gives the same logits: the directory on transformers'
+modules over the paged pool (``--model-impl hf``), and the file converted to
+fp32 (``--dequantize``) on either forward pass. The models are
+:mod:`tests.gpu.tiny_architectures`'.
 """
 
 from __future__ import annotations
@@ -22,103 +25,35 @@ import torch
 
 from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import write_gguf
+from tests.gpu.tiny_architectures import KINDS, build_tiny_architecture
 from tserve.gpu._architectures import ARCHITECTURES, hf_architecture
+from tserve.gpu._gguf_convert import converted_gguf_dir
 from tserve.gpu._gguf_file import GgufFile
 from tserve.gpu._llama import PagedLlama
 from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._models import load_model
+from tserve.gpu._models import ModelLoadError, load_model
 from tserve.gpu._native import NativeModel, NativeRunner
 from tserve.gpu._sequence import ScheduledChunk, Sequence
-from tserve.protocol import AddRequest, SamplingParams
+from tserve.protocol import AddRequest, ModelImpl, SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-_SHAPE: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "initializer_range": 0.2,
-    "tie_word_embeddings": False,
-}
-# What each family sets beyond the shape: head_dim apart from hidden / heads where it may be.
-_KINDS: dict[str, dict[str, Any]] = {
-    # Llama 3.1's RoPE scaling, its low and high frequencies both within the head.
-    "llama3": {
-        "rope_parameters": {
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
-    },
-    "qwen2": {},
-    "qwen3": {"head_dim": 32},
-    "phi3": {},
-    # Sliding-window layers (8 keys) alternating with global ones; soft-caps small
-    # enough that the random model's scores and logits reach them.
-    "gemma2": {
-        "num_hidden_layers": 4,
-        "head_dim": 32,
-        "query_pre_attn_scalar": 32,
-        "sliding_window": 8,
-        "attn_logit_softcapping": 2.0,
-        "final_logit_softcapping": 3.0,
-        "tie_word_embeddings": True,
-    },
-    # Sliding-window layers (8 keys) with their own RoPE base, every 6th global as
-    # llama.cpp lays Gemma 3 out; one KV head, query_pre_attn_scalar = head_dim.
-    "gemma3": {
-        "num_hidden_layers": 6,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "query_pre_attn_scalar": 32,
-        "sliding_window": 8,
-        "tie_word_embeddings": True,
-    },
-}
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 
 
-def _classes(kind: str) -> tuple[Any, Any]:
-    import transformers
-
-    if kind == "gemma3":
-        return transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
-    if kind == "gemma2":
-        return transformers.Gemma2Config, transformers.Gemma2ForCausalLM
-    names = {"llama3": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
-    return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
-
-
-@pytest.fixture(scope="module", params=sorted(_KINDS))
+@pytest.fixture(scope="module", params=sorted(KINDS))
 def model_dir(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     """A tiny random model of one architecture with the tiny model's tokenizer."""
     kind = request.param
-    config_class, model_class = _classes(kind)
     tokenizer = json.loads((tiny_model_dir / "config.json").read_text())
-    config = config_class(
-        **{**_SHAPE, **_KINDS[kind]},
+    out = build_tiny_architecture(
+        kind,
+        tmp_path_factory.mktemp(kind),
         vocab_size=tokenizer["vocab_size"],
         eos_token_id=tokenizer["eos_token_id"],
         pad_token_id=tokenizer["pad_token_id"],
-        attn_implementation="eager",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        model = model_class(config).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.ndim == 1:  # biases (zero) and norm weights (one) as initialized
-                    p.add_(torch.randn_like(p) * 0.3)
-                    assert "norm" in name or "bias" in name
-    out = tmp_path_factory.mktemp(kind)
-    model.save_pretrained(out)
     for name in _TOKENIZER_FILES:
         if (tiny_model_dir / name).is_file():
             shutil.copy(tiny_model_dir / name, out / name)
@@ -226,6 +161,74 @@ def test_a_directory_on_the_torch_forward_pass_gives_transformers_logits(
     prompt = _prompt(30)
     ours = _chunked_logits(lambda c: runner.execute(c).numpy(), prompt, chunk=7, decodes=6)
     np.testing.assert_allclose(ours, _expected(model_dir, prompt, 7, 6), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["auto", "hf"])
+def test_a_directory_on_transformers_modules_gives_transformers_logits(
+    model_dir: Path, impl: ModelImpl
+) -> None:
+    """``--model-impl hf``: transformers' modules over the paged KV pool honour each
+    layer's window and soft-cap (``auto``: tserve's own forward pass, as above)."""
+    model, _ = load_model(model_dir, device="cpu", dtype=torch.float32)
+    runner = ModelRunner(
+        model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, cpu_gemm="blas", model_impl=impl
+    )
+    assert isinstance(runner.model, PagedLlama) is (impl == "auto")
+    prompt = _prompt(30)  # past the Gemma models' 8-key windows
+    ours = _chunked_logits(lambda c: runner.execute(c).numpy(), prompt, chunk=7, decodes=6)
+    np.testing.assert_allclose(ours, _expected(model_dir, prompt, 7, 6), atol=1e-4, rtol=0)
+
+
+def _converted(model_dir: Path, tmp_path: Path, fmt: str = "F32") -> Path:
+    """The directory's model as a GGUF file, converted back by ``--dequantize``'s
+    converter into a transformers directory."""
+    path = write_gguf(model_dir, tmp_path / "gguf" / "m.gguf", fmt)
+    return converted_gguf_dir(path, tmp_path / "cache", progress=lambda _: None)
+
+
+@pytest.mark.parametrize("impl", ["auto", "hf"])
+def test_dequantize_gives_transformers_logits(
+    model_dir: Path, tmp_path: Path, impl: ModelImpl
+) -> None:
+    """A file (F32: the directory's own weights) converted to fp32 by tserve's
+    plan, on tserve's forward pass and on transformers' modules, gives
+    transformers' logits on the directory (Llama 3.1's RoPE scaling from the
+    file's factors)."""
+    model, _ = load_model(_converted(model_dir, tmp_path), device="cpu", dtype=torch.float32)
+    runner = ModelRunner(
+        model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, cpu_gemm="blas", model_impl=impl
+    )
+    prompt = _prompt(30)
+    ours = _chunked_logits(lambda c: runner.execute(c).numpy(), prompt, chunk=7, decodes=6)
+    np.testing.assert_allclose(ours, _expected(model_dir, prompt, 7, 6), atol=1e-4, rtol=0)
+
+
+def test_dequantize_refuses_rope_factors_of_no_llama3_scaling(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Factors that no Llama 3 parameters give (a transformers config states no
+    others), in one line; served as it is, the file runs."""
+    factors = {"rope_freqs.weight": np.array([1, 2, 1, 2, 1, 2, 1, 2], np.float32)}
+    path = write_gguf(tiny_model_dir, tmp_path / "gguf" / "m.gguf", "F32", extra_tensors=factors)
+    with pytest.raises(ModelLoadError) as refused:
+        converted_gguf_dir(path, tmp_path / "cache", progress=lambda _: None)
+    assert str(refused.value) == (
+        "m.gguf: its RoPE frequency factors ('rope_freqs.weight') are not Llama 3's scaling, "
+        "which is all a transformers config states; serve it as it is (without --dequantize)"
+    )
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half written
+    assert isinstance(small_core(path, cache_dir=str(tmp_path / "cache")).runner, NativeRunner)
+
+
+def test_dequantize_gives_a_llamas_transformers_logits(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A Llama without RoPE scaling (the tiny model), as the test above."""
+    model, _ = load_model(_converted(tiny_model_dir, tmp_path), device="cpu", dtype=torch.float32)
+    runner = ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, cpu_gemm="blas")
+    prompt = _prompt(20)
+    ours = _chunked_logits(lambda c: runner.execute(c).numpy(), prompt, chunk=7, decodes=4)
+    np.testing.assert_allclose(ours, _expected(tiny_model_dir, prompt, 7, 4), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("source", ["gguf", "directory"])

@@ -140,9 +140,9 @@ async def test_short_prompts_tokenize_on_the_loop(
     threads: list[int] = []
     encode = llm._tokens.encode
 
-    def recording_encode(text: str, param: str = "prompt") -> list[int]:
+    def recording_encode(text: str, param: str = "prompt", *, special: bool = True) -> list[int]:
         threads.append(threading.get_ident())
-        return encode(text, param)
+        return encode(text, param, special=special)
 
     monkeypatch.setattr(llm._tokens, "encode", recording_encode)
     params = SamplingParams(max_tokens=2, ignore_eos=True)

@@ -155,7 +155,7 @@ def _write_model(directory: Path, source: Path, template: str, how: str) -> Path
 @pytest.fixture(scope="module")
 def default_model() -> Path:
     """The converted default model (converted once, as the engine does, if absent)."""
-    from tserve.gpu._models import default_model_dir
+    from tserve.gpu._gguf_convert import default_model_dir
 
     return default_model_dir()
 

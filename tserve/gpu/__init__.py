@@ -56,9 +56,12 @@ Modules:
   call (``_decoder_kernels.c``), for the model runner to hand ``_llama.py``.
 * ``_gguf.py`` — a GGUF file as a :class:`PagedLlama` over its tensors in their
   own formats.
+* ``_gguf_convert.py`` — ``--dequantize``: a GGUF file as an fp32 transformers
+  directory, by the weight plan, with its tokenizer; no torch.
 * ``_gguf_file.py`` — reading a GGUF file without torch: its tensors as numpy
   views of the mapping, its metadata as a config, its tokenizer's directory.
-* ``_gguf_plan.py`` — the weight plan both GGUF builders read: which tensors
+* ``_gguf_plan.py`` — the weight plan both GGUF builders read: the model a
+  file's metadata describe (``GgufConfig``), which tensors
   make each part of a layer per architecture, windows, embedding scale, RoPE.
 * ``_gguf_vocab.py`` — a GGUF file's tokenizer from its metadata, as llama.cpp
   reads it (SentencePiece and byte-level BPE), and the ids that end a

@@ -369,21 +369,27 @@ def paged_attention_forward(
 
     ``query`` is ``[1, H, T, D]``, ``key``/``value`` ``[1, KVH, T, D]`` (RoPE
     applied); returns ``([1, T, H, D], None)``. Mutates the pool in place.
+    A layer's ``sliding_window`` and ``softcap`` (Gemma's) are honoured;
+    attention sinks (``s_aux``) are not (the runner refuses such models).
     """
     if tserve_step is None:
         raise RuntimeError(
             f"attention {ATTENTION_NAME!r} runs only inside ModelRunner.execute "
             "(the model was handed to a ModelRunner)"
         )
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention softcap / sinks are not supported")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks are not supported")
+    window = int(kwargs.get("sliding_window") or 0)
+    softcap = float(kwargs.get("softcap") or 0.0)
     layer: int = module.layer_idx  # type: ignore[assignment]
     new = Tokens(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_pool, v_pool, group = tserve_step.pool.layer(layer)
     slots = tserve_step.slot_mapping[group]
     k_pool.index_copy_(1, slots, key[0].to(k_pool.dtype))
     v_pool.index_copy_(1, slots, value[0].to(v_pool.dtype))
-    out = attend_groups(tserve_step.groups, new, k_pool, v_pool, scaling, kv_group=group)
+    out = attend_groups(
+        tserve_step.groups, new, k_pool, v_pool, scaling, None, window, softcap, group
+    )
     return out.unsqueeze(0), None
 
 

@@ -72,7 +72,7 @@ class EchoCore(PeerKeyedBookkeeping[_Echo]):
         if not config.echo_step_time >= 0:
             raise ValueError(f"echo_step_time must be >= 0, got {config.echo_step_time}")
         if config.model == "default":
-            from tserve.gpu._models import default_model_dir  # torch: only for "default"
+            from tserve.gpu._gguf_convert import default_model_dir  # torch: only for "default"
 
             path = default_model_dir(config.cache_dir, progress=progress)
             self.model_name = "SmolLM2-135M-Instruct"

@@ -25,7 +25,6 @@ from tserve.gpu._kv_groups import KVGroups
 from tserve.gpu._models import (
     DEFAULT_MODEL_NAME,
     ModelLoadError,
-    converted_gguf_dir,
     default_cache_root,
     default_gguf,
 )
@@ -108,8 +107,8 @@ def _choose_runner(
 ) -> tuple[bool, GgufFile | None]:
     """Whether the native runner serves GGUF file ``path`` (the engine then
     imports no torch), and the file where it was read to decide; the reason
-    said when not. Raises ValueError where ``gguf_runner`` "native" was asked
-    for and cannot be."""
+    said when not. Raises ModelLoadError where ``gguf_runner`` "native" was
+    asked for and cannot be."""
     from tserve.gpu._native import native_problem
 
     file = None
@@ -120,7 +119,7 @@ def _choose_runner(
         if problem is None:
             return True, file
     if config.gguf_runner == "native":
-        raise ValueError(f"--gguf-runner native cannot serve {path.name}: {problem}")
+        raise ModelLoadError(f"--gguf-runner native cannot serve {path.name}: {problem}")
     progress(f"{path.name} runs on torch's forward pass, not the native runner: {problem}")
     return False, file
 
@@ -200,6 +199,7 @@ def _load_torch(
     import torch
 
     from tserve.gpu._gguf import load_gguf
+    from tserve.gpu._gguf_convert import converted_gguf_dir
     from tserve.gpu._model_runner import (
         KV_CACHE_DTYPES,
         ModelRunner,
@@ -216,7 +216,7 @@ def _load_torch(
     model: Any
     if as_is:
         if not runs_gguf(device, dtype):
-            raise ValueError(
+            raise ModelLoadError(
                 f"{path.name} runs as it is on CPU in float32; on {device} ({dtype}) "
                 "serve it with --dequantize"
             )

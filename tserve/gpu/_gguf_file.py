@@ -38,6 +38,7 @@ from typing import Any, Final
 import numpy as np
 
 from tserve.gpu._architectures import Architecture, UnknownArchitecture, gguf_architecture
+from tserve.gpu._gguf_plan import EMBEDDING, OUTPUT_NORM, GgufConfig, head_name, tensor_shapes
 from tserve.gpu._gguf_vocab import (
     GgufVocab,
     VocabError,
@@ -49,7 +50,9 @@ from tserve.gpu._quant_abi import FORMATS
 from tserve.gpu._sampling_defaults import GGUF_SAMPLING_PREFIX
 
 __all__ = [
+    "EMBEDDING",
     "F32",
+    "OUTPUT_NORM",
     "GgufConfig",
     "GgufFile",
     "read_vocab",
@@ -62,40 +65,6 @@ F32: Final = 0
 _TOKENIZER_COMPLETE: Final = ".tserve-tokenizer"
 # The cache's layout version: a directory written by an older builder is not reused.
 _TOKENIZER_VERSION: Final = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class GgufConfig:
-    """What a file's metadata says of its model, under the names of a
-    transformers ``LlamaConfig`` (the engine reads either alike), and its
-    architecture."""
-
-    architecture: Architecture
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_linear_factor: float  # positions are divided by it (linear scaling); 1.0: none
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_id: int | None
-    pad_token_id: int | None
-    # Every id that ends a generation (EOS, EOT, end-of-turn markers), by the
-    # file's vocabulary as llama.cpp reads it.
-    end_of_generation_ids: tuple[int, ...] = ()
-    sliding_window: int = 0  # the keys of a sliding-window layer (0: none is)
-    attn_softcap: float = 0.0  # attention scores soft-capped to it (0: not)
-    final_softcap: float = 0.0  # logits soft-capped to it (0: not)
-    # Each inverse frequency is divided by its factor (``rope_freqs.weight``: Llama 3.1's
-    # "llama3" scaling as llama.cpp's converter writes it); empty: none.
-    rope_freq_factors: tuple[float, ...] = ()
-    local_rope_theta: float = 0.0  # the RoPE base of sliding-window layers (0: rope_theta)
 
 
 def _reader(path: Path) -> Any:
@@ -116,13 +85,29 @@ def _reader(path: Path) -> Any:
         def data(self, mapping: np.ndarray) -> None:
             self._plain = np.asarray(mapping)
 
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            # Every read of the header, the metadata and the tensors' data passes here.
+            end = offset + np.dtype(dtype).itemsize * int(count)
+            if end > self._plain.shape[0]:
+                raise _Truncated(
+                    f"{path.name}: the file is cut short: it has {self._plain.shape[0]:,} bytes "
+                    f"and its contents run to byte {end:,} at least"
+                )
+            return super()._get(offset, dtype, count, override_order)
+
     return Reader(path, "c")
+
+
+class _Truncated(ValueError):
+    """A GGUF file that ends before its header, metadata or tensors do."""
 
 
 def _open(path: Path) -> Any:
     try:
         return _reader(path)
-    except (OSError, ValueError) as exc:
+    except _Truncated as exc:
+        raise ModelLoadError(str(exc)) from None
+    except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read {str(path)!r} as GGUF: {exc}") from exc
 
 
@@ -151,12 +136,13 @@ class GgufFile:
     """A GGUF file of an architecture tserve runs whose every tensor it runs.
 
     ``has_kernels`` False (the compiled library is absent) makes any tensor
-    not in F32 an error. Raises ModelLoadError naming the file, and the
-    tensor where one is the problem. The arrays it hands out are views of
+    not in F32 an error; ``dequantize`` (its fp32 conversion) allows any
+    format. Raises ModelLoadError naming the file, and the tensor where one
+    is the problem. The arrays it hands out are views of
     the file's mapping (or copies where rows are reordered or joined).
     """
 
-    def __init__(self, path: Path, *, has_kernels: bool) -> None:
+    def __init__(self, path: Path, *, has_kernels: bool, dequantize: bool = False) -> None:
         self.path = path
         reader = _open(path)
         self._tensors: dict[str, Any] = {tensor.name: tensor for tensor in reader.tensors}
@@ -165,12 +151,13 @@ class GgufFile:
             arch = gguf_architecture(meta.get("general.architecture"))
         except UnknownArchitecture as exc:
             raise ModelLoadError(f"{path.name}: {exc}") from exc
-        self.formats = _check_formats(path, self._tensors.values(), has_kernels)
+        self.formats = _check_formats(path, self._tensors.values(), has_kernels, dequantize)
         """GGUF format name -> tensors in it."""
         self.vocab = None if _tokenizer_beside(path) else _vocab(meta)
         """Its ``tokenizer.*`` metadata (a vocabulary tserve builds), or None
         where a ``tokenizer.json`` beside the file is its tokenizer."""
         config = _config(meta, self._tensors, arch)
+        _check_tensors(path, self._tensors, config, meta, self.vocab)
         if self.vocab is not None:
             eog = end_of_generation_ids(self.vocab)
             config = dataclasses.replace(config, end_of_generation_ids=eog)
@@ -253,10 +240,6 @@ class GgufFile:
                 _release_pages(tensor.data)
 
 
-EMBEDDING: Final = "token_embd.weight"
-OUTPUT_NORM: Final = "output_norm.weight"
-
-
 def sampling_metadata(path: Path) -> dict[str, Any]:
     """``path``'s ``general.sampling.*`` metadata (full key -> value), for a file
     served through its fp32 conversion, which keeps none of it. Blocking: the
@@ -264,10 +247,15 @@ def sampling_metadata(path: Path) -> dict[str, Any]:
     return _Metadata(_open(path), path).with_prefix(GGUF_SAMPLING_PREFIX)
 
 
-def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dict[str, int]:
+def _check_formats(
+    path: Path, tensors: Iterable[Any], has_kernels: bool, dequantize: bool
+) -> dict[str, int]:
     counts: dict[str, int] = {}
     for tensor in tensors:
         name = tensor.tensor_type.name
+        if dequantize:
+            counts[name] = counts.get(name, 0) + 1
+            continue
         if name != "F32" and name not in FORMATS:
             raise ModelLoadError(
                 f"{path.name}: tensor {tensor.name!r} is {name}, which tserve has no kernel "
@@ -280,6 +268,49 @@ def _check_formats(path: Path, tensors: Iterable[Any], has_kernels: bool) -> dic
             )
         counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def _check_tensors(
+    path: Path,
+    tensors: dict[str, Any],
+    config: GgufConfig,
+    meta: _Metadata,
+    vocab: GgufVocab | None,
+) -> None:
+    """That every tensor the weight plan reads is there in the shape the metadata
+    give it, and that the embedding, the output head, the metadata and the
+    tokenizer (``vocab``: the file's own) agree on the vocabulary's size;
+    else ModelLoadError, one line naming what disagrees. Reads no weight."""
+    rows = config.vocab_size
+    sizes = {f"the output head ({head_name(config)!r})": _shape(tensors[head_name(config)])[-1]}
+    stated = meta.get(f"{config.architecture.name}.vocab_size")
+    if stated is not None:
+        sizes[f"'{config.architecture.name}.vocab_size'"] = int(stated)
+    if vocab is not None:
+        sizes["its tokenizer"] = len(vocab.tokens)
+    for what, size in sizes.items():
+        if size != rows:
+            raise ModelLoadError(
+                f"{path.name}: the vocabulary has {size:,} tokens by {what} "
+                f"but {rows:,} by the embedding ({EMBEDDING!r})"
+            )
+    for name, want in tensor_shapes(config).items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{path.name}: no tensor {name!r}")
+        if _shape(tensor) != want:
+            raise ModelLoadError(
+                f"{path.name}: tensor {name!r} has shape {list(_shape(tensor))}, not the "
+                f"{list(want)} its metadata give it"
+            )
+
+
+def _shape(tensor: Any) -> tuple[int, ...]:
+    """A tensor's shape in GGUF's order (a row's length first), trailing 1s dropped."""
+    dims = [int(d) for d in tensor.shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(dims)
 
 
 def _config(meta: _Metadata, tensors: dict[str, Any], architecture: Architecture) -> GgufConfig:

@@ -1,4 +1,5 @@
-"""The GGUF weight plan: which tensors of a file make each part of a layer,
+"""The GGUF weight plan: the model a file's metadata describe
+(:class:`GgufConfig`), which tensors of a file make each part of a layer,
 per architecture, and the tables derived from its config (RoPE, embedding
 scale, sliding windows). The torch builder (:mod:`tserve.gpu._gguf`) and the
 native one (:mod:`tserve.gpu._native`) both read it, so the two runners hold
@@ -7,11 +8,17 @@ the same parts. No torch, no file IO.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Final
+
 import numpy as np
 
-from tserve.gpu._gguf_file import EMBEDDING, GgufConfig
+from tserve.gpu._architectures import Architecture
 
 __all__ = [
+    "EMBEDDING",
+    "OUTPUT_NORM",
+    "GgufConfig",
     "embed_scale",
     "head_name",
     "layer_norms",
@@ -19,7 +26,46 @@ __all__ = [
     "layer_vectors",
     "layer_window",
     "rope_tables",
+    "tensor_shapes",
 ]
+
+
+EMBEDDING: Final = "token_embd.weight"
+OUTPUT_NORM: Final = "output_norm.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufConfig:
+    """What a file's metadata says of its model, under the names of a
+    transformers ``LlamaConfig`` (the engine reads either alike), and its
+    architecture."""
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_linear_factor: float  # positions are divided by it (linear scaling); 1.0: none
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    # Every id that ends a generation (EOS, EOT, end-of-turn markers), by the
+    # file's vocabulary as llama.cpp reads it.
+    end_of_generation_ids: tuple[int, ...] = ()
+    sliding_window: int = 0  # the keys of a sliding-window layer (0: none is)
+    attn_softcap: float = 0.0  # attention scores soft-capped to it (0: not)
+    final_softcap: float = 0.0  # logits soft-capped to it (0: not)
+    # Each inverse frequency is divided by its factor (``rope_freqs.weight``: Llama 3.1's
+    # "llama3" scaling as llama.cpp's converter writes it); empty: none.
+    rope_freq_factors: tuple[float, ...] = ()
+    local_rope_theta: float = 0.0  # the RoPE base of sliding-window layers (0: rope_theta)
 
 
 def head_name(config: GgufConfig) -> str:
@@ -73,6 +119,36 @@ def layer_vectors(config: GgufConfig, i: int) -> dict[str, list[str]]:
         vectors["post_attn_norm"] = [f"{block}.post_attention_norm.weight"]
         vectors["post_mlp_norm"] = [f"{block}.post_ffw_norm.weight"]
     return vectors
+
+
+def tensor_shapes(config: GgufConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the plan reads, by name, with the shape ``config`` gives it in
+    GGUF's order (a row's length first: ``[in, out]``; a vector ``[n]``)."""
+    hidden, dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * dim, config.num_key_value_heads * dim
+    shapes: dict[str, tuple[int, ...]] = {
+        EMBEDDING: (hidden, config.vocab_size),
+        OUTPUT_NORM: (hidden,),
+        head_name(config): (hidden, config.vocab_size),
+    }
+    inputs = {"qkv": hidden, "o": q, "gate_up": hidden, "down": inter}
+    outputs = {"qkv": [q, kv, kv], "o": [hidden], "gate_up": [inter, inter], "down": [hidden]}
+    vectors = {
+        "qkv_bias": [q, kv, kv],
+        "q_norm": [dim],
+        "k_norm": [dim],
+        "post_attn_norm": [hidden],
+        "post_mlp_norm": [hidden],
+    }
+    for i in range(config.num_hidden_layers):
+        for part, (names, _) in layer_products(config, i).items():
+            widths = outputs[part] if len(names) > 1 else [sum(outputs[part])]
+            for name, width in zip(names, widths, strict=True):
+                shapes[name] = (inputs[part], width)
+        shapes.update((name, (hidden,)) for name in layer_norms(i).values())
+        for part, names in layer_vectors(config, i).items():
+            shapes.update((name, (n,)) for name, n in zip(names, vectors[part], strict=True))
+    return shapes
 
 
 def layer_window(config: GgufConfig, i: int) -> int:

@@ -112,9 +112,11 @@ def runs_gguf(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def kv_windows(model: Any, model_impl: ModelImpl = "auto") -> tuple[int, ...]:
-    """Each layer's sliding window as the runner will run ``model`` (0: global):
-    a :class:`PagedLlama`'s, or those of the layers tserve's own forward pass
-    will run, or none on transformers' modules (they attend globally here)."""
+    """Each layer's sliding window as the runner's KV groups are laid out for
+    ``model`` (0: global): a :class:`PagedLlama`'s, or those of the layers
+    tserve's own forward pass will run; none on transformers' modules, which
+    mask their windows (from their own attention kwargs) in one group of
+    every layer."""
     if isinstance(model, PagedLlama):
         return tuple(layer.window for layer in model.layers)  # type: ignore[misc]
     layers = _model_kv_shape(model)[0]
@@ -143,9 +145,10 @@ class ModelRunner:
     measured fastest for it (``cpu_gemm="auto"``: :mod:`tserve.gpu._gemm`;
     blocks while it measures), or on the one ``cpu_gemm`` names.
     Raises :class:`ModelLoadError` if the model's attention is not pluggable
-    through transformers' ``AttentionInterface``. On transformers' modules,
-    layers with sliding-window attention get full attention (exact only
-    within the window); tserve's own forward pass honours the window.
+    through transformers' ``AttentionInterface``, or is of a kind the paged
+    attention cannot run (attention sinks, layers other than full or sliding
+    window). On transformers' modules as on tserve's own forward pass, each
+    layer's sliding window and attention soft-cap are honoured.
     ``kv_groups`` (default: one group of every layer) lays the pool out by
     KV layer group (:mod:`tserve.gpu._kv_groups`): take them from
     :func:`kv_windows` of the same model and ``model_impl``.
@@ -290,17 +293,16 @@ def _untouched_zeros(
 
 def _take_over(model: Any, device: torch.device, dtype: torch.dtype, model_impl: ModelImpl) -> Any:
     """The module the runner calls: tserve's own for the models it covers."""
-    text = model.config.get_text_config()
-    window = getattr(text, "sliding_window", None)
     model = model.to(device=device, dtype=dtype).eval()
     reason = "asked for" if model_impl == "hf" else unsupported_reason(model)
-    # tserve's own forward pass honours the window of each layer its config calls
-    # sliding (layer_types); transformers' modules over paged attention honour none.
-    per_layer = reason is None and getattr(text, "layer_types", None) is not None
-    if window and getattr(text, "use_sliding_window", True) and not per_layer:
-        log.warning("sliding-window attention (%s) runs as full attention here", window)
     if reason is None:
         return PagedLlama.from_hf(model)
+    problem = _paged_attention_problem(model)
+    if problem is not None:
+        raise ModelLoadError(
+            f"{type(model).__name__} runs on its Hugging Face modules ({reason}), and "
+            f"tserve's paged attention cannot run {problem}"
+        )
     log.info("%s runs on its Hugging Face modules (%s)", type(model).__name__, reason)
     register_paged_attention()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -310,3 +312,21 @@ def _take_over(model: Any, device: torch.device, dtype: torch.dtype, model_impl:
             "(transformers AttentionInterface); tserve cannot batch it"
         )
     return model
+
+
+# The attention kinds of transformers' ``layer_types`` that the paged attention runs.
+_PAGED_LAYER_TYPES: Final = frozenset({"full_attention", "sliding_attention"})
+
+
+def _paged_attention_problem(model: Any) -> str | None:
+    """What of a Hugging Face model's attention the paged attention
+    (:func:`~tserve.gpu._attention.paged_attention_forward`) cannot honour, or
+    None: it honours causal attention with a layer's sliding window, scale and
+    soft-cap."""
+    text = model.config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ()) - _PAGED_LAYER_TYPES
+    if kinds:
+        return f"its {', '.join(sorted(kinds))} layers"
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        return "attention sinks"
+    return None

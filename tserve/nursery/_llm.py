@@ -227,7 +227,9 @@ class LLM(EngineClient):
         return await self._tokens.tokenize_chat(messages, tools, template_kwargs)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``. Blocking (tokenizer work): :meth:`tokenize` decides where."""
+        """Token ids of ``text`` as a prompt (the model's BOS first where it adds one,
+        as :meth:`generate` tokenizes it). Blocking (tokenizer work): :meth:`tokenize`
+        decides where."""
         return self._tokens.encode(text)
 
     def decode(self, token_ids: list[int]) -> str:

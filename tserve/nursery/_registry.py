@@ -13,16 +13,19 @@ and a load that the last of its waiters left is cancelled too, its process
 stopped, so that a cancelled request leaves nothing behind. A load that
 fails fails every request waiting for it with :class:`ModelLoadFailed`
 naming the model; the next request starts a new load.
+
+Which models stay loaded follows the rules of ``_residency.py``, applied
+by the registry's :class:`~tserve.nursery._keeper.Keeper`: each model's
+keep-alive, and the memory budget before each load.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 import anyio
@@ -32,9 +35,12 @@ from tserve._errors import LLMError
 from tserve.nursery._admission import Overload
 from tserve.nursery._client import ClientSettings
 from tserve.nursery._errors import ShuttingDown
+from tserve.nursery._keeper import DEFAULT_FIT_TIMEOUT, Keeper, ModelFigures
 from tserve.nursery._llm import LLM
+from tserve.nursery._model_slot import Load, ModelSlot, ModelSpec
 from tserve.nursery._model_state import ModelLifecycle, ModelState
 from tserve.nursery._open import EngineOwner
+from tserve.nursery._residency import DEFAULT_KEEP_ALIVE
 from tserve.nursery._session import unwrap
 from tserve.protocol import EngineConfig
 
@@ -67,67 +73,59 @@ class ModelLoadFailed(LLMError):
         self.reason = reason
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """One served model: the name requests use, its engine, its embedding engine if any."""
-
-    name: str
-    config: EngineConfig
-    embedding_model: str | None = None
-
-
-class _Load:
-    """One load of one model, as its waiters see it."""
-
-    def __init__(self) -> None:
-        self.done = anyio.Event()  # set once the model is LOADED, FAILED or the load cancelled
-        self.error: str | None = None  # why it failed; None if it loaded (or was cancelled)
-        # Callers in acquire() waiting for it; the last one to leave early cancels it.
-        # Bound: one per waiting call (each holds its own task).
-        self.waiters = 0
-        self.pinned = False  # a preload or an admin load: runs to its end with no waiter
-        self.scope = anyio.CancelScope()  # the owner task's, cancelled to cancel the load
-
-
-class _Model:
-    """One model's engine slot: its spec, lifecycle, current load and its LLM when LOADED."""
-
-    def __init__(self, spec: ModelSpec) -> None:
-        self.spec = spec
-        self.life = ModelLifecycle(spec.name)
-        self.llm: LLM | None = None  # set exactly while LOADED
-        self.load: _Load | None = None  # the load under way, or the last one
-        self.release = anyio.Event()  # set, with the move to UNLOADING, to stop the engine
-        # Calls inside use() on this model's LLM; unload() waits for 0 (never
-        # under a request). Bound: one per caller task. ``idle`` is set while 0.
-        self.in_flight = 0
-        self.idle = anyio.Event()
-        self.idle.set()
-        self.gone = anyio.Event()  # set when its owner task has ended (no process)
-        self.gone.set()
-        self.load_seconds = 0.0  # the last load's duration
-
-
 class ModelRegistry:
-    """The served models by name. Create with :func:`open_registry`; call from its event loop."""
+    """The served models by name. Create with :func:`open_registry`; call from its event loop.
+
+    ``keep_alive``, ``memory_budget`` and ``fit_timeout``: the residency
+    rules (see :class:`~tserve.nursery._keeper.Keeper`).
+    """
 
     def __init__(
-        self, owner: EngineOwner, specs: Iterable[ModelSpec], tg: anyio.abc.TaskGroup
+        self,
+        owner: EngineOwner,
+        specs: Iterable[ModelSpec],
+        tg: anyio.abc.TaskGroup,
+        *,
+        keep_alive: float = DEFAULT_KEEP_ALIVE,
+        memory_budget: int | None = None,
+        fit_timeout: float = DEFAULT_FIT_TIMEOUT,
     ) -> None:
         self._owner = owner
         self._tg = tg
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, ModelSlot] = {}
         for spec in specs:
             if spec.name in self._models:
                 raise ValueError(f"two models are named {spec.name!r}")
-            self._models[spec.name] = _Model(spec)
+            self._models[spec.name] = ModelSlot(spec, keep_alive)
         if not self._models:
             raise ValueError("a registry needs at least one model")
+        self._keeper = Keeper(
+            self._models,
+            keep_alive=keep_alive,
+            memory_budget=memory_budget,
+            fit_timeout=fit_timeout,
+        )
         self._closed = False
+        tg.start_soon(self._keeper.expire_idle, name="model keep-alive")
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._models)
+
+    @property
+    def memory_budget(self) -> int:
+        """Bytes of RSS the models' engines may hold together (rules 4-5 of ``_residency.py``)."""
+        return self._keeper.memory_budget
+
+    @property
+    def keep_alive(self) -> float:
+        """The default keep-alive in seconds, for calls that give none (negative: pinned)."""
+        return self._keeper.keep_alive
+
+    @property
+    def waiting_for_room(self) -> int:
+        """Calls whose load waits to be placed now: in line, or for room in the budget."""
+        return self._keeper.waiting_for_room
 
     def state(self, name: str) -> ModelState:
         return self._model(name).life.state
@@ -143,39 +141,60 @@ class ModelRegistry:
     def specs(self) -> Mapping[str, ModelSpec]:
         return {name: model.spec for name, model in self._models.items()}
 
-    def _model(self, name: str) -> _Model:
+    def figures(self, name: str) -> ModelFigures:
+        """The model's figures now (state, loads, unloads, load time, RSS measured
+        afresh, in flight, keep-alive, last use, expiry). Not a checkpoint."""
+        return self._keeper.figures(self._model(name))
+
+    def _model(self, name: str) -> ModelSlot:
         model = self._models.get(name)
         if model is None:
             raise ModelNotServed(name, self._models)
         return model
 
-    async def acquire(self, name: str, *, pin: bool = False) -> LLM:
+    async def acquire(
+        self, name: str, *, pin: bool = False, keep_alive: float | None = None
+    ) -> LLM:
         """The model's LLM, loading it first if it has no engine. A checkpoint.
+
+        ``keep_alive`` (seconds; 0: unload once idle; negative: pinned; None:
+        the registry's default) becomes the model's, as the latest call's
+        (rule 1 of ``_residency.py``). The LLM returned is not held: an idle
+        model may be unloaded under a caller that keeps it past its
+        keep-alive; :meth:`use` holds it.
 
         Blocks while the model loads or unloads; the load's own bound
         (``startup_timeout`` of the registry's client settings) bounds the
-        wait. Cancellable: a cancelled call leaves the load to the others
-        waiting for it, and cancels it when it was the last (``pin``: this
-        load runs to its end whoever leaves, for a preload). Raises
+        wait. A load first waits for room in the memory budget, unloading
+        idle models least recently used first (rules 4-5), at most
+        ``fit_timeout`` s: ModelsBusy when the models holding the budget
+        stayed busy. Cancellable: a cancelled call leaves the load to the
+        others waiting for it, and cancels it when it was the last (``pin``:
+        this load runs to its end whoever leaves, for a preload). Raises
         ModelNotServed, ModelLoadFailed naming the model and the reason,
-        ShuttingDown once the registry is closing.
+        ModelsBusy, ShuttingDown once the registry is closing.
         """
         model = self._model(name)
+        self._keeper.asked(model, keep_alive)
         while True:
             if self._closed:
                 raise ShuttingDown("the server is shutting down")
             state = model.life.state
             if state is ModelState.LOADED:
                 assert model.llm is not None
+                # A later expiry: the timer wakes at the earlier one and looks again.
+                model.last_used = anyio.current_time()
                 return model.llm
             if state is ModelState.UNLOADING:
                 await model.gone.wait()
                 continue
             if state in (ModelState.UNLOADED, ModelState.FAILED):
                 await model.gone.wait()  # a dead engine is reaped before the next load
-                if model.life.state not in (ModelState.UNLOADED, ModelState.FAILED):
-                    continue
-                self._start_load(model)
+                if model.life.state in (ModelState.UNLOADED, ModelState.FAILED):
+                    room = await self._keeper.place(model)
+                    if room is not None:  # no checkpoint since: the room is still there
+                        self._start_load(model, room)
+                continue
             load = model.load
             assert load is not None
             load.pinned = load.pinned or pin
@@ -183,7 +202,7 @@ class ModelRegistry:
             if load.error is not None:
                 raise ModelLoadFailed(name, load.error)
 
-    async def _wait_for(self, load: _Load) -> None:
+    async def _wait_for(self, load: Load) -> None:
         load.waiters += 1
         try:
             await load.done.wait()
@@ -192,14 +211,12 @@ class ModelRegistry:
             if not load.done.is_set() and load.waiters == 0 and not load.pinned:
                 load.scope.cancel()  # nobody wants it any more
 
-    def _start_load(self, model: _Model) -> None:
-        model.life.load()
-        model.load = _Load()
-        model.release = anyio.Event()
-        model.gone = anyio.Event()
-        self._tg.start_soon(self._own, model, model.load, name=f"model {model.spec.name}")
+    def _start_load(self, model: ModelSlot, room: int) -> None:
+        load = model.start_load()
+        model.resident_bytes = room  # what the budget counts for it while LOADING
+        self._tg.start_soon(self._own, model, load, name=f"model {model.name}")
 
-    async def _own(self, model: _Model, load: _Load) -> None:
+    async def _own(self, model: ModelSlot, load: Load) -> None:
         """The one task that owns ``model``'s engine, from its start to its exit."""
         life, spec = model.life, model.spec
         started = time.monotonic()
@@ -213,6 +230,7 @@ class ModelRegistry:
                         model.load_seconds = time.monotonic() - started
                         model.llm = llm
                         life.loaded()
+                        self._keeper.loaded(model)
                         load.done.set()
                         log.info("model %r loaded in %.1f s", spec.name, model.load_seconds)
                         reason = await self._serve_until_released(model, llm)
@@ -230,14 +248,13 @@ class ModelRegistry:
         finally:
             self._settle(model, load)
 
-    @staticmethod
-    def _settle(model: _Model, load: _Load) -> None:
+    def _settle(self, model: ModelSlot, load: Load) -> None:
         """The owner task's last step: its engine is gone, whichever way it ended."""
         life = model.life
         model.llm = None
         if life.state is ModelState.LOADING:  # cancelled: nobody waited, or shutdown
             life.cancel()
-            log.info("model %r: load cancelled", model.spec.name)
+            log.info("model %r: load cancelled", model.name)
         elif life.state is ModelState.LOADED:  # the registry closed
             life.unload()
         if life.state is ModelState.UNLOADING or (
@@ -246,9 +263,10 @@ class ModelRegistry:
             life.unloaded()
         load.done.set()
         model.gone.set()
+        self._keeper.gone(model)
 
     @staticmethod
-    async def _serve_until_released(model: _Model, llm: LLM) -> str | None:
+    async def _serve_until_released(model: ModelSlot, llm: LLM) -> str | None:
         """Block until ``model`` is released (None) or its engine dies (the reason)."""
         reason: str | None = None
         async with anyio.create_task_group() as tg:
@@ -264,20 +282,16 @@ class ModelRegistry:
         return reason
 
     @contextlib.asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[LLM]:
+    async def use(self, name: str, *, keep_alive: float | None = None) -> AsyncIterator[LLM]:
         """The model's LLM for the block, loaded first as :meth:`acquire` does
-        (its rules, bounds and errors); the model is not unloaded while any
-        block is inside. Leaving it is synchronous."""
-        llm = await self.acquire(name)
-        model = self._models[name]
-        model.in_flight += 1
-        model.idle = anyio.Event() if model.in_flight == 1 else model.idle
+        (its rules, bounds and errors; ``keep_alive`` as it takes it); the
+        model is not unloaded while any block is inside, and its keep-alive
+        runs from the end of the last one. Leaving it is synchronous."""
+        llm, release = await self.hold(name, keep_alive=keep_alive)
         try:
             yield llm
         finally:
-            model.in_flight -= 1
-            if model.in_flight == 0:
-                model.idle.set()
+            release()
 
     def in_flight(self, name: str) -> int:
         """Blocks inside :meth:`use` for the model now."""
@@ -297,8 +311,7 @@ class ModelRegistry:
             await model.idle.wait()
         state = model.life.state
         if state is ModelState.LOADED:  # idle: no checkpoint since the check above
-            model.life.unload()
-            model.release.set()
+            model.unload()
         elif state is ModelState.LOADING and model.load is not None:
             model.load.scope.cancel()
         await model.gone.wait()
@@ -307,12 +320,68 @@ class ModelRegistry:
         """Refuse every later acquire with ShuttingDown. Synchronous."""
         self._closed = True
 
+    # -- for a server: holds that outlive a block, served names that change, figures --
+
+    async def hold(
+        self, name: str, *, keep_alive: float | None = None
+    ) -> tuple[LLM, Callable[[], None]]:
+        """:meth:`use` without a block, for a hold that outlives its caller's
+        frame (a streamed response body): the model's LLM, loaded first as
+        :meth:`acquire` does (its rules, bounds and errors), and the release
+        that ends the hold (synchronous, idempotent). The model is not
+        unloaded while held; its keep-alive runs from the last release."""
+        llm = await self.acquire(name, keep_alive=keep_alive)
+        model = self._models[name]
+        model.in_flight += 1
+        model.idle = anyio.Event() if model.in_flight == 1 else model.idle
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                model.in_flight -= 1
+                model.last_used = anyio.current_time()
+                if model.in_flight == 0:
+                    model.idle.set()
+                    self._keeper.notify()
+
+        return llm, release
+
+    def add(self, spec: ModelSpec) -> None:
+        """Serve ``spec`` too, unloaded (a new file in a models directory). Synchronous."""
+        if spec.name in self._models:
+            raise ValueError(f"two models are named {spec.name!r}")
+        self._models[spec.name] = ModelSlot(spec, self._keeper.keep_alive)
+        self._keeper.notify()
+
+    def remove(self, name: str) -> bool:
+        """Stop serving ``name`` if it has no engine, no load and no caller; whether
+        it was removed (a loaded model stays until it is unloaded). Synchronous."""
+        model = self._model(name)
+        if (
+            model.life.state not in (ModelState.UNLOADED, ModelState.FAILED)
+            or not model.gone.is_set()
+            or model.in_flight
+            or (model.load is not None and model.load.waiters)
+        ):
+            return False
+        del self._models[name]
+        return True
+
+    def load_seconds(self, name: str) -> float:
+        """How long the model's last load took (0.0 before any). Not a checkpoint."""
+        return self._model(name).load_seconds
+
 
 @contextlib.asynccontextmanager
 async def open_models(
     models: Mapping[str, str | os.PathLike[str]],
     *,
     preload: Iterable[str] = (),
+    keep_alive: float = DEFAULT_KEEP_ALIVE,
+    memory_budget: int | None = None,
+    fit_timeout: float = DEFAULT_FIT_TIMEOUT,
     max_pending: int = 1024,
     overload: str = "wait",
     max_queued: int = 0,
@@ -344,6 +413,20 @@ async def open_models(
     before the block is entered. One engine's death fails only its own
     model's requests; its next call loads it again. Leaving the block in any
     way stops every engine. Runs on asyncio and trio.
+
+    Residency (the rules of ``tserve.nursery._residency``): a model idle
+    for ``keep_alive`` seconds is unloaded (0: as soon as it is idle;
+    negative: never); ``use(name, keep_alive=...)`` overrides it, the
+    latest call's value winning (:func:`tserve.nursery.parse_keep_alive`
+    reads Ollama's forms). ``memory_budget`` bytes (None: 75% of the
+    machine's memory) bound the engines' measured RSS together: before a
+    load that would exceed it, idle models are unloaded least recently used
+    first; when busy models hold the room, the load waits for one to go
+    idle, cancellably and at most ``fit_timeout`` s, then raises ModelsBusy
+    (an Overloaded, with ``retry_after``). A model in a ``use`` block is
+    never unloaded; a model larger than the whole budget loads alone, once
+    every other has been unloaded. The budget counts host memory only (RSS),
+    not a GPU's.
     """
     settings = ClientSettings(
         max_pending=max_pending,
@@ -359,27 +442,53 @@ async def open_models(
         for name, model in models.items()
     ]
     owner = EngineOwner(settings, shutdown_grace=shutdown_grace, log_level=log_level)
-    async with open_registry(owner, specs, preload=preload) as registry:
+    async with open_registry(
+        owner,
+        specs,
+        preload=preload,
+        keep_alive=keep_alive,
+        memory_budget=memory_budget,
+        fit_timeout=fit_timeout,
+    ) as registry:
         yield registry
 
 
 @contextlib.asynccontextmanager
 async def open_registry(
-    owner: EngineOwner, specs: Iterable[ModelSpec], *, preload: Iterable[str] = ()
+    owner: EngineOwner,
+    specs: Iterable[ModelSpec],
+    *,
+    preload: Iterable[str] = (),
+    keep_alive: float = DEFAULT_KEEP_ALIVE,
+    memory_budget: int | None = None,
+    fit_timeout: float = DEFAULT_FIT_TIMEOUT,
 ) -> AsyncIterator[ModelRegistry]:
     """A :class:`ModelRegistry` of ``specs`` for the block, ``preload`` loaded first.
 
-    Enters once every preloaded model is LOADED (ModelNotServed for a name
+    Enters once every preloaded model is loaded (ModelNotServed for a name
     it does not serve, ModelLoadFailed if one fails, with nothing left
-    running). Leaving the block in any way stops every engine (all at once;
-    shielded, each within its stop bound). An exception from the block
-    propagates unchanged (not in an ExceptionGroup).
+    running); preloads are loads like any other, so those that do not fit
+    the budget together unload the earlier ones, least recently used first. ``keep_alive``
+    (seconds; 0: unload once idle; negative: pinned), ``memory_budget``
+    (bytes of engine RSS; None: ``DEFAULT_BUDGET_FRACTION`` of the
+    machine's memory) and ``fit_timeout`` (seconds a load waits for room)
+    are the registry's residency rules (``_residency.py``). Leaving the
+    block in any way stops every engine (all at once; shielded, each within
+    its stop bound). An exception from the block propagates unchanged (not
+    in an ExceptionGroup).
     """
     specs = list(specs)
     body_error: BaseException | None = None
     try:
         async with anyio.create_task_group() as tg:
-            registry = ModelRegistry(owner, specs, tg)
+            registry = ModelRegistry(
+                owner,
+                specs,
+                tg,
+                keep_alive=keep_alive,
+                memory_budget=memory_budget,
+                fit_timeout=fit_timeout,
+            )
             try:
                 await _preload(registry, preload)
                 try:

@@ -89,12 +89,14 @@ class ChatTokenizer:
         work = partial(self.apply_chat_template, tools=tools, template_kwargs=template_kwargs)
         return await self._run(work, messages, _chat_chars(messages, tools))
 
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """Token ids of ``text``. Blocking (tokenizer work): :meth:`tokenize` decides
-        where. Raises InvalidRequest naming ``param`` for text that is not
-        valid Unicode."""
+    def encode(self, text: str, param: str = "prompt", *, special: bool = True) -> list[int]:
+        """Token ids of ``text``, a prompt: with the special tokens the model adds
+        to one (``special``; its BOS where it says so, as llama.cpp and
+        transformers add it), or as it is. Blocking (tokenizer work):
+        :meth:`tokenize` decides where. Raises InvalidRequest naming ``param``
+        for text that is not valid Unicode."""
         try:
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode(text, special=special)
         except TypeError as exc:
             problem = _not_unicode([text], param)
             if problem is None:
@@ -110,7 +112,7 @@ class ChatTokenizer:
         text = self.tokenizer.render_chat(
             messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs
         )
-        return self.encode(text, "messages")
+        return self.encode(text, "messages", special=False)  # the template wrote its BOS
 
     async def _run(self, work: Callable[[_Input], list[int]], arg: _Input, chars: int) -> list[int]:
         if chars < INLINE_TOKENIZE_CHARS:

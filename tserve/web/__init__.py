@@ -21,8 +21,12 @@ What each module owns:
   requests, ``_response_events`` deltas to output items and SSE events
   (sans-IO), ``_response_store`` the stored responses every API process shares.
 * ``_embeddings``: ``/v1/embeddings``.
-* ``_tokens``: ``/tokenize``, ``/detokenize`` and the cached text of a token.
-* ``_models``: the served model names and ``/v1/models``.
+* ``_tokens``: ``/tokenize`` and ``/detokenize``.
+* ``_model_lookup``: the one lookup of a request's ``model`` (one LLM, or a
+  registry's models loaded on demand), held for the whole request; the
+  cached text of a token and the reasoning syntax, per engine.
+* ``_models``: ``/v1/models``, ``/v1/models/{id}``, and llama.cpp's router
+  admin routes ``/models``, ``/models/load``, ``/models/unload``.
 * ``_probes``: ``/version``, ``/health``, ``/ready``, ``/metrics``.
 * ``_openapi``: ``/openapi.json``, the OpenAPI description of every route
   (request bodies generated from ``_bodies``).

@@ -1,4 +1,4 @@
-"""The quart-trio app: the route table over one :class:`tserve.LLM`.
+"""The quart-trio app: the route table over one :class:`tserve.LLM`, or several models.
 
 Routes::
 
@@ -7,12 +7,15 @@ Routes::
     POST /v1/responses   GET, DELETE /v1/responses/{id}   GET /v1/responses/{id}/input_items
     POST /v1/responses/{id}/cancel              (OpenAI's Responses API, its stored responses)
     POST /v1/embeddings                          (when open_llm has an embedding model)
-    GET  /v1/models                              POST /tokenize, /detokenize
+    GET  /v1/models   /v1/models/{id}            POST /tokenize, /detokenize
+    GET  /models   POST /models/load, /models/unload   (llama.cpp's router admin routes)
     GET  /version   /health   /ready   /metrics   /openapi.json
 
-``/v1/*``, ``/tokenize`` and ``/detokenize`` need the API key when one is
-configured; ``/health``, ``/ready``, ``/metrics``, ``/version`` and
-``/openapi.json`` stay open.
+Every route that takes a ``model`` finds it through one
+:class:`~tserve.web._model_lookup.ModelLookup`. ``/v1/*``, ``/models*``,
+``/tokenize`` and ``/detokenize`` need the API key when one is configured;
+``/health``, ``/ready``, ``/metrics``, ``/version`` and ``/openapi.json``
+stay open.
 Quart's ``RESPONSE_TIMEOUT`` is off: it would silently truncate long streams.
 """
 
@@ -29,8 +32,9 @@ from tserve.web._errors import anthropic_error_reply
 from tserve.web._generation import Generation
 from tserve.web._inflight import InFlight
 from tserve.web._messages import Messages
-from tserve.web._metrics import Metrics, RequestRecord
-from tserve.web._models import ServedModels
+from tserve.web._metrics import Metrics, ModelFigures, RequestRecord
+from tserve.web._model_lookup import ModelLookup, OneModel, engine_resident_bytes
+from tserve.web._models import ModelRoutes
 from tserve.web._openapi import OpenAPI
 from tserve.web._probes import Probes
 from tserve.web._reasoning import PARSER_NAMES
@@ -38,7 +42,7 @@ from tserve.web._response_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL, R
 from tserve.web._responses_api import Responses
 from tserve.web._routing import Route, Router
 from tserve.web._send_buffer import BufferBudget
-from tserve.web._tokens import Tokenization, TokenTexts
+from tserve.web._tokens import Tokenization
 
 __all__ = ["AppConfig", "Frontend", "create_app"]
 
@@ -68,30 +72,22 @@ class AppConfig:
 
 
 class Frontend:
-    """The state behind the routes of one app: its LLM, metrics, handlers and live work."""
+    """The state behind the routes of one app: its models, metrics, handlers and live work.
 
-    def __init__(self, llm: LLM, config: AppConfig) -> None:
-        self.llm = llm
+    ``models``: one LLM (served under ``config.served_model_names``), or a
+    :class:`ModelLookup` of several (whose names are its own).
+    """
+
+    def __init__(self, models: LLM | ModelLookup, config: AppConfig) -> None:
+        if not isinstance(models, ModelLookup):
+            models = OneModel(models, config.served_model_names, config.reasoning_parser)
+        self.models = models
         self.config = config
         self.in_flight = InFlight()  # what serve()'s drain waits for, then aborts
-        self.models = ServedModels(llm, config.served_model_names)
-        self.metrics = Metrics(
-            lambda: llm.stats,
-            lambda: self.in_flight.count,
-            self.models.names[0],
-            block_size=llm.ready.kv_block_size,
-            num_gpu_blocks=llm.ready.kv_tokens_total // max(llm.ready.kv_block_size, 1),
-        )
-        self.probes = Probes(llm, self.metrics, self.in_flight)  # serve() sets .started
+        self.metrics = self._metrics(models)
+        self.probes = Probes(models, self.metrics, self.in_flight)  # serve() sets .started
         self.buffers = BufferBudget()  # the bytes streaming responses hold for their clients
-        self.generation = Generation(
-            llm,
-            self.models,
-            self.in_flight,
-            TokenTexts(llm),
-            self.buffers,
-            config.reasoning_parser,
-        )
+        self.generation = Generation(models, self.in_flight, self.buffers)
         self.messages = Messages(self.generation)
         store = ResponseStore(
             config.responses_store_dir,
@@ -105,9 +101,23 @@ class Frontend:
                 self.metrics, "/v1/responses", rid, log_line=config.request_log
             ),
         )
-        self.embedding = Embeddings(llm, self.in_flight)
-        self.tokenization = Tokenization(llm, self.models)
+        self.embedding = Embeddings(models, self.in_flight)
+        self.tokenization = Tokenization(models)
+        self.model_routes = ModelRoutes(models)
         self.openapi = OpenAPI(api_key=config.api_key is not None)
+
+    def _metrics(self, models: ModelLookup) -> Metrics:
+        count = lambda: self.in_flight.count  # noqa: E731
+        if isinstance(models, OneModel):
+            llm, ready = models.llm, models.llm.ready
+            return Metrics(
+                lambda: llm.stats,
+                count,
+                models.names[0],
+                block_size=ready.kv_block_size,
+                num_gpu_blocks=ready.kv_tokens_total // max(ready.kv_block_size, 1),
+            )
+        return Metrics(None, count, models.names[0], models=lambda: _figures(models))
 
     # -- the route table -----------------------------------------------------------
 
@@ -132,7 +142,11 @@ class Frontend:
             Route("/v1/responses/<response_id>/input_items", "GET", r.input_items, protected=True),
             Route("/v1/responses/<response_id>/cancel", "POST", r.cancel, protected=True),
             Route("/v1/embeddings", "POST", self.embedding.embeddings, protected=True),
-            Route("/v1/models", "GET", self.models.models, protected=True),
+            Route("/v1/models", "GET", self.model_routes.models, protected=True),
+            Route("/v1/models/<model_id>", "GET", self.model_routes.model, protected=True),
+            Route("/models", "GET", self.model_routes.models, protected=True),
+            Route("/models/load", "POST", self.model_routes.load, protected=True),
+            Route("/models/unload", "POST", self.model_routes.unload, protected=True),
             Route("/tokenize", "POST", t.tokenize, protected=True),
             Route("/detokenize", "POST", t.detokenize, protected=True),
             Route("/version", "GET", p.version, protected=False),
@@ -144,10 +158,11 @@ class Frontend:
 
 
 def create_app(
-    llm: LLM, config: AppConfig | None = None, *, bind_host: str = "127.0.0.1"
+    models: LLM | ModelLookup, config: AppConfig | None = None, *, bind_host: str = "127.0.0.1"
 ) -> QuartTrio:
-    """A quart-trio app serving ``llm`` on ``bind_host`` (for the ``Host`` check);
-    its :class:`Frontend` is ``app.extensions["tserve"]``."""
+    """A quart-trio app serving ``models`` (one LLM, or several: see :class:`Frontend`)
+    on ``bind_host`` (for the ``Host`` check); its :class:`Frontend` is
+    ``app.extensions["tserve"]``."""
     config = config or AppConfig()
     app = QuartTrio("tserve")
     app.config.update(
@@ -156,7 +171,7 @@ def create_app(
         MAX_CONTENT_LENGTH=config.max_body_bytes,
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
-    frontend = Frontend(llm, config)
+    frontend = Frontend(models, config)
     router = Router(
         frontend.metrics,
         api_key=config.api_key,
@@ -166,3 +181,30 @@ def create_app(
     router.install(app, frontend.routes())
     app.extensions["tserve"] = frontend
     return app
+
+
+def _figures(models: ModelLookup) -> list[ModelFigures]:
+    """Every served model's numbers for a scrape (several models)."""
+    figures = []
+    for status in models.statuses():
+        llm = status.llm
+        stats, cache, resident = None, {}, 0
+        if llm is not None:
+            ready = llm.ready
+            stats = llm.stats
+            blocks = ready.kv_tokens_total // max(ready.kv_block_size, 1)
+            cache = {"block_size": str(ready.kv_block_size), "num_gpu_blocks": str(blocks)}
+            resident = engine_resident_bytes(llm)
+        figures.append(
+            ModelFigures(
+                status.name,
+                status.state.value,
+                stats,
+                cache,
+                loads=status.loads,
+                unloads=status.unloads,
+                load_seconds=status.load_seconds,
+                resident_bytes=resident,
+            )
+        )
+    return figures

@@ -197,3 +197,9 @@ class EmbeddingBody(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
     user: str | None = None
+
+
+class ModelAdminBody(msgspec.Struct, kw_only=True):
+    """``POST /models/load`` and ``/models/unload`` (llama.cpp's router names)."""
+
+    model: str

@@ -19,6 +19,10 @@ request, e.g. a per-request fault)
 Overloaded                              503     server_error / overloaded, ``Retry-After``
 ShuttingDown (draining)                 503     server_error / shutting_down, ``Retry-After``
 RequestAborted (engine aborted it)      503     server_error / request_aborted, ``Retry-After``
+ModelLoadError (its model's load        503     server_error / model_load_failed, ``Retry-After``
+failed; the next request retries)
+ModelLoadTimeout (past                  503     server_error / model_load_timeout, ``Retry-After``
+``--model-load-timeout``)
 EngineDeadError                         503     server_error / engine_dead, ``Retry-After``
 RequestTimeout                          504     server_error / timeout
 anything else: a bug                    500     server_error / internal_error (logged with
@@ -65,6 +69,8 @@ __all__ = [
     "ErrorReply",
     "ErrorShape",
     "ForbiddenHost",
+    "ModelLoadError",
+    "ModelLoadTimeout",
     "ModelNotFound",
     "NotFound",
     "RequestAborted",
@@ -115,6 +121,20 @@ class NotFound(WebError):
 
 class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class ModelLoadError(WebError):
+    """The request's model could not be loaded; the message names it. The next request retries."""
+
+    status = 503
+    code = "model_load_failed"
+
+
+class ModelLoadTimeout(WebError):
+    """The request's model did not load within ``--model-load-timeout``."""
+
+    status = 503
+    code = "model_load_timeout"
 
 
 class RequestAborted(WebError):

@@ -20,7 +20,9 @@ from tserve.web._generation import Generation
 from tserve.web._message_events import MessageOutput
 from tserve.web._message_requests import parse_count_tokens, parse_messages
 from tserve.web._metrics import RequestRecord
-from tserve.web._reasoning import ReasoningSyntax, thinking_off
+from tserve.web._model_lookup import ServedModel
+from tserve.web._reasoning import thinking_off
+from tserve.web._requests import ChatRequest
 from tserve.web._routing import json_response, read_body
 from tserve.web._tools import ToolPlan
 
@@ -35,8 +37,7 @@ class Messages:
 
     async def create(self, record: RequestRecord) -> Response:
         req = parse_messages(await read_body())
-        reasoning = self._generation.reasoning_for(req)
-        output = partial(_output, reasoning=reasoning, show=not thinking_off(req.template_kwargs))
+        output = partial(_output, req=req, show=not thinking_off(req.template_kwargs))
         try:
             return await self._generation.run_chat(record, req, output)
         except InvalidRequest as exc:
@@ -53,9 +54,11 @@ def _output(
     model: str,
     plan: ToolPlan | None,
     count: int,
+    served: ServedModel,
     *,
-    reasoning: ReasoningSyntax | None,
+    req: ChatRequest,
     show: bool,
 ) -> MessageOutput:
     assert count == 1, "a Messages request runs one stream"
+    reasoning = served.reasoning_for(req.template_kwargs)
     return MessageOutput(model, plan, reasoning, show_thinking=show)

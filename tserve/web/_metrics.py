@@ -19,17 +19,22 @@ Two kinds of number, read two ways:
 The model-server contract carries vLLM's names and a ``model_name`` label
 (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, ...), so
 dashboards and endpoint pickers built for vLLM read them unchanged; tserve's
-own numbers stay under ``tserve_``. A scrape never blocks on the engine: it
+own numbers stay under ``tserve_``. With several models (:class:`ModelFigures`),
+every engine family has one sample per loaded model, each with its
+``model_name`` (tserve's own too), the request metrics count under the
+request's model, and per-model families add each model's state, loads,
+unloads, last load time and engines' resident bytes. A scrape never blocks on the engine: it
 reads memory (and, in multiprocess mode, small files in a memory-backed
 directory).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,6 +50,7 @@ __all__ = [
     "EngineCollector",
     "LiveNumbers",
     "Metrics",
+    "ModelFigures",
     "RequestRecord",
     "engine_registry",
     "request_registry",
@@ -70,6 +76,145 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelFigures:
+    """One served model's numbers at a scrape (several models): ``stats`` and the
+    cache config while it is loaded, its lifecycle always."""
+
+    name: str
+    state: str  # a ModelState value
+    stats: LLMStats | None = None
+    cache_config: dict[str, str] = dataclasses.field(default_factory=dict)
+    loads: int = 0
+    unloads: int = 0
+    load_seconds: float = 0.0
+    resident_bytes: int = 0  # its engine processes' resident memory; 0 without one
+
+
+def _usage(s: LLMStats) -> float:
+    e = s.engine
+    return e.kv_tokens_used / e.kv_tokens_total if e.kv_tokens_total else 0.0
+
+
+def _running(s: LLMStats) -> float:
+    return s.engine.running
+
+
+def _waiting(s: LLMStats) -> float:
+    return s.engine.waiting
+
+
+_STATES = ("unloaded", "loading", "loaded", "unloading", "failed")  # ModelState values
+
+# tserve's engine families: (name, help, kind, the value from the stats).
+_ENGINE_FAMILIES: tuple[tuple[str, str, str, Callable[[LLMStats], float]], ...] = (
+    ("tserve_engine_alive", "1 while the engine runs", "gauge", lambda s: s.engine_alive),
+    (
+        "tserve_requests_live",
+        "Admitted requests not yet closed",
+        "gauge",
+        lambda s: s.live_requests,
+    ),
+    (
+        "tserve_requests_queued",
+        "Admitted requests waiting for a slot",
+        "gauge",
+        lambda s: s.queued_requests,
+    ),
+    (
+        "tserve_requests_queued_tokens",
+        "Prompt tokens of the requests waiting for a slot",
+        "gauge",
+        lambda s: s.queued_tokens,
+    ),
+    ("tserve_requests_running", "Requests in the batch", "gauge", _running),
+    ("tserve_requests_waiting", "Requests queued in the engine", "gauge", _waiting),
+    ("tserve_kv_cache_used_tokens", "KV tokens in use", "gauge", lambda s: s.engine.kv_tokens_used),
+    (
+        "tserve_kv_cache_total_tokens",
+        "KV token budget",
+        "gauge",
+        lambda s: s.engine.kv_tokens_total,
+    ),
+    ("tserve_kv_cache_usage_ratio", "KV used / total", "gauge", _usage),
+    ("tserve_aborts_sent", "Aborts sent to the engine", "counter", lambda s: s.aborts_sent),
+    (
+        "tserve_engine_aborts_received",
+        "Aborts the engine received",
+        "counter",
+        lambda s: s.engine.aborts_received,
+    ),
+    ("tserve_engine_steps", "Engine steps", "counter", lambda s: s.engine.steps),
+)
+
+# vLLM's engine families, each with ``model_name``.
+_VLLM_FAMILIES: tuple[tuple[str, str, str, Callable[[LLMStats], float]], ...] = (
+    ("vllm:num_requests_running", "Requests in the engine's batch", "gauge", _running),
+    ("vllm:num_requests_waiting", "Requests queued in the engine", "gauge", _waiting),
+    ("vllm:kv_cache_usage_perc", "KV cache usage, a fraction from 0 to 1", "gauge", _usage),
+    (
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in tokens (each admitted request's known tokens)",
+        "counter",
+        lambda s: s.engine.prefix_cache_queries,
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in tokens (those found cached)",
+        "counter",
+        lambda s: s.engine.prefix_cache_hits,
+    ),
+)
+
+
+def _family(
+    name: str, text: str, kind: str, labels: list[str]
+) -> CounterMetricFamily | GaugeMetricFamily:
+    if kind == "counter":
+        return CounterMetricFamily(name, text, labels=labels)
+    return GaugeMetricFamily(name, text, labels=labels)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Engine:
+    """One loaded model's engine numbers at a scrape."""
+
+    name: str
+    stats: LLMStats
+    cache_config: dict[str, str]
+
+
+def _engine_metrics(
+    engines: Sequence[_Engine], in_flight: int, *, labelled: bool
+) -> Iterator[Metric]:
+    """The engine families, one sample per engine; tserve's own carry ``model_name``
+    only when ``labelled`` (several models)."""
+    own = ["model_name"] if labelled else []
+    for name, text, kind, value in _ENGINE_FAMILIES:
+        family = _family(name, text, kind, own)
+        for e in engines:
+            family.add_metric([e.name] if labelled else [], value(e.stats))
+        yield family
+        if name == "tserve_requests_queued_tokens":  # the HTTP layer's own, for every model
+            yield GaugeMetricFamily(
+                "tserve_http_generations_in_flight", "Completion requests being answered", in_flight
+            )
+    for name, text, kind, value in _VLLM_FAMILIES:
+        family = _family(name, text, kind, ["model_name"])
+        for e in engines:
+            family.add_metric([e.name], value(e.stats))
+        yield family
+    keys = list(engines[0].cache_config) if engines else ["block_size", "num_gpu_blocks"]
+    info = GaugeMetricFamily(
+        "vllm:cache_config_info",
+        "KV cache configuration: tokens per block and blocks",
+        labels=["model_name", *keys],
+    )
+    for e in engines:
+        info.add_metric([e.name, *e.cache_config.values()], 1.0)
+    yield info
+
+
 class EngineCollector(Collector):
     """The engine's numbers and the live work, read once per scrape from ``numbers``
     (:data:`LiveNumbers`): one API process's own, or in the metrics process the whole
@@ -81,94 +226,73 @@ class EngineCollector(Collector):
         self._cache_config = cache_config  # vllm:cache_config_info's labels
 
     def collect(self) -> Iterator[Metric]:
-        s, in_flight = self._numbers()
-        e = s.engine
-        yield GaugeMetricFamily("tserve_engine_alive", "1 while the engine runs", s.engine_alive)
-        yield GaugeMetricFamily(
-            "tserve_requests_live", "Admitted requests not yet closed", s.live_requests
-        )
-        yield GaugeMetricFamily(
-            "tserve_requests_queued", "Admitted requests waiting for a slot", s.queued_requests
-        )
-        yield GaugeMetricFamily(
-            "tserve_requests_queued_tokens",
-            "Prompt tokens of the requests waiting for a slot",
-            s.queued_tokens,
-        )
-        yield GaugeMetricFamily(
-            "tserve_http_generations_in_flight",
-            "Completion requests being answered",
-            in_flight,
-        )
-        yield GaugeMetricFamily("tserve_requests_running", "Requests in the batch", e.running)
-        yield GaugeMetricFamily(
-            "tserve_requests_waiting", "Requests queued in the engine", e.waiting
-        )
-        yield GaugeMetricFamily("tserve_kv_cache_used_tokens", "KV tokens in use", e.kv_tokens_used)
-        yield GaugeMetricFamily(
-            "tserve_kv_cache_total_tokens", "KV token budget", e.kv_tokens_total
-        )
-        usage = e.kv_tokens_used / e.kv_tokens_total if e.kv_tokens_total else 0.0
-        yield GaugeMetricFamily("tserve_kv_cache_usage_ratio", "KV used / total", usage)
-        yield CounterMetricFamily("tserve_aborts_sent", "Aborts sent to the engine", s.aborts_sent)
-        yield CounterMetricFamily(
-            "tserve_engine_aborts_received", "Aborts the engine received", e.aborts_received
-        )
-        yield CounterMetricFamily("tserve_engine_steps", "Engine steps", e.steps)
-        yield from self._vllm_gauges(e.running, e.waiting, usage)
-        for name, text, value in (
-            (
-                "vllm:prefix_cache_queries",
-                "Prefix cache queries, in tokens (each admitted request's known tokens)",
-                e.prefix_cache_queries,
-            ),
-            (
-                "vllm:prefix_cache_hits",
-                "Prefix cache hits, in tokens (those found cached)",
-                e.prefix_cache_hits,
-            ),
-        ):
-            counter = CounterMetricFamily(name, text, labels=["model_name"])
-            counter.add_metric([self._model_name], value)
-            yield counter
+        stats, in_flight = self._numbers()
+        engine = _Engine(self._model_name, stats, self._cache_config)
+        yield from _engine_metrics([engine], in_flight, labelled=False)
 
-    def _vllm_gauges(self, running: int, waiting: int, usage: float) -> Iterator[Metric]:
-        """The engine gauges of vLLM's contract, each with ``model_name``."""
-        for name, text, value in (
-            ("vllm:num_requests_running", "Requests in the engine's batch", running),
-            ("vllm:num_requests_waiting", "Requests queued in the engine", waiting),
-            ("vllm:kv_cache_usage_perc", "KV cache usage, a fraction from 0 to 1", usage),
-        ):
-            gauge = GaugeMetricFamily(name, text, labels=["model_name"])
-            gauge.add_metric([self._model_name], value)
-            yield gauge
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "KV cache configuration: tokens per block and blocks",
-            labels=["model_name", *self._cache_config],
+
+class ModelsCollector(Collector):
+    """Several models' numbers, read once per scrape from ``figures``: the engine
+    families of every loaded model, and every model's lifecycle."""
+
+    def __init__(
+        self, figures: Callable[[], Sequence[ModelFigures]], in_flight: Callable[[], int]
+    ) -> None:
+        self._figures = figures
+        self._in_flight = in_flight
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self._figures()
+        engines = [_Engine(f.name, f.stats, f.cache_config) for f in figures if f.stats is not None]
+        yield from _engine_metrics(engines, self._in_flight(), labelled=True)
+        state = GaugeMetricFamily(
+            "tserve_model_state", "1 for the model's load state", labels=["model_name", "state"]
         )
-        info.add_metric([self._model_name, *self._cache_config.values()], 1.0)
-        yield info
+        loads = CounterMetricFamily(
+            "tserve_model_loads", "Loads that finished", labels=["model_name"]
+        )
+        unloads = CounterMetricFamily(
+            "tserve_model_unloads", "Engines stopped: unloaded or dead", labels=["model_name"]
+        )
+        seconds = GaugeMetricFamily(
+            "tserve_model_load_seconds", "How long the last load took", labels=["model_name"]
+        )
+        resident = GaugeMetricFamily(
+            "tserve_model_resident_bytes",
+            "Resident memory of the model's engine processes (0 without one)",
+            labels=["model_name"],
+        )
+        for f in figures:
+            for value in _STATES:
+                state.add_metric([f.name, value], float(value == f.state))
+            loads.add_metric([f.name], f.loads)
+            unloads.add_metric([f.name], f.unloads)
+            seconds.add_metric([f.name], f.load_seconds)
+            resident.add_metric([f.name], f.resident_bytes)
+        yield from (state, loads, unloads, seconds, resident)
 
 
 class Metrics:
     """The app's metrics. Updating them never blocks.
 
     ``model_name`` is the label of the metrics that carry one (the first
-    served model name); ``block_size`` and ``num_gpu_blocks`` describe the
-    engine's KV cache for ``vllm:cache_config_info``. Request metrics are
+    served model name), and of a request that names no model; ``block_size``
+    and ``num_gpu_blocks`` describe the engine's KV cache for
+    ``vllm:cache_config_info``. ``models`` (several models): the engine
+    numbers come from it instead of ``stats`` (then None), per model. Request metrics are
     shared by every API process when :data:`SHARED_DIR_ENV` names
     a directory (see the module docstring).
     """
 
     def __init__(
         self,
-        stats: Callable[[], LLMStats],
+        stats: Callable[[], LLMStats] | None,
         in_flight: Callable[[], int],
         model_name: str,
         *,
         block_size: int = 0,
         num_gpu_blocks: int = 0,
+        models: Callable[[], Sequence[ModelFigures]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         shared_dir = os.environ.get(SHARED_DIR_ENV)
@@ -192,10 +316,19 @@ class Metrics:
             "Responses ended, their connection closed, because the client took no byte in time",
             registry=r,
         )
-        self.model = _ModelMetrics(model_name, r)
+        self._models = _ModelMetrics(r)
+        self._default = model_name
+        self.model = self.model_for(model_name)  # labels present before any request
+        if models is not None or stats is None:
+            self.registry.register(ModelsCollector(models or list, in_flight))
+            return
         cache_config = _cache_config(block_size, num_gpu_blocks)
         live = EngineCollector(lambda: (stats(), in_flight()), model_name, cache_config)
         self.registry.register(live)
+
+    def model_for(self, name: str | None) -> _ModelLabels:
+        """vLLM's request metrics of the model ``name`` (None: ``model_name``)."""
+        return self._models.labels(self._default if name is None else name)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -226,18 +359,35 @@ def engine_registry(
     return registry
 
 
-class _ModelMetrics:
-    """vLLM's request metrics, bound to one ``model_name`` label value."""
+class _ModelLabels:
+    """vLLM's request metrics bound to one ``model_name`` label value."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None) -> None:
+    def __init__(self, families: _ModelMetrics, model_name: str) -> None:
+        self.ttft = families.ttft.labels(model_name)
+        self.itl = families.itl.labels(model_name)
+        self.e2e = families.e2e.labels(model_name)
+        self.prompt_tokens = families.prompt_tokens.labels(model_name)
+        self.generation_tokens = families.generation_tokens.labels(model_name)
+        self.success = {
+            reason: families.success.labels(model_name, reason) for reason in FINISHED_REASONS
+        }
+
+
+class _ModelMetrics:
+    """vLLM's request metric families, by ``model_name``.
+
+    Bound: one label set per served model name (names come from the server, never
+    from a request that names a model it does not serve: that one is a 404 first).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
         def histogram(name: str, text: str) -> Histogram:
-            family = Histogram(
+            return Histogram(
                 name, text, ["model_name"], buckets=_LATENCY_BUCKETS, registry=registry
             )
-            return family.labels(model_name)
 
         def counter(name: str, text: str) -> Counter:
-            return Counter(name, text, ["model_name"], registry=registry).labels(model_name)
+            return Counter(name, text, ["model_name"], registry=registry)
 
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens")
@@ -246,11 +396,17 @@ class _ModelMetrics:
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
-        success = Counter(
+        self.success = Counter(
             "vllm:request_success", "Choices finished, by finish reason",
             ["model_name", "finished_reason"], registry=registry,
         )  # fmt: skip
-        self.success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self._labels: dict[str, _ModelLabels] = {}
+
+    def labels(self, model_name: str) -> _ModelLabels:
+        found = self._labels.get(model_name)
+        if found is None:
+            found = self._labels[model_name] = _ModelLabels(self, model_name)
+        return found
 
 
 class RequestRecord:
@@ -262,6 +418,7 @@ class RequestRecord:
     def __init__(self, metrics: Metrics, route: str, request_id: str, *, log_line: bool) -> None:
         self.route = route
         self.request_id = request_id
+        self.model_name: str | None = None  # the served model that answered, once held
         self.streaming = False  # the response body, not the handler, calls done()
         # Choices per prompt (``n``): choice i * n is the first of its prompt's,
         # whose usage alone counts that prompt, as the response's usage does.
@@ -277,7 +434,7 @@ class RequestRecord:
 
     def delta(self, index: int, delta: Delta) -> None:
         """Observe one delta of choice ``index`` (TTFT, inter-token latency, tokens, finish)."""
-        m = self._metrics.model
+        m = self._metrics.model_for(self.model_name)
         if delta.usage is not None:
             if index % self.choices_per_prompt == 0:
                 self._prompt_tokens += delta.usage.prompt_tokens
@@ -310,10 +467,11 @@ class RequestRecord:
         elapsed = time.perf_counter() - self._start
         m = self._metrics
         m.requests.labels(self.route, str(status)).inc()
+        model = m.model_for(self.model_name)
         if self._finished:
-            m.model.e2e.observe(elapsed)
-        m.model.prompt_tokens.inc(self._prompt_tokens)
-        m.model.generation_tokens.inc(self._completion_tokens)
+            model.e2e.observe(elapsed)
+        model.prompt_tokens.inc(self._prompt_tokens)
+        model.generation_tokens.inc(self._completion_tokens)
         if self._log_line:
             access_log.info(
                 "%s %s %d prompt_tokens=%d completion_tokens=%d %.1fms",

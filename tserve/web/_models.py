@@ -1,4 +1,12 @@
-"""The model names this server answers to: which a request may name, and ``/v1/models``."""
+"""The served models as clients see them: ``/v1/models``, ``/v1/models/{id}``, and the
+admin routes of llama.cpp's router mode (``GET /models``, ``POST /models/load``,
+``POST /models/unload``).
+
+A model's card carries its load state twice: ``state`` (``unloaded``,
+``loading``, ``loaded``, ``unloading``, ``failed``), and llama.cpp's
+``status.value``; ``max_model_len`` while it is loaded; ``reason`` when it
+failed. Listing rescans a models directory (``--models-dir``) first.
+"""
 
 from __future__ import annotations
 
@@ -7,45 +15,72 @@ from typing import Any
 
 from quart import Response
 
-from tserve.nursery import LLM
-from tserve.web._errors import ModelNotFound
+from tserve.nursery._model_state import ModelState
+from tserve.web._bodies import ModelAdminBody
 from tserve.web._metrics import RequestRecord
-from tserve.web._routing import json_response
+from tserve.web._model_lookup import ModelLookup, ModelStatus
+from tserve.web._requests import decode_body
+from tserve.web._routing import json_response, read_body
 
-__all__ = ["ServedModels"]
+__all__ = ["ModelRoutes"]
 
 
-class ServedModels:
-    """The generation model under ``names`` (its own name when empty), and the embedding model."""
+class ModelRoutes:
+    """The model listing and admin handlers of one app."""
 
-    def __init__(self, llm: LLM, names: tuple[str, ...]) -> None:
-        self._llm = llm
-        self.names = names or (llm.model,)
+    def __init__(self, models: ModelLookup) -> None:
+        self._models = models
         self.created = int(time.time())
 
-    def resolve(self, name: str | None) -> str:
-        """The name a generation answers with: ``name``, or the first when none.
-        Raises ModelNotFound (404) for a name this server does not serve."""
-        if name is None:
-            return self.names[0]
-        if name not in self.names:
-            raise ModelNotFound(f"The model '{name}' does not exist", param="model")
-        return name
-
     async def models(self, record: RequestRecord) -> Response:
-        """``GET /v1/models``: every generation name, then the embedding model if any."""
-        limit = self._llm.ready.max_model_len
-        data = [self._card(name, limit) for name in self.names]
-        embedder = self._llm.embedder
-        if embedder is not None:
-            data.append(self._card(embedder.model, embedder.max_input_tokens))
-        return json_response({"object": "list", "data": data})
+        """``GET /v1/models`` (and ``GET /models``): every served model, then the
+        embedding model while its engine runs."""
+        return json_response({"object": "list", "data": self._cards()})
 
-    def _card(self, name: str, max_model_len: int) -> dict[str, Any]:
-        return {
-            "id": name,
+    async def model(self, record: RequestRecord, model_id: str) -> Response:
+        """``GET /v1/models/{id}``: one card; 404 listing the names for another id."""
+        for card in self._cards():
+            if card["id"] == model_id:
+                return json_response(card)
+        raise self._models.not_found(model_id)
+
+    async def load(self, record: RequestRecord) -> Response:
+        """``POST /models/load``: load the model, if it has no engine; returns once it
+        is loaded (a client that leaves does not cancel it). 503 if it fails."""
+        name = decode_body(await read_body(), ModelAdminBody).model
+        await self._models.load(name)
+        return json_response({"success": True, "model": name})
+
+    async def unload(self, record: RequestRecord) -> Response:
+        """``POST /models/unload``: stop the model's engine once no request holds it;
+        returns once it is gone."""
+        name = decode_body(await read_body(), ModelAdminBody).model
+        await self._models.unload(name)
+        return json_response({"success": True, "model": name})
+
+    def _cards(self) -> list[dict[str, Any]]:
+        statuses = self._models.statuses(rescan=True)
+        cards = [self._card(status) for status in statuses]
+        for status in statuses:
+            embedder = None if status.llm is None else status.llm.embedder
+            if status.name == self._models.embedding_owner and embedder is not None:
+                embedding = ModelStatus(embedder.model, ModelState.LOADED)
+                cards.append(self._card(embedding, embedder.max_input_tokens))
+        return cards
+
+    def _card(self, status: ModelStatus, max_model_len: int | None = None) -> dict[str, Any]:
+        card: dict[str, Any] = {
+            "id": status.name,
             "object": "model",
             "created": self.created,
             "owned_by": "tserve",
-            "max_model_len": max_model_len,
+            "state": status.state.value,
+            "status": {"value": status.state.value},
         }
+        if max_model_len is None and status.llm is not None:
+            max_model_len = status.llm.ready.max_model_len
+        if max_model_len is not None:
+            card["max_model_len"] = max_model_len
+        if status.reason is not None:
+            card["reason"] = status.reason
+        return card

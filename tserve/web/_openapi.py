@@ -30,6 +30,7 @@ from tserve.web._bodies import (
     CompletionBody,
     DetokenizeBody,
     EmbeddingBody,
+    ModelAdminBody,
     TokenizeBody,
 )
 from tserve.web._message_bodies import CountTokensBody, MessagesBody
@@ -56,6 +57,7 @@ def _list_of(item: JSON) -> JSON:
 _STR: Final[JSON] = {"type": "string"}
 _NULLABLE_STR: Final[JSON] = {"type": ["string", "null"]}
 _INT: Final[JSON] = {"type": "integer"}
+_STATE: Final[JSON] = {"enum": ["unloaded", "loading", "loaded", "unloading", "failed"]}
 _USAGE_REF: Final[JSON] = {"$ref": _REF.format(name="Usage")}
 _ERROR: Final = _object(
     "error",
@@ -143,12 +145,25 @@ _EMBEDDINGS: Final = _object(
 _MODELS: Final = _object(
     "object data",
     object={"const": "list"},
-    data=_list_of(_object("id object created owned_by", id=_STR, max_model_len=_INT)),
+    data=_list_of(
+        _object(
+            "id object created owned_by state",
+            id=_STR,
+            max_model_len=_INT,
+            state=_STATE,
+            status=_object("value", value=_STATE),
+            reason=_STR,
+        )
+    ),
 )
 _TOKENS: Final = _object(
     "tokens count max_model_len", tokens=_list_of(_INT), count=_INT, max_model_len=_INT
 )
 _STATUS: Final = _object("status", status=_STR)
+_READY: Final = _object(
+    "status", status=_STR, models={"type": "object", "additionalProperties": _STATE}
+)
+_ADMIN: Final = _object("success model", success={"type": "boolean"}, model=_STR)
 
 _WHY: Final = {
     400: "invalid request: malformed JSON, a wrong type, a value out of range, an "
@@ -160,7 +175,8 @@ _WHY: Final = {
     413: "a body larger than --max-body-bytes",
     415: "a body that is not application/json",
     422: "the engine refused this one request",
-    503: "overloaded, draining, or the engine is not running (Retry-After)",
+    503: "overloaded, draining, the engine is not running, or the model failed to load "
+    "or did not load within --model-load-timeout (Retry-After)",
     504: "the request ran past --request-timeout",
     529: "overloaded, draining, or the engine is not running (Retry-After; Anthropic's "
     "overloaded_error, where the OpenAI routes answer 503)",
@@ -256,6 +272,21 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
         "Embed texts or token ids", _json(_EMBEDDINGS), EmbeddingBody, (*_POST, 404, 422, 503, 504)
     ),
     ("get", "/v1/models"): Operation("The served models", _json(_MODELS), None, (401,)),
+    ("get", "/v1/models/<model_id>"): Operation(
+        "One served model", _json(_MODELS["properties"]["data"]["items"]), None, (401, 404)
+    ),
+    ("get", "/models"): Operation(
+        "The served models (llama.cpp's router name)", _json(_MODELS), None, (401,)
+    ),
+    ("post", "/models/load"): Operation(
+        "Load a model; returns once it is loaded", _json(_ADMIN), ModelAdminBody, (*_POST, 404, 503)
+    ),
+    ("post", "/models/unload"): Operation(
+        "Unload a model once no request holds it; returns once its engine is gone",
+        _json(_ADMIN),
+        ModelAdminBody,
+        (*_POST, 404),
+    ),
     ("post", "/tokenize"): Operation(
         "A prompt or chat as token ids", _json(_TOKENS), TokenizeBody, (*_POST, 404)
     ),
@@ -271,7 +302,7 @@ OPERATIONS: Final[dict[tuple[str, str], Operation]] = {
         protected=False,
     ),
     ("get", "/health"): Operation("Liveness", _json(_STATUS), None, (503,), protected=False),
-    ("get", "/ready"): Operation("Readiness", _json(_STATUS), None, (503,), protected=False),
+    ("get", "/ready"): Operation("Readiness", _json(_READY), None, (503,), protected=False),
     ("get", "/metrics"): Operation(
         "Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}, protected=False
     ),

@@ -42,6 +42,7 @@ from tserve.nursery import InvalidRequest, ShuttingDown
 from tserve.web._errors import NotFound, error_reply
 from tserve.web._generation import Generation
 from tserve.web._metrics import RequestRecord
+from tserve.web._model_lookup import ServedModel
 from tserve.web._response_events import ResponseOutput, new_response_id
 from tserve.web._response_requests import ResponseRequest, parse_responses
 from tserve.web._response_store import CANCEL_POLL, ResponseStore, StoredResponse
@@ -65,6 +66,10 @@ class _Running:
 
     scope: trio.CancelScope
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+
+_ResponseFactory = Callable[[str, ToolPlan | None, int, ServedModel], ResponseOutput]
+"""One response's output for ``Generation.run_chat`` (its OutputFactory)."""
 
 
 class Responses:
@@ -119,10 +124,11 @@ class Responses:
         chat = req.chat(history)
         response_id = new_response_id()
         conversation = [*history, *req.items]
-        reasoning = self._generation.reasoning_for(chat)
         outputs: list[ResponseOutput] = []
 
-        def output(model: str, plan: ToolPlan | None, count: int) -> ResponseOutput:
+        def output(
+            model: str, plan: ToolPlan | None, count: int, served: ServedModel
+        ) -> ResponseOutput:
             assert count == 1, "a response runs one stream"
             on_end = None
             if req.store:
@@ -135,7 +141,7 @@ class Responses:
                     echo=req.echo,
                     on_end=on_end,
                     namespaces=req.namespaces,
-                    reasoning=reasoning,
+                    reasoning=served.reasoning_for(chat.template_kwargs),
                 )
             )
             return outputs[0]
@@ -175,7 +181,7 @@ class Responses:
         chat: Any,
         response_id: str,
         conversation: list[JSON],
-        output: Callable[[str, ToolPlan | None, int], ResponseOutput],
+        output: _ResponseFactory,
     ) -> Response:
         if self._nursery is None:
             raise ShuttingDown("background responses are not running")
@@ -193,7 +199,7 @@ class Responses:
         chat: Any,
         queued: ResponseOutput,
         conversation: list[JSON],
-        output: Callable[[str, ToolPlan | None, int], ResponseOutput],
+        output: _ResponseFactory,
         running: _Running,
     ) -> None:
         """One background response, from "in_progress" to its end, recorded at each step."""
@@ -201,8 +207,10 @@ class Responses:
         record = self._new_record(response_id)
         made: list[ResponseOutput] = []
 
-        def tracked(model: str, plan: ToolPlan | None, count: int) -> ResponseOutput:
-            made.append(output(model, plan, count))
+        def tracked(
+            model: str, plan: ToolPlan | None, count: int, served: ServedModel
+        ) -> ResponseOutput:
+            made.append(output(model, plan, count, served))
             return made[-1]
 
         status = 499

@@ -1,10 +1,11 @@
 """Serving the app over hypercorn's HTTP protocol inside our own nursery.
 
 ``await nursery.start(serve, llm, config)`` returns the base URL once the
-socket listens. ``serve`` itself returns an exit code:
+socket listens (``serve(models, config)`` with a ``ModelLookup`` of several
+models). ``serve`` itself returns an exit code:
 
 * 0 after a graceful shutdown (SIGTERM/SIGINT, or ``shutdown_trigger``):
-  1. ``llm.draining = True``: new requests get 503, ``/ready`` says 503;
+  1. draining: new requests get 503, ``/ready`` says 503;
      hypercorn stops accepting connections;
   2. in-flight requests get up to ``shutdown_timeout`` seconds to finish;
   3. then the rest are ended: streams with a final SSE error event,
@@ -14,9 +15,11 @@ socket listens. ``serve`` itself returns an exit code:
   4. once those final events are written, the connections are closed (idle
      keep-alive ones too) and ``serve`` returns.
   A second signal skips step 2.
-* 1 when an engine (generation or embedding) died: live requests have
-  already failed with it (the mux fails every mailbox at once), ``/health`` is 503; after
-  ``engine_death_grace`` seconds the server shuts down as above.
+* 1 when the one model's engine (generation or embedding) died: live
+  requests have already failed with it (the mux fails every mailbox at
+  once), ``/health`` is 503; after ``engine_death_grace`` seconds the server
+  shuts down as above. With several models an engine's death fails only its
+  own model's requests, and the server serves on.
 
 At any time, a connection whose client accepts no bytes of a response for
 ``stall_timeout`` seconds is closed, which ends its request
@@ -24,7 +27,7 @@ At any time, a connection whose client accepts no bytes of a response for
 its live numbers to the shared metrics directory for the metrics process of
 ``--metrics-port`` (:mod:`tserve.web._stats_files`) until it returns.
 
-Stopping the engine is the caller's part: leaving ``open_llm``.
+Stopping the engines is the caller's part: leaving ``open_llm`` or the registry.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from tserve.web._app import AppConfig, Frontend, create_app
 from tserve.web._browser import is_loopback
 from tserve.web._connections import StallGuard, serve_http
 from tserve.web._metrics import SHARED_DIR_ENV
+from tserve.web._model_lookup import ModelLookup, OneModel
 from tserve.web._stats_files import publish_stats
 
 __all__ = ["ServerConfig", "bound_socket", "serve"]
@@ -131,7 +135,7 @@ class _Lifecycle:
         config: ServerConfig,
         on_signal: Callable[[signal.Signals], None] | None,
     ) -> None:
-        self.llm = frontend.llm
+        self.models = frontend.models
         self.frontend = frontend
         self.config = config
         self.on_signal = on_signal
@@ -150,7 +154,7 @@ class _Lifecycle:
             self._hurry.set()
             return
         self._draining = True
-        self.llm.draining = True
+        self.models.start_draining()
         self.stop_listening.set()
         with trio.move_on_after(grace):
             async with trio.open_nursery() as nursery:
@@ -178,7 +182,7 @@ class _Lifecycle:
         await self.drain(self.config.shutdown_timeout)
 
     async def watch_engine(self) -> None:
-        reason = await self.llm.wait_engine_dead()  # either engine's death, as an event
+        reason = await self.models.wait_fatal()  # one model: either engine's death
         log.error("the engine died (%s): failing live requests and exiting", reason)
         self.exit_code = EXIT_ENGINE_DEAD
         await trio.sleep(self.config.engine_death_grace)
@@ -201,14 +205,15 @@ async def _cancel_after(event: Callable[[], Awaitable[object]], scope: trio.Canc
 
 
 async def serve(
-    llm: LLM,
+    models: LLM | ModelLookup,
     config: ServerConfig | None = None,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     on_signal: Callable[[signal.Signals], None] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> int:
-    """Serve ``llm`` over HTTP until shutdown; return the process exit code.
+    """Serve ``models`` (one LLM, or a ModelLookup of several) over HTTP until
+    shutdown; return the process exit code.
 
     Blocks for the life of the server. ``task_status.started`` gets the base
     URL (``http://host:port``, with the real port when ``port`` is 0).
@@ -220,20 +225,20 @@ async def serve(
     shared_dir = os.environ.get(SHARED_DIR_ENV)
     if config.publish_stats and not shared_dir:
         raise ValueError(f"publish_stats needs {SHARED_DIR_ENV} (tserve._metrics_dir)")
+    if not isinstance(models, ModelLookup):
+        models = OneModel(models, config.app.served_model_names, config.app.reasoning_parser)
     fd_limit = raise_fd_limit()
-    max_connections = config.max_connections or connection_bound(
-        llm.max_pending, llm.admission.max_queued, fd_limit
-    )
-    admission = llm.admission
+    max_pending, max_queued = models.admission
+    max_connections = config.max_connections or connection_bound(max_pending, max_queued, fd_limit)
     log.info(
-        "admission: %d requests run at once; up to %d more may wait, holding at most %s "
-        "prompt tokens; at most %d connections are held",
-        admission.max_pending,
-        admission.max_queued,
-        admission.max_queued_tokens,
+        "admission: %d requests run at once; up to %d more may wait (over %d models); "
+        "at most %d connections are held",
+        max_pending,
+        max_queued,
+        len(models.names),
         max_connections,
     )
-    app = create_app(llm, config.app, bind_host=config.host)
+    app = create_app(models, config.app, bind_host=config.host)
     _warn_if_open(config)
     frontend: Frontend = app.extensions["tserve"]
     life = _Lifecycle(frontend, config, on_signal)
@@ -245,6 +250,9 @@ async def serve(
         nursery.start_soon(life.watch_engine)
         await nursery.start(frontend.responses.run)  # background responses live this long
         if config.publish_stats and shared_dir:
+            if not isinstance(models, OneModel):
+                raise ValueError("publish_stats serves one model (--metrics-port)")
+            llm = models.llm
             stats, count = (lambda: llm.stats), (lambda: frontend.in_flight.count)
             nursery.start_soon(publish_stats, Path(shared_dir), stats, count)
 

@@ -40,12 +40,12 @@ def idle_unloads(
     second_model_dir: Path,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Server]:
-    """``serve a b --keep-alive 0``: a model is unloaded once idle unless a request
-    says otherwise."""
+    """``serve a b --keep-alive 0`` on the echo engine (quick to load; which models
+    stay loaded does not depend on what they compute): a model is unloaded once
+    idle unless a request says otherwise."""
     log = tmp_path_factory.mktemp("keep-alive") / "server.log"
-    server = Server(
-        None, f"a={tiny_model_dir}", f"b={second_model_dir}", "--keep-alive", "0", log=log
-    )
+    models = (f"a={tiny_model_dir}", f"b={second_model_dir}")
+    server = Server(None, *models, "--engine-kind", "echo", "--keep-alive", "0", log=log)
     yield server
     server.stop()
 

@@ -188,6 +188,18 @@ def test_kv_cache_dtype_and_byte_budget_from_the_flags_or_the_environment(
         (["a", "--preload", "c"], "--preload c"),
         (["a", "b", "--model-load-timeout", "0"], "--model-load-timeout"),
         (["--models-dir", "/no/such/dir"], "--models-dir"),
+        (["a", "b", "--keep-alive", "5 min"], "--keep-alive"),
+        (["a", "b", "--keep-alive", "forever"], "--keep-alive"),
+        (["a", "b", "--models-memory", "8Q"], "--models-memory"),
+        (["a", "b", "--models-memory", "0"], "--models-memory"),
+        (["a", "b", "--models-memory=-1G"], "--models-memory"),
+        (["a", "b", "--model-fit-timeout", "0"], "--model-fit-timeout"),
+        (["a", "--keep-alive", "1m"], "--keep-alive"),
+        (["a", "--models-memory", "8G"], "--models-memory"),
+        (
+            ["tcp", "--engine", "tcp://127.0.0.1:5555", "--insecure", "--keep-alive", "0"],
+            "--keep-alive",
+        ),
     ],
 )
 def test_what_several_models_cannot_serve_is_refused_in_one_line(
@@ -225,3 +237,38 @@ def test_several_models_are_named_by_alias_flag_or_file(tmp_path: Path) -> None:
     one = _plan(parse_args(["serve", "tiny=m/a.gguf"]))
     assert not one.several and one.server.app.served_model_names == ("tiny",)
     assert one.models[0].config.model == "m/a.gguf"
+
+
+def test_residency_flags_reach_the_plan_of_several_models() -> None:
+    """--keep-alive in Ollama's forms, --models-memory with binary and decimal
+    suffixes, --model-fit-timeout; unset, the registry's defaults."""
+    from tserve.__main__ import _plan
+    from tserve.nursery._keeper import DEFAULT_FIT_TIMEOUT
+    from tserve.nursery._residency import DEFAULT_KEEP_ALIVE
+
+    plain = _plan(parse_args(["serve", "a", "b"]))
+    assert (plain.keep_alive, plain.memory_budget, plain.fit_timeout) == (
+        DEFAULT_KEEP_ALIVE,
+        None,
+        DEFAULT_FIT_TIMEOUT,
+    )
+    for keep, memory, seconds in [
+        ("1h30m", "1.5GiB", 90 * 60.0),
+        ("-1", "8G", -1.0),
+        ("0", "2GB", 0.0),
+        ("45", "4096", 45.0),
+    ]:
+        argv = ["serve", "a", "b", "--keep-alive", keep, "--models-memory", memory]
+        plan = _plan(parse_args([*argv, "--model-fit-timeout", "2.5"]))
+        assert plan.keep_alive == seconds and plan.fit_timeout == 2.5
+    sizes = {
+        "1.5GiB": 3 * 2**29,
+        "8G": 8 * 2**30,
+        "512M": 512 * 2**20,
+        "2GB": 2 * 10**9,
+        "4096": 4096,
+        "1k": 1024,
+    }
+    for text, size in sizes.items():
+        plan = _plan(parse_args(["serve", "a", "b", "--models-memory", text]))
+        assert plan.memory_budget == size, text

@@ -128,6 +128,7 @@ def _plan(args: argparse.Namespace) -> ServePlan:
         "log_level": args.log_level,
     }
     if args.engine is not None:
+        _one_model(args)
         if args.model or args.models_dir is not None:
             _usage_error(
                 "serve",
@@ -147,6 +148,7 @@ def _plan(args: argparse.Namespace) -> ServePlan:
     named = [_named_model(word) for word in words]
     if len(named) > 1 or args.models_dir is not None:
         return _several(args, named, embedding_model, common)
+    _one_model(args)
     alias, model = named[0]
     names = server.app.served_model_names or ((alias,) if alias else ())
     spec = ModelSpec(
@@ -161,6 +163,45 @@ def _plan(args: argparse.Namespace) -> ServePlan:
     if unknown:
         _usage_error("serve", f"--preload {sorted(unknown)[0]}: no model of that name is served")
     return ServePlan(models=(spec,), **common)
+
+
+_RESIDENCY_FLAGS = ("--keep-alive", "--models-memory", "--model-fit-timeout")
+
+
+def _one_model(args: argparse.Namespace) -> None:
+    """Exit 2 if a residency option is given for one model, which is loaded for the
+    server's whole life: it has no keep-alive and nothing to unload."""
+    for flag in _RESIDENCY_FLAGS:
+        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
+            _usage_error(
+                "serve",
+                f"{flag} applies to several models; one model stays loaded for the "
+                "server's whole life",
+            )
+
+
+def _residency(args: argparse.Namespace) -> dict[str, Any]:
+    """``--keep-alive``, ``--models-memory``, ``--model-fit-timeout`` as the
+    registry's arguments (those not given: its defaults); exit 2 for a bad one."""
+    from tserve.nursery import parse_keep_alive
+    from tserve.nursery._memory import parse_byte_size
+
+    out: dict[str, Any] = {}
+    if args.keep_alive is not None:
+        try:
+            out["keep_alive"] = parse_keep_alive(args.keep_alive)
+        except ValueError as exc:
+            _usage_error("serve", f"--keep-alive: {exc}")
+    if args.models_memory is not None:
+        try:
+            out["memory_budget"] = parse_byte_size(args.models_memory)
+        except ValueError as exc:
+            _usage_error("serve", f"--models-memory: {exc}")
+    if args.model_fit_timeout is not None:
+        if not args.model_fit_timeout > 0:
+            _usage_error("serve", "--model-fit-timeout must be a positive number of seconds")
+        out["fit_timeout"] = args.model_fit_timeout
+    return out
 
 
 def _named_model(word: str) -> tuple[str | None, str]:
@@ -183,6 +224,7 @@ def _several(
     from tserve.nursery._registry import ModelSpec
     from tserve.protocol import EngineConfig
 
+    residency = _residency(args)
     if args.api_processes > 1:
         _usage_error(
             "serve",
@@ -233,6 +275,7 @@ def _several(
         models_dir=models_dir,
         preload=tuple(args.preload),
         load_timeout=args.model_load_timeout,
+        **residency,
         **common,
     )
 

@@ -292,6 +292,34 @@ def _models_group(p: argparse.ArgumentParser) -> None:
         "seconds a request waits for its model to load before a 503 (the load goes on "
         "while any request waits for it)",
     )
+    _option(
+        models,
+        "--keep-alive",
+        str,
+        None,
+        "how long an idle model stays loaded: a duration (5m, 1h30m, 30s) or seconds; 0 "
+        "unloads it once idle, -1 never; a request's keep_alive overrides it (default 5m)",
+        metavar="DURATION",
+    )
+    _option(
+        models,
+        "--models-memory",
+        str,
+        None,
+        "bytes of memory (RSS) the models' engines may hold together: 8G, 512M, 1.5GiB or "
+        "a number; idle models are unloaded, least recently used first, to fit a load "
+        "(default 75%% of the machine's memory)",
+        metavar="BYTES",
+    )
+    _option(
+        models,
+        "--model-fit-timeout",
+        float,
+        None,
+        "seconds a load waits for busy models to go idle and make room in --models-memory "
+        "before a 503 with Retry-After (default 30)",
+        metavar="SECONDS",
+    )
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

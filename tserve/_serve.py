@@ -28,8 +28,10 @@ import trio
 from tserve._models_dir import ModelsDir
 from tserve.nursery import LLM, ClientSettings, EngineDeadError, attach_llm
 from tserve.nursery._gc import serving_gc
+from tserve.nursery._keeper import DEFAULT_FIT_TIMEOUT
 from tserve.nursery._open import EngineOwner
 from tserve.nursery._registry import ModelLoadFailed, ModelSpec, open_registry
+from tserve.nursery._residency import DEFAULT_KEEP_ALIVE
 from tserve.web import ServerConfig, serve
 from tserve.web._model_lookup import ManyModels
 from tserve.web._response_store import responses_store_dir
@@ -62,6 +64,12 @@ class ServePlan:
     models_dir: ModelsDir | None = None  # its models are not in ``models``
     preload: tuple[str, ...] = ()  # loaded before the server listens (several models)
     load_timeout: float | None = None  # s a request waits for its model's load
+    # The residency rules (several models): s an idle model stays loaded (0: unloaded
+    # once idle; negative: pinned), bytes of engine RSS (None: the registry's share of
+    # the machine), s a load waits for room before ModelsBusy.
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    memory_budget: int | None = None
+    fit_timeout: float = DEFAULT_FIT_TIMEOUT
     heartbeat_interval: float = 0.5  # s between an engine's heartbeats
     api_processes: int = 1
     metrics_port: int | None = None
@@ -136,7 +144,15 @@ async def _serve_several(plan: ServePlan) -> int:
     specs = list(plan.models)
     if plan.models_dir is not None:
         specs += plan.models_dir.specs({spec.name for spec in specs})
-    async with open_registry(owner, specs, preload=plan.preload) as registry:
+    registry_context = open_registry(
+        owner,
+        specs,
+        preload=plan.preload,
+        keep_alive=plan.keep_alive,
+        memory_budget=plan.memory_budget,
+        fit_timeout=plan.fit_timeout,
+    )
+    async with registry_context as registry:
         models_dir = plan.models_dir
         models = ManyModels(
             registry,

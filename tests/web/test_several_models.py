@@ -111,7 +111,8 @@ def test_a_hundred_first_requests_cause_one_load(start_models: Callable[..., Ser
     server = start_models()
     assert _states(server) == {"a": "unloaded", "b": "unloaded"}
     ready = server.client.get("/ready").json()
-    assert ready == {"status": "ready", "models": {"a": "unloaded", "b": "unloaded"}}
+    assert (ready["status"], ready["models"]) == ("ready", {"a": "unloaded", "b": "unloaded"})
+    assert ready["resident_bytes"] == 0 and ready["memory_budget"] > 0
 
     async def ask_all() -> list[Any]:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
@@ -385,7 +386,8 @@ def test_a_models_dir_is_rescanned_when_listed(
 
 def test_one_model_stays_loaded_and_shows_its_state(server: Server) -> None:
     """One model, served as before: listed loaded, loaded by /models/load
-    already, never unloaded (400 naming the field); an unknown name lists it."""
+    already, never unloaded (400 naming the field), whatever a request's
+    keep_alive says (a bad one is still a 400); an unknown name lists it."""
     assert _states(server) == {"tiny": "loaded"}
     assert server.client.get("/ready").json() == {"status": "ready", "models": {"tiny": "loaded"}}
     assert server.client.post("/models/load", json={"model": "tiny"}).json()["success"]
@@ -395,3 +397,9 @@ def test_one_model_stays_loaded_and_shows_its_state(server: Server) -> None:
     unknown = server.client.get("/v1/models/other").json()["error"]
     assert unknown["code"] == "model_not_found" and "served: tiny" in unknown["message"]
     assert server.client.get("/health").json() == {"status": "ok"}
+    unload = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "keep_alive": 0}
+    assert server.client.post("/v1/completions", json=unload).status_code == 200
+    card = server.client.get("/v1/models/tiny").json()
+    assert card["state"] == "loaded" and "keep_alive" not in card  # no keep-alive applies
+    bad = server.client.post("/v1/completions", json={**unload, "keep_alive": "soon"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive"

@@ -5,6 +5,7 @@ file or stats a directory, synchronously (microseconds)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Final
 
@@ -12,6 +13,7 @@ __all__ = [
     "DEFAULT_BUDGET_FRACTION",
     "default_memory_budget",
     "machine_memory",
+    "parse_byte_size",
     "resident_bytes",
     "weight_bytes",
 ]
@@ -20,6 +22,28 @@ DEFAULT_BUDGET_FRACTION: Final = 0.75
 """The share of the machine's memory (MemTotal) that models may hold by default."""
 
 _PAGE: Final = os.sysconf("SC_PAGE_SIZE")
+
+_SIZE: Final = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
+_POWERS: Final = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_byte_size(text: str) -> int:
+    """A byte count as people write it: ``8589934592``, ``8G``, ``512M``,
+    ``1.5GiB``, ``2GB``. A bare letter (K, M, G, T) or one with ``i``/``iB``
+    counts in powers of 1024, as memory is; with ``B`` alone (KB, MB, GB,
+    TB) in powers of 1000. Case-insensitive. ValueError naming the forms for
+    anything else, or for a size under one byte."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None or (match[3] and not match[2]):  # "iB" needs K, M, G or T
+        raise ValueError(
+            f"expected a size in bytes such as 8G, 512M, 1.5GiB or 2000000000; got {text!r}"
+        )
+    number, letter, binary, b = match.groups()
+    decimal = bool(letter) and bool(b) and not binary
+    size = int(float(number) * (1000 if decimal else 1024) ** _POWERS[letter.lower()])
+    if size < 1:
+        raise ValueError(f"a size must be at least one byte; got {text!r}")
+    return size
 
 
 def resident_bytes(pid: int) -> int:

@@ -33,7 +33,7 @@ from tserve.web._generation import Generation
 from tserve.web._inflight import InFlight
 from tserve.web._messages import Messages
 from tserve.web._metrics import Metrics, ModelFigures, RequestRecord
-from tserve.web._model_lookup import ModelLookup, OneModel, engine_resident_bytes
+from tserve.web._model_lookup import ModelLookup, OneModel
 from tserve.web._models import ModelRoutes
 from tserve.web._openapi import OpenAPI
 from tserve.web._probes import Probes
@@ -188,13 +188,12 @@ def _figures(models: ModelLookup) -> list[ModelFigures]:
     figures = []
     for status in models.statuses():
         llm = status.llm
-        stats, cache, resident = None, {}, 0
+        stats, cache = None, {}
         if llm is not None:
             ready = llm.ready
             stats = llm.stats
             blocks = ready.kv_tokens_total // max(ready.kv_block_size, 1)
             cache = {"block_size": str(ready.kv_block_size), "num_gpu_blocks": str(blocks)}
-            resident = engine_resident_bytes(llm)
         figures.append(
             ModelFigures(
                 status.name,
@@ -204,7 +203,7 @@ def _figures(models: ModelLookup) -> list[ModelFigures]:
                 loads=status.loads,
                 unloads=status.unloads,
                 load_seconds=status.load_seconds,
-                resident_bytes=resident,
+                resident_bytes=status.resident_bytes or 0,
             )
         )
     return figures

@@ -86,6 +86,7 @@ class SamplingBody(msgspec.Struct, kw_only=True):
     """Fields shared by both endpoints."""
 
     model: str | None = None
+    keep_alive: float | str | None = None  # Ollama's: seconds or a duration; -1 pins
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT64_MAX)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
@@ -194,6 +195,7 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
 class EmbeddingBody(msgspec.Struct, kw_only=True):
     input: str | list[str | _TokenId | list[_TokenId]]
     model: str | None = None
+    keep_alive: float | str | None = None  # Ollama's: seconds or a duration; -1 pins
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
     user: str | None = None

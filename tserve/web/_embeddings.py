@@ -39,7 +39,7 @@ class Embeddings:
             raise NotFound(_NONE)
 
         async def work() -> Response:
-            async with self.models.hold(owner) as held:
+            async with self.models.hold(owner, keep_alive=req.keep_alive) as held:
                 embedder = held.model.llm.embedder
                 if embedder is None:
                     raise NotFound(_NONE)

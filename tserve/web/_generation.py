@@ -117,7 +117,7 @@ class Generation:
         self._models.resolve(req.model)  # 404 before anything waits
 
         async def run() -> Response:
-            async with self._models.hold(req.model) as held:
+            async with self._models.hold(req.model, keep_alive=req.keep_alive) as held:
                 record.model_name = held.name
                 self._precheck(held.model.llm, len(req.prompts) * req.n)
                 return await self._completions(record, req, held)
@@ -140,7 +140,7 @@ class Generation:
         self._models.resolve(req.model)  # 404 before anything waits
 
         async def run() -> Response:
-            async with self._models.hold(req.model) as held:
+            async with self._models.hold(req.model, keep_alive=req.keep_alive) as held:
                 record.model_name = held.name
                 self._precheck(held.model.llm, req.n)
                 plan = self._tool_plan(held.model.llm, req)
@@ -176,7 +176,7 @@ class Generation:
     async def count_chat_tokens(self, req: ChatRequest) -> int:
         """The prompt length, in tokens, that :meth:`run_chat` would send for ``req``
         (its model held, loaded if need be)."""
-        async with self._models.hold(req.model) as held:
+        async with self._models.hold(req.model, keep_alive=req.keep_alive) as held:
             llm = held.model.llm
             messages, tools, _ = self._chat_prompt(held.model, req, self._tool_plan(llm, req))
             return len(await llm.tokenize_chat(messages, tools, req.template_kwargs))

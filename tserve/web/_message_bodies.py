@@ -84,6 +84,7 @@ class CountTokensBody(msgspec.Struct, kw_only=True):
     """``POST /v1/messages/count_tokens``: what shapes the prompt."""
 
     model: str
+    keep_alive: float | str | None = None  # Ollama's: seconds or a duration; -1 pins
     messages: _Messages
     system: str | list[SystemBlock] | None = None
     tools: _Tools | None = None

@@ -51,7 +51,7 @@ from tserve.web._message_bodies import (
     MessagesBody,
     ToolChoiceBody,
 )
-from tserve.web._requests import ChatRequest, decode_body
+from tserve.web._requests import ChatRequest, decode_body, keep_alive_of
 from tserve.web._tools import Mode, ToolRequest, ToolSpec, build_tool_request
 
 __all__ = ["parse_count_tokens", "parse_messages"]
@@ -103,6 +103,7 @@ def _chat_request(
         logprobs=None,
         tools=_tools(req),
         template_kwargs=None if thinking else {"enable_thinking": False},
+        keep_alive=keep_alive_of(req.keep_alive),
     )
 
 

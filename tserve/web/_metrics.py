@@ -88,7 +88,7 @@ class ModelFigures:
     loads: int = 0
     unloads: int = 0
     load_seconds: float = 0.0
-    resident_bytes: int = 0  # its engine processes' resident memory; 0 without one
+    resident_bytes: int = 0  # what the memory budget counts for it (its engines' RSS)
 
 
 def _usage(s: LLMStats) -> float:
@@ -259,7 +259,8 @@ class ModelsCollector(Collector):
         )
         resident = GaugeMetricFamily(
             "tserve_model_resident_bytes",
-            "Resident memory of the model's engine processes (0 without one)",
+            "Resident memory of the model's engine processes, as the memory budget "
+            "counts it (0 without one; while loading, its estimate)",
             labels=["model_name"],
         )
         for f in figures:

@@ -26,6 +26,12 @@ Rules for a request's ``model``:
    ``model_load_timeout``). A failed load is a 503 ``model_load_failed``
    naming the model: the server cannot serve it now, and the next request
    tries again (a 4xx would tell clients that retrying is useless).
+3. A request's ``keep_alive`` (seconds; negative: pinned; None: the
+   server's ``--keep-alive``) becomes its model's keep-alive, the latest
+   request's winning (the registry's rule 1). With one model it has no
+   effect: that model is never unloaded. A model that cannot fit in the
+   memory budget before ``--model-fit-timeout`` is a 503 with
+   ``Retry-After`` (ModelsBusy, an Overloaded).
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import abc
 import contextlib
 import dataclasses
 import functools
-import os
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -49,16 +54,14 @@ from tserve.web._reasoning import ModelReasoning, ReasoningSyntax, model_reasoni
 
 __all__ = [
     "ManyModels",
+    "MemoryBudget",
     "ModelHold",
     "ModelLookup",
     "ModelStatus",
     "OneModel",
     "ServedModel",
     "TokenTexts",
-    "engine_resident_bytes",
 ]
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 class TokenTexts:
@@ -134,22 +137,21 @@ class ModelStatus:
     loads: int = 0
     unloads: int = 0
     load_seconds: float = 0.0
+    # Several models only (None with one, which is never unloaded): what the memory
+    # budget counts for it (its engines' RSS, measured now; LOADING: its estimate),
+    # its keep-alive in seconds (negative: pinned) and when that unloads it if it
+    # stays idle (a Unix time; None while held, pinned or not loaded).
+    resident_bytes: int | None = None
+    keep_alive: float | None = None
+    expires_at: float | None = None
 
 
-def engine_resident_bytes(llm: LLM) -> int:
-    """The resident memory of ``llm``'s engine processes (its embedding engine's
-    too) on this host, from ``/proc/PID/statm``; 0 for an engine reached by
-    address or gone. Synchronous: two small reads, for a scrape."""
-    total = 0
-    for client in (llm, llm.embedder):
-        if client is None:
-            continue
-        try:
-            with open(f"/proc/{client.engine_pid}/statm") as statm:
-                total += int(statm.read().split()[1]) * _PAGE
-        except (ValueError, OSError):  # no process of this host, or just gone
-            continue
-    return total
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryBudget:
+    """The memory budget of several models: ``budget`` bytes, ``resident`` held now."""
+
+    budget: int
+    resident: int
 
 
 class ModelLookup(abc.ABC):
@@ -173,8 +175,9 @@ class ModelLookup(abc.ABC):
         """The served name ``name`` means (rules 1 and 2), without loading. Synchronous."""
 
     @abc.abstractmethod
-    async def _take(self, name: str) -> ModelHold:
-        """A hold on the served model ``name``, loaded first (rule 2). A checkpoint."""
+    async def _take(self, name: str, keep_alive: float | None) -> ModelHold:
+        """A hold on the served model ``name``, loaded first (rule 2), with the
+        request's ``keep_alive`` (seconds; None: the default). A checkpoint."""
 
     @abc.abstractmethod
     def statuses(self, *, rescan: bool = False) -> list[ModelStatus]:
@@ -184,6 +187,11 @@ class ModelLookup(abc.ABC):
     @abc.abstractmethod
     def alive(self) -> bool:
         """Liveness: False once nothing can be served any more (see ``_probes``)."""
+
+    def memory(self) -> MemoryBudget | None:
+        """The models' memory budget and what they hold now (None: one model, no
+        budget). Synchronous: reads each engine's RSS."""
+        return None
 
     dead_status = "engine dead"  # what /health says when not alive()
 
@@ -214,12 +222,15 @@ class ModelLookup(abc.ABC):
         """Requests run at once and requests queued at most, over every model."""
 
     @contextlib.asynccontextmanager
-    async def hold(self, name: str | None) -> AsyncIterator[ModelHold]:
+    async def hold(
+        self, name: str | None, *, keep_alive: float | None = None
+    ) -> AsyncIterator[ModelHold]:
         """The model ``name`` means, held for the block (or, when a streamed body
-        took it, until that body closes). Blocks (cancellably) only while the
-        model loads; raises ModelNotFound, InvalidRequest, ModelLoadError,
-        ModelLoadTimeout, ShuttingDown."""
-        held = await self._take(self.resolve(name))
+        took it, until that body closes). ``keep_alive``: the request's (rule 3;
+        None: the server's default). Blocks (cancellably) only while the model
+        loads or waits for room; raises ModelNotFound, InvalidRequest,
+        ModelLoadError, ModelLoadTimeout, ModelsBusy, ShuttingDown."""
+        held = await self._take(self.resolve(name), keep_alive)
         try:
             yield held
         finally:
@@ -257,8 +268,8 @@ class OneModel(ModelLookup):
             raise self.not_found(name)
         return name
 
-    async def _take(self, name: str) -> ModelHold:
-        return ModelHold(name, self._served, _no_release)
+    async def _take(self, name: str, keep_alive: float | None) -> ModelHold:
+        return ModelHold(name, self._served, _no_release)  # always loaded: no keep-alive
 
     def statuses(self, *, rescan: bool = False) -> list[ModelStatus]:
         state = ModelState.LOADED if self.llm.engine_alive else ModelState.FAILED
@@ -339,12 +350,12 @@ class ManyModels(ModelLookup):
             raise self.not_found(name)
         return name
 
-    async def _take(self, name: str) -> ModelHold:
+    async def _take(self, name: str, keep_alive: float | None) -> ModelHold:
         if self.draining:  # no new load once the drain began
             raise ShuttingDown("the server is shutting down")
         try:
             with trio.fail_after(self._load_timeout or float("inf")):
-                llm, release = await self._registry.hold(name)
+                llm, release = await self._registry.hold(name, keep_alive=keep_alive)
         except trio.TooSlowError:
             raise ModelLoadTimeout(
                 f"the model '{name}' did not load within {self._load_timeout:g} s "
@@ -368,16 +379,20 @@ class ManyModels(ModelLookup):
         registry, out = self._registry, []
         for name in registry.names:
             life = registry.lifecycle(name)
+            figures = registry.figures(name)
             reason = life.reason if life.state is ModelState.FAILED else None
             out.append(
                 ModelStatus(
                     name,
-                    life.state,
+                    figures.state,
                     reason,
                     registry.loaded(name),
-                    loads=life.loads,
-                    unloads=life.unloads,
-                    load_seconds=registry.load_seconds(name),
+                    loads=figures.loads,
+                    unloads=figures.unloads,
+                    load_seconds=figures.load_seconds,
+                    resident_bytes=figures.resident_bytes,
+                    keep_alive=figures.keep_alive,
+                    expires_at=figures.expires_at,
                 )
             )
         for name in [n for n in self._served if n not in registry.names]:
@@ -392,6 +407,11 @@ class ManyModels(ModelLookup):
             if life.reason is None or life.state not in (ModelState.FAILED, ModelState.UNLOADED):
                 return True
         return False
+
+    def memory(self) -> MemoryBudget:
+        registry = self._registry
+        resident = sum(registry.figures(name).resident_bytes for name in registry.names)
+        return MemoryBudget(registry.memory_budget, resident)
 
     async def load(self, name: str) -> None:
         try:

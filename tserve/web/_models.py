@@ -5,7 +5,11 @@ admin routes of llama.cpp's router mode (``GET /models``, ``POST /models/load``,
 A model's card carries its load state twice: ``state`` (``unloaded``,
 ``loading``, ``loaded``, ``unloading``, ``failed``), and llama.cpp's
 ``status.value``; ``max_model_len`` while it is loaded; ``reason`` when it
-failed. Listing rescans a models directory (``--models-dir``) first.
+failed. With several models, each card also shows ``resident_bytes`` (what the
+memory budget counts for it), ``keep_alive`` (seconds; negative: pinned) and
+``expires_at`` (the Unix time its keep-alive unloads it if it stays idle; null
+while it is held, pinned or not loaded). Listing rescans a models directory
+(``--models-dir``) first.
 """
 
 from __future__ import annotations
@@ -83,4 +87,8 @@ class ModelRoutes:
             card["max_model_len"] = max_model_len
         if status.reason is not None:
             card["reason"] = status.reason
+        if status.resident_bytes is not None:  # several models
+            card["resident_bytes"] = status.resident_bytes
+            card["keep_alive"] = status.keep_alive
+            card["expires_at"] = status.expires_at
         return card

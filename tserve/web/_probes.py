@@ -39,7 +39,8 @@ class Probes:
 
     async def ready(self, record: RequestRecord) -> Response:
         """Readiness: 503 while starting, draining, dead or (one model) saturated;
-        ``models`` maps each served name to its state."""
+        ``models`` maps each served name to its state; with several models,
+        ``memory_budget`` and ``resident_bytes`` (their engines' RSS now)."""
         models = self._models
         states = {s.name: s.state.value for s in models.statuses()}
         if not self.started:
@@ -51,8 +52,13 @@ class Probes:
         elif models.saturated():
             state = "saturated"  # a new request would get 503 now
         else:
-            return json_response({"status": "ready", "models": states})
-        return json_response({"status": state, "models": states}, 503)
+            state = "ready"
+        body: dict[str, object] = {"status": state, "models": states}
+        memory = models.memory()
+        if memory is not None:
+            body["memory_budget"] = memory.budget
+            body["resident_bytes"] = memory.resident
+        return json_response(body, 200 if state == "ready" else 503)
 
     async def metrics(self, record: RequestRecord) -> Response:
         """The Prometheus text exposition."""

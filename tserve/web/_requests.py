@@ -42,7 +42,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from tserve.nursery import InvalidRequest
+from tserve.nursery import InvalidRequest, parse_keep_alive
 from tserve.sampling import SamplingParams
 from tserve.web._bodies import (
     MAX_CHOICES,
@@ -95,6 +95,7 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None  # top alternatives per token; None = off
     constraint_field: str | None = None  # the field params.constraint came from
+    keep_alive: float | None = None  # seconds (negative: pinned); None: the default
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,6 +120,7 @@ class ChatRequest:
     tools: ToolRequest | None = None  # None: no tool may be called
     max_tokens_fits: bool = False
     template_kwargs: dict[str, Any] | None = None  # more variables of the chat template
+    keep_alive: float | None = None  # seconds (negative: pinned); None: the default
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -142,6 +144,7 @@ class EmbeddingRequest:
     inputs: list[str] | list[list[int]]
     encoding_format: Literal["float", "base64"]
     dimensions: int | None
+    keep_alive: float | None = None  # seconds (negative: pinned); None: the default
 
 
 # -- parsing -----------------------------------------------------------------------
@@ -172,6 +175,18 @@ def decode_body(body: bytes, kind: type[_T]) -> _T:
         raise InvalidRequest(f"The body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's depth guard; the stack is unwound already
         raise InvalidRequest("The body is nested too deeply to decode") from None
+
+
+def keep_alive_of(value: float | str | None) -> float | None:
+    """A body's ``keep_alive`` in seconds (``tserve.nursery.parse_keep_alive``: a
+    number, or a duration such as "5m"; any negative value is -1, pinned); None when
+    absent. InvalidRequest naming the field for anything else."""
+    if value is None:
+        return None
+    try:
+        return parse_keep_alive(value)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="keep_alive") from None
 
 
 def _refuse(param: str, why: str) -> InvalidRequest:
@@ -268,6 +283,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         echo=bool(req.echo),
         logprobs=req.logprobs,
         constraint_field=None if constrained is None else constrained.field,
+        keep_alive=keep_alive_of(req.keep_alive),
     )
 
 
@@ -369,6 +385,7 @@ def parse_chat(body: bytes) -> ChatRequest:
         constraint_field=None if constrained is None else constrained.field,
         tools=tool_request(req),
         template_kwargs=_template_kwargs(req.chat_template_kwargs),
+        keep_alive=keep_alive_of(req.keep_alive),
     )
 
 
@@ -403,4 +420,10 @@ def parse_embeddings(body: bytes) -> EmbeddingRequest:
         if isinstance(item, str) and not item:
             where = "input" if isinstance(req.input, str) else f"input[{i}]"
             raise InvalidRequest(f"'{where}' is an empty string", param=where)
-    return EmbeddingRequest(req.model, inputs, req.encoding_format or "float", req.dimensions)
+    return EmbeddingRequest(
+        req.model,
+        inputs,
+        req.encoding_format or "float",
+        req.dimensions,
+        keep_alive=keep_alive_of(req.keep_alive),
+    )

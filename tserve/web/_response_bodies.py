@@ -88,6 +88,7 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
     """``POST /v1/responses``."""
 
     model: str | None = None
+    keep_alive: float | str | None = None  # Ollama's: seconds or a duration; -1 pins
     input: str | Annotated[list[InputItem], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
     instructions: str | None = None
     max_output_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT64_MAX)] | None = None

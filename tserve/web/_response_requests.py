@@ -52,7 +52,7 @@ from typing import Any
 from tserve.nursery import InvalidRequest
 from tserve.sampling import Constraint, SamplingParams
 from tserve.web._bodies import JsonSchemaFormat, ResponseFormat, SamplingBody
-from tserve.web._requests import ChatRequest, decode_body
+from tserve.web._requests import ChatRequest, decode_body, keep_alive_of
 from tserve.web._response_bodies import (
     FunctionToolBody,
     InputItem,
@@ -94,6 +94,7 @@ class ResponseRequest:
     background: bool
     previous_response_id: str | None
     echo: JSON
+    keep_alive: float | None = None  # seconds (negative: pinned); None: the default
     namespaces: dict[str, str] = dataclasses.field(default_factory=dict)  # function -> its
 
     def chat(self, history: list[JSON]) -> ChatRequest:
@@ -113,6 +114,7 @@ class ResponseRequest:
             logprobs=None,
             constraint_field=self.constraint_field,
             tools=self.tools,
+            keep_alive=self.keep_alive,
         )
 
     @staticmethod
@@ -162,6 +164,7 @@ def parse_responses(body: bytes) -> ResponseRequest:
         background=bool(req.background),
         previous_response_id=req.previous_response_id,
         echo=_echo(req, store, fmt),
+        keep_alive=keep_alive_of(req.keep_alive),
         namespaces=namespaces,
     )
 

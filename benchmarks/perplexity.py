@@ -131,6 +131,18 @@ def _window_nll(runner: ModelRunner | NativeRunner | Any, tokens: list[int], sco
         return float(F.cross_entropy(logits.float(), targets, reduction="sum"))
 
 
+def _compare(results: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``results`` with each side's relative difference from ``dequantized`` and
+    from ``transformers`` where those ran (``vs_dequantized``, ``vs_transformers``)."""
+    for name in ("dequantized", "transformers"):
+        reference = results.get(name)
+        if reference is not None:
+            for side, result in results.items():
+                if side != name:
+                    result[f"vs_{name}"] = result["perplexity"] / reference["perplexity"] - 1
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.perplexity", description=__doc__)
     parser.add_argument("--gguf", type=Path, default=None, help="default: the bundled SmolLM2")
@@ -152,6 +164,16 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
+    meta = {
+        "gguf": str(gguf),
+        "text": str(
+            args.text.relative_to(REPO_ROOT) if args.text.is_relative_to(REPO_ROOT) else args.text
+        ),
+        "window": args.window,
+        "bos": args.bos,
+        "threads": args.threads,
+    }
+    stem = result_stem("perplexity")
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as cache:
         # The tokens come from the file's tokenizer as tserve builds it, for every side.
@@ -180,23 +202,12 @@ def main() -> int:
             results[side] = {"perplexity": ppl, "tokens": count, "nll": nll}
             print(f"{side:>12}: perplexity {ppl:.4f} ({time.perf_counter() - start:.0f} s)")
             del runner
-    for name in ("dequantized", "transformers"):
-        reference = results.get(name)
-        if reference is not None:
-            for side, result in results.items():
-                if side != name:
-                    result[f"vs_{name}"] = result["perplexity"] / reference["perplexity"] - 1
-                    print(f"{side:>12}: {100 * result[f'vs_{name}']:+.3f} % vs {name}")
-    meta = {
-        "gguf": str(gguf),
-        "text": str(
-            args.text.relative_to(REPO_ROOT) if args.text.is_relative_to(REPO_ROOT) else args.text
-        ),
-        "window": args.window,
-        "bos": args.bos,
-        "threads": args.threads,
-    }
-    path = write_json(result_stem("perplexity"), {"meta": meta, "results": results})
+            write_json(stem, {"meta": meta, "results": _compare(results)})  # the sides so far
+    for side, result in results.items():
+        for name in ("dequantized", "transformers"):
+            if f"vs_{name}" in result:
+                print(f"{side:>12}: {100 * result[f'vs_{name}']:+.3f} % vs {name}")
+    path = write_json(stem, {"meta": meta, "results": results})
     print(f"wrote {path}")
     return 0
 

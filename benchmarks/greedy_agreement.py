@@ -5,9 +5,8 @@ Run: ``python -m benchmarks.greedy_agreement --llama-server PATH [--gguf PATH]
 [--tokens 32] [--threads 1] [--engines tserve,tserve-fp32,llama-server,transformers]``
 
 Every engine gets the same prompt ids: llama-server's ``/tokenize`` of each
-of :data:`PROMPTS`, with the BOS token first where the file asks for one;
-tserve's ``/tokenize`` must give the same ids after that BOS (it encodes a
-text prompt without special tokens). Each engine completes each prompt
+of :data:`PROMPTS`, with the BOS token first where the file asks for one
+(tserve's ``/tokenize`` must give the same ids). Each engine completes each prompt
 greedily for up to ``--tokens`` tokens, stopping at an end-of-generation
 token as it would when serving. Engines:
 
@@ -93,12 +92,9 @@ def _free_port() -> int:
         return port
 
 
-def _tserve(
-    gguf: Path, threads: int, fp32: bool, ids: list[list[int]], n: int, bos: int | None
-) -> list[Any]:
+def _tserve(gguf: Path, threads: int, fp32: bool, ids: list[list[int]], n: int) -> list[Any]:
     """Each prompt's completion by ``python -m tserve serve``: its tokens' texts.
-    SystemExit if its ``/tokenize`` of a prompt differs from ``ids`` (less a
-    leading ``bos``: tserve's text prompts are encoded without special tokens)."""
+    SystemExit if its ``/tokenize`` of a prompt differs from ``ids``."""
     options = ["--threads", str(threads)] + (["--gguf-activations", "fp32"] if fp32 else [])
     with tempfile.TemporaryDirectory() as tmp:
         process, url = serve(str(gguf), Path(tmp) / "tserve.log", *options)
@@ -107,7 +103,7 @@ def _tserve(
             with httpx.Client(base_url=url, timeout=600) as client:
                 for text, prompt in zip(PROMPTS, ids, strict=True):
                     own = client.post("/tokenize", json={"prompt": text}).raise_for_status()
-                    if own.json()["tokens"] != prompt[prompt[:1] == [bos] :]:
+                    if own.json()["tokens"] != prompt:
                         raise SystemExit(f"tserve tokenizes {text!r} as {own.json()['tokens']}")
                     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 0}
                     answer = client.post("/v1/completions", json=body).raise_for_status().json()
@@ -280,9 +276,7 @@ def main() -> int:
                 completions[engine] = texts(done)
             elif engine.startswith("tserve"):
                 fp32 = engine == "tserve-fp32"
-                completions[engine] = _tserve(
-                    gguf, args.threads, fp32, ids, args.tokens, tokenizer.bos_token_id
-                )
+                completions[engine] = _tserve(gguf, args.threads, fp32, ids, args.tokens)
             else:
                 continue
             seconds[engine] = time.perf_counter() - start

@@ -54,6 +54,22 @@ async def test_the_prompt_is_gemmas_turns(llm: LLM, vocab: TinyVocab) -> None:
     turns = [vocab.id("<start_of_turn>"), vocab.id("<end_of_turn>")]
     assert [t for t in prompt if t in turns] == turns * 3 + turns[:1]
     assert prompt[0] == vocab.id("<bos>")
+    assert prompt.count(vocab.id("<bos>")) == 1  # the template's, not one more
+
+
+async def test_a_text_prompt_starts_with_the_bos_the_file_asks_for(
+    llm: LLM, vocab: TinyVocab
+) -> None:
+    """As llama.cpp and vLLM encode a completion's prompt: Gemma answers
+    without its BOS as a model out of its training would."""
+    bos = vocab.id("<bos>")
+    assert await llm.tokenize("hello world") == [bos, *llm.encode("hello world")]
+    assert llm.encode("hello world")[0] != bos
+    result = await llm.complete("hello world", SamplingParams(max_tokens=1))
+    assert result.prompt_token_ids == [bos, *llm.encode("hello world")]
+    ids = await llm.complete([bos, *llm.encode("abc")], SamplingParams(max_tokens=1))
+    assert ids.prompt_token_ids == [bos, *llm.encode("abc")]  # ids as they are: no second BOS
+    await settled(llm)
 
 
 async def test_generation_stops_at_end_of_turn(llm: LLM, vocab: TinyVocab) -> None:

@@ -6,7 +6,8 @@ pipeline, plus the config's added and special tokens, see
 :mod:`tserve.nursery._tokenizer_files`), and :class:`ModelTokenizer` answers
 the three questions the API asks of it, the way transformers answers them:
 
-* :meth:`~ModelTokenizer.encode` is ``encode(text, add_special_tokens=False)``;
+* :meth:`~ModelTokenizer.encode` is ``encode(text, add_special_tokens=False)``
+  (``special=True``: ``add_special_tokens=True``, a text prompt's BOS);
 * :meth:`~ModelTokenizer.decode` is ``decode(ids, skip_special_tokens=True)``;
 * :meth:`~ModelTokenizer.encode_chat` is ``apply_chat_template(messages,
   add_generation_prompt=True)`` (text from :meth:`~ModelTokenizer.render_chat`).
@@ -111,16 +112,18 @@ class ModelTokenizer:
             i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special
         )
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, no special tokens added around it.
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        """Token ids of ``text``, no special tokens added around it; with
+        ``special``, those the pipeline adds around a text (a BOS where the
+        model asks for one: Gemma, Llama 2).
 
         Blocking. From ``_RELEASE_GIL_CHARS`` characters on, the GIL is free
         while the Rust tokenizer works; only building the list of ids holds
         it (about 30 ns an id: some 100 ms for the 2.9M ids of a 4 MB text).
         """
         if len(text) < _RELEASE_GIL_CHARS:
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-        [encoding] = self.tokenizer.encode_batch_fast([text], add_special_tokens=False)
+            return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
+        [encoding] = self.tokenizer.encode_batch_fast([text], add_special_tokens=special)
         return encoding.ids  # a new list
 
     def decode(self, token_ids: list[int]) -> str:

@@ -167,11 +167,11 @@ async def test_long_tokenization_runs_in_a_worker_thread(
     threads: list[int] = []
     encode = llm._tokens.encode
 
-    def blocking_encode(text: str) -> list[int]:
+    def blocking_encode(text: str, *, special: bool = True) -> list[int]:
         threads.append(threading.get_ident())
         entered.set()
         release.wait(HANG_GUARD)
-        return encode(text)
+        return encode(text, special=special)
 
     monkeypatch.setattr(llm._tokens, "encode", blocking_encode)
     params = SamplingParams(max_tokens=3, ignore_eos=True)

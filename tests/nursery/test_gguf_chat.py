@@ -54,6 +54,24 @@ async def test_the_prompt_is_gemmas_turns(llm: LLM, vocab: TinyVocab) -> None:
     turns = [vocab.id("<start_of_turn>"), vocab.id("<end_of_turn>")]
     assert [t for t in prompt if t in turns] == turns * 3 + turns[:1]
     assert prompt[0] == vocab.id("<bos>")
+    assert prompt.count(vocab.id("<bos>")) == 1  # the template's, not one more
+
+
+async def test_a_text_prompt_starts_with_the_bos_the_file_asks_for(
+    llm: LLM, vocab: TinyVocab
+) -> None:
+    """As llama.cpp and vLLM encode a completion's prompt: Gemma answers
+    without its BOS as a model out of its training would."""
+    bos = vocab.id("<bos>")
+    words = llm.encode("hello world")
+    assert words[0] == bos and words.count(bos) == 1
+    assert await llm.tokenize("hello world") == words
+    result = await llm.complete("hello world", SamplingParams(max_tokens=1))
+    assert result.prompt_token_ids == words
+    abc = llm.encode("abc")
+    ids = await llm.complete(abc, SamplingParams(max_tokens=1))
+    assert ids.prompt_token_ids == abc  # ids as they are: no second BOS
+    await settled(llm)
 
 
 async def test_generation_stops_at_end_of_turn(llm: LLM, vocab: TinyVocab) -> None:

@@ -211,8 +211,9 @@ class LLM(EngineClient):
     # -- the tokenizer (see _tokenizer.py) ------------------------------------------
 
     async def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text``: on the event loop below ``INLINE_TOKENIZE_CHARS``,
-        else in a worker thread (at most 4 at once; the rest wait for one).
+        """Token ids of the text prompt ``text``, a BOS first where the model asks
+        for one: on the event loop below ``INLINE_TOKENIZE_CHARS``, else in a
+        worker thread (at most 4 at once; the rest wait for one).
 
         Not a checkpoint when short. In a thread it is not cancellable: a
         cancel takes effect once the thread returns (a few ms at most).

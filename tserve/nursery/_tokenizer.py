@@ -73,13 +73,16 @@ class ChatTokenizer:
         self._limiter = anyio.CapacityLimiter(4)
 
     async def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text``: on the event loop below ``INLINE_TOKENIZE_CHARS``,
-        else in a worker thread (at most 4 at once; the rest wait for one).
+        """Token ids of the text prompt ``text``, with the special tokens the
+        model's tokenizer adds around a text (a BOS where the model asks for
+        one, as llama.cpp and vLLM encode a completion's prompt): on the event
+        loop below ``INLINE_TOKENIZE_CHARS``, else in a worker thread (at most
+        4 at once; the rest wait for one).
 
         Not a checkpoint when short. In a thread it is not cancellable: a
         cancel takes effect once the thread returns (a few ms at most).
         """
-        return await self._run(self.encode, text, len(text))
+        return await self._run(partial(self.encode, special=True), text, len(text))
 
     async def tokenize_chat(
         self, messages: list[Message], tools: Tools = None, template_kwargs: TemplateKwargs = None

@@ -26,7 +26,10 @@ number of rows (decode rows and prefill chunks alike).
   model's at near-ties: SmolLM2 answers "What is the capital of France?"
   with "The capital of France is Paris." in fp32 and, when its prompt's
   products run int8, with "L'Étoile, ...", its two top logits being 0.06
-  apart.
+  apart. The K-quants (Q4_K, Q5_K, Q6_K) take llama.cpp's own scheme for
+  them instead, one scale per super-block of 256 activations, so that a
+  super-block's integer sums need no float work per group; each product
+  moves by about 0.7 %.
 * ``fp32``: each block of weights is dequantized in registers once per tile
   of up to 4 activation rows and multiplied in fp32, so a product equals
   dequantize-then-``F.linear`` up to summation order (the tests bound the
@@ -169,7 +172,7 @@ class QuantKernels:
         """``x [..., in] @ W.T``, fp32 against the weight dequantized in registers:
         a new fp32 ``[..., out]``. ``int8`` (K-quants only; the other block formats
         take int8 activations on a packed weight, :meth:`linear_int8`): the
-        activations quantized to 8 bits per block of 32 and integer products."""
+        activations quantized to 8 bits per super-block of 256 and integer products."""
         if int8 and weight.fmt not in K_FORMATS:
             raise ValueError("int8 activations on this format need a packed weight: linear_int8")
         k, n = weight.in_features, weight.out_features

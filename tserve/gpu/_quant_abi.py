@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 Activations = Literal["int8", "fp32"]
 """How a product treats its activations: ``int8``, quantized per block of 32
-against the packed weight; ``fp32``, against the weight dequantized in registers."""
+against the packed weight (K-quants: per super-block of 256, against the
+file's rows); ``fp32``, against the weight dequantized in registers."""
 
 
 @dataclasses.dataclass(frozen=True)

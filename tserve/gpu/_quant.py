@@ -46,7 +46,7 @@ them on this module's ``F32`` kernel.
 
 **Instructions.** AVX2 + FMA + F16C where the CPU has them (chosen at run
 time), else portable C, said once in the log; the block formats' products
-(int8 and fp32) run AVX-512 (VNNI) where the CPU has it
+(int8 and fp32) and the K-quants' int8 ones run AVX-512 (VNNI) where the CPU has it
 (``TSERVE_MAX_ISA=avx2`` caps them at AVX2).
 
 **Threads.** A product's output rows are split among torch's threads

@@ -89,12 +89,13 @@ K_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block =
 _ISA_NAMES: Final = (
     "portable C",
     "AVX2 + FMA + F16C",
-    "AVX-512 VNNI (the block formats' products) and AVX2 + FMA + F16C",
+    "AVX-512 VNNI (the block formats' products, the K-quants' int8 ones) and AVX2 + FMA + F16C",
 )
 
 Isa = Literal[0, 1, 2]
 """0: portable C; 1: AVX2 + FMA + F16C; 2: AVX-512 F/BW/VL + VNNI for the block
-formats' products (int8 and fp32) and the fused step's attention, AVX2 for the rest."""
+formats' products (int8 and fp32), the K-quants' int8 products, the fp32 panel
+kernel (``_cpu_kernels.c``) and the fused step's attention, AVX2 for the rest."""
 
 MAX_ISA_ENV: Final = "TSERVE_MAX_ISA"
 """An environment variable that caps :attr:`QuantLibrary.best_isa` at a variant

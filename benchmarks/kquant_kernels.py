@@ -3,8 +3,10 @@
 Run: ``python -m benchmarks.kquant_kernels [--n 1536] [--k 1536] [--rows 1 4 16 64]
 [--repeats 9]``
 
-One thread. For each row count, one product per format and activation
-treatment (fp32; ``int8``, 8 bits per block of 32) in turn, ``--repeats``
+One thread, timed by its CPU time (``time.thread_time``: what other work on a
+shared machine takes does not count). For each row count, one product per format and activation
+treatment (fp32; ``int8``, 8 bits per block of 32, the K-quants per super-block
+of 256) in turn, ``--repeats``
 rounds (alternating within a round, so a shared machine's drift falls on all
 of them), the best time of each; prints each one's time, the weight bytes it
 read per second (GB/s) and its ratio to Q4_1's time with the same
@@ -79,9 +81,9 @@ def main() -> int:
         for _ in range(args.repeats + 1):  # the first round warms up
             for mode in _MODES:
                 for fmt in weights:
-                    start = time.perf_counter()
+                    start = time.thread_time()
                     layers[fmt, mode](x)
-                    seconds = time.perf_counter() - start
+                    seconds = time.thread_time() - start
                     best[f"{fmt} {mode}"] = min(best[f"{fmt} {mode}"], seconds)
         table[rows] = best
         for mode in _MODES:

@@ -162,8 +162,8 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         str,
         d.cpu_gemm,
         "linear layers on CPU: 'auto' (measure BLAS, prepacked oneDNN and tserve's "
-        "AVX-512 few-rows kernel per layer at startup), 'blas', 'onednn' or 'avx512'",
-        choices=("auto", "blas", "onednn", "avx512"),
+        "few-rows panel kernel per layer at startup), 'blas', 'onednn' or 'panels'",
+        choices=("auto", "blas", "onednn", "panels"),
     )
     _flag(
         eng,

@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 
-CpuGemm: TypeAlias = Literal["auto", "blas", "onednn", "avx512"]
+CpuGemm: TypeAlias = Literal["auto", "blas", "onednn", "panels"]
 """The library behind linear layers on CPU: measured per layer, or forced."""
 
 ModelImpl: TypeAlias = Literal["auto", "hf"]
@@ -52,8 +52,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     CPU threads. ``device``/``dtype`` "auto" = CUDA with bf16 when present,
     else CPU with fp32. ``cpu_gemm``: the library
     behind linear layers on CPU ("auto" measures BLAS, prepacked oneDNN
-    and tserve's AVX-512 kernel per layer shape and row count; "blas",
-    "onednn", "avx512" force one).
+    and tserve's few-rows panel kernel per layer shape and row count;
+    "blas", "onednn", "panels" force one).
     ``enable_prefix_caching`` keeps the K/V of full blocks after their request
     ends, for a later prompt that starts with the same tokens.
     ``max_decode_slowdown``: while requests decode, a step that also runs

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tserve.gpu import _cpu_kernels
 from tserve.gpu._cpu_kernels import CpuKernels, cpu_kernels
 from tserve.gpu._llama import _rotate
+from tserve.gpu._quant_abi import Isa
 
 KERNELS = cpu_kernels()
 
@@ -190,19 +191,25 @@ def test_the_kernels_are_the_library_the_install_built_beside_the_package() -> N
 
 
 @pytest.mark.parametrize(
-    ("rows", "n", "k"), [(1, 960, 576), (4, 200, 96), (13, 33, 40), (30, 7, 5)]
+    ("rows", "n", "k"),
+    [(1, 960, 576), (1, 50, 33), (2, 40, 7), (4, 200, 96), (13, 33, 40), (30, 7, 5)],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_over_panels_is_the_product(
     kernels: CpuKernels, rows: int, n: int, k: int, bias: bool
 ) -> None:
-    """Partial last panels (n not a multiple of 32) and more rows than one
-    register tile holds (13, 30 > 12) are where such a kernel goes wrong."""
+    """In each variant this CPU runs (1: AVX2 + FMA, 2: AVX-512). Partial last
+    panels (n not a multiple of 32), odd K (one row pairs its k), and more
+    rows than one register tile holds (13, 30 > 12 and 3) are where such a
+    kernel goes wrong."""
     if not kernels.linear_available:
-        pytest.skip("no AVX-512 here")
+        pytest.skip("no AVX2 here")
     torch.manual_seed(rows * n)
-    weight, x = torch.randn(n, k), torch.randn(2, rows, k)
+    weight, x = torch.randn(n, k), torch.randn(1, rows, k)
     b = torch.randn(n) if bias else None
-    out = kernels.linear(x, kernels.pack_linear(weight), b, n)
-    assert out.shape == (2, rows, n)
-    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    packed = kernels.pack_linear(weight)
+    isas: tuple[Isa, ...] = (1, 2)
+    for isa in isas[: kernels.linear_isa]:
+        out = kernels.linear(x, packed, b, n, isa=isa)
+        assert out.shape == (1, rows, n)
+        torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
     not onednn_available(torch.float32), reason="this torch has no oneDNN linear"
 )
 LIBRARIES = available_libraries(torch.float32)
-needs_avx512 = pytest.mark.skipif("avx512" not in LIBRARIES, reason="no AVX-512 kernel here")
+needs_panels = pytest.mark.skipif("panels" not in LIBRARIES, reason="no AVX2 (or AVX-512) here")
 
 
 def test_a_plan_uses_the_lower_measured_row_count() -> None:
@@ -37,7 +37,7 @@ def test_a_plan_uses_the_lower_measured_row_count() -> None:
     assert plan.describe() == "blas from 1 row, onednn from 4 rows, blas from 16 rows"
 
 
-@pytest.mark.parametrize("library", ["blas", "onednn", pytest.param("avx512", marks=needs_avx512)])
+@pytest.mark.parametrize("library", ["blas", "onednn", pytest.param("panels", marks=needs_panels)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_library_computes_the_same_product(library: str, bias: bool) -> None:
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def test_measure_returns_a_library_per_row_count() -> None:
     assert set(plan.libraries) <= set(LIBRARIES)
 
 
-@pytest.mark.parametrize("cpu_gemm", ["auto", "onednn", pytest.param("avx512", marks=needs_avx512)])
+@pytest.mark.parametrize("cpu_gemm", ["auto", "onednn", pytest.param("panels", marks=needs_panels)])
 def test_tuning_a_model_keeps_its_logits_and_tied_weights(
     tiny_model_dir: Path, cpu_gemm: Any
 ) -> None:
@@ -93,8 +93,8 @@ def test_tuning_a_model_keeps_its_logits_and_tied_weights(
     assert tune_linears(model, cpu_gemm) == {}  # already tuned: left alone
     if cpu_gemm == "onednn":
         assert all(t.packed is not None for t in tuned)
-    if cpu_gemm == "avx512":
-        assert all(set(t.plan.libraries) == {"avx512"} for t in tuned)
+    if cpu_gemm == "panels":
+        assert all(set(t.plan.libraries) == {"panels"} for t in tuned)
     with torch.inference_mode():
         after = model(ids).logits
     # Logits of magnitude ~10 through two layers: float rounding only (measured <= 4e-5).

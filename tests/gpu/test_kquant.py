@@ -47,17 +47,18 @@ def test_every_variant_is_the_product_with_the_dequantized_weight(
 
 @pytest.mark.parametrize("fmt", kquant_blocks.FORMATS)
 @pytest.mark.parametrize(("rows", "n", "k"), _SHAPES)
-def test_int8_activations_cost_about_half_a_percent(
+def test_int8_activations_cost_under_one_percent(
     kernels: QuantKernels, fmt: str, rows: int, n: int, k: int
 ) -> None:
-    """llama.cpp's scheme: activations rounded to 8 bits per block of 32."""
+    """llama.cpp's q8_K: activations rounded to 8 bits per super-block of 256
+    (about 0.7% on these; a single 256-long output, near zero, up to 1.6%)."""
     quantized, dense = weight(fmt, n, k, seed=rows + n * k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
     expected = F.linear(x, dense)
     outs = [kernels.linear(x, quantized, int8=True, isa=isa) for isa in variants(kernels)]
     for out in outs:
         error = float((out - expected).norm() / expected.norm())
-        assert error < 0.015
+        assert error < (0.02 if rows * n == 1 else 0.01)
     # Integer sums are exact: every variant gives the same products up to the scaling's rounding.
     torch.testing.assert_close(outs[0], outs[-1], rtol=1e-5, atol=1e-4 * k**0.5)
 

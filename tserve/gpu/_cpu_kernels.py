@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from tserve.gpu._decoder_abi import add_rms_norm
 from tserve.gpu._library import KV_CODES, kernel_library
 from tserve.gpu._library import declare as _declare
+from tserve.gpu._quant_abi import Isa, quant_library
 
 __all__ = ["KV_TYPES", "LINEAR_PANEL", "CpuKernels", "cpu_kernels"]
 
@@ -75,10 +76,13 @@ class CpuKernels:
             library.tserve_paged_decode, ptr, i64, ptr, ptr, i64, ptr, i64, ptr,
             i64, i64, i64, i64, i64, _F32, i64, _F32, ptr, ptr, _INT,
         )  # fmt: skip
-        self._linear = _declare(library.tserve_linear, ptr, i64, i64, ptr, ptr, i64, ptr)
-        library.tserve_linear_available.restype = _INT
-        self.linear_available = bool(library.tserve_linear_available())
-        """Whether :meth:`linear` runs here (this CPU has AVX-512)."""
+        self._linear = _declare(library.tserve_linear, _INT, ptr, i64, i64, ptr, ptr, i64, ptr)
+        quant = quant_library()
+        self.linear_isa: Isa = 0 if quant is None else quant.best_isa
+        """The variant :meth:`linear` runs by default: the quantized products'
+        best (``TSERVE_MAX_ISA`` caps it): 2 AVX-512, 1 AVX2 + FMA."""
+        self.linear_available = self.linear_isa >= 1
+        """Whether :meth:`linear` runs here (this CPU has AVX2 and FMA, at least)."""
 
     def add_rms_norm(
         self, residual: torch.Tensor, hidden: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -163,15 +167,26 @@ class CpuKernels:
         return padded.view(-1, LINEAR_PANEL, k).transpose(1, 2).contiguous()
 
     def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        *,
+        isa: Isa | None = None,
     ) -> torch.Tensor:
         """``x [..., K] @ W.T (+ bias)`` with ``packed`` from :meth:`pack_linear`
         of ``W [n, K]``: a new ``[..., n]``. Reads the weight once whatever the
         row count; meant for few rows (it is not blocked for the caches as a
-        large GEMM is). Only where :attr:`linear_available`."""
+        large GEMM is). Only where :attr:`linear_available`; ``isa`` (1 or 2,
+        at most :attr:`linear_isa`) picks a variant, else the best."""
+        variant = self.linear_isa if isa is None else isa
+        if not 1 <= variant <= self.linear_isa:
+            raise ValueError(f"isa {variant}: this CPU runs linear at 1..{self.linear_isa}")
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty(rows.shape[0], n)
         self._linear(
+            variant,
             rows.data_ptr(),
             rows.shape[0],
             rows.shape[1],

@@ -9,8 +9,8 @@ Three libraries, all over the same weights:
 * ``onednn``: oneDNN over a copy of the weight reordered once into its
   blocked layout ("prepacked", as inductor's CPU backend and IPEX do); the
   best at many rows.
-* ``avx512``: tserve's own kernel (``_cpu_kernels``, where the CPU has
-  AVX-512) over a copy packed in column panels, which reads each weight byte
+* ``panels``: tserve's own kernel (``_cpu_kernels``, AVX-512 where the CPU
+  has it, else AVX2 + FMA) over a copy packed in column panels, which reads each weight byte
   from memory once whatever the row count. A decode step of a small model
   on one core is bound by reading its weights, so this is the few-rows case.
 
@@ -23,21 +23,21 @@ library  1 row  4 rows  8 rows  16 rows  64 rows
 =======  =====  ======  ======  ======  =======
 blas     42     77      108     91       218
 onednn   50     59      64      71       181
-avx512   40     43      44      61       152
+panels   40     43      44      61       152
 =======  =====  ======  ======  ======  =======
 
 Which one wins depends on the CPU, the BLAS and the row count, so it is
 measured once per weight shape when the runner is built, at each row count
 of :data:`TUNED_ROWS`; above the last one that one's choice holds. That
 measurement repeats one weight, warm in the caches as it is not in a real
-pass, so it underrates ``avx512``, whose gain is in reading memory; here it
-still picks ``avx512`` from 4 rows up on every SmolLM2 shape.
+pass, so it underrates ``panels``, whose gain is in reading memory; here it
+still picks ``panels`` from 4 rows up on every SmolLM2 shape.
 
 The libraries give the same products up to float rounding (the summation
 order inside each differs), the same kind of difference that batching
 itself makes: ``F.linear`` over 1 row and over 8 rows differ in the last bits
 too. Memory: a layer keeps a packed copy of its weight for each of
-``onednn`` and ``avx512`` that its plan uses, next to the original (which
+``onednn`` and ``panels`` that its plan uses, next to the original (which
 tied embeddings and the BLAS rows still read).
 """
 
@@ -68,9 +68,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Library = Literal["blas", "onednn", "avx512"]
+Library = Literal["blas", "onednn", "panels"]
 """``blas``: ``F.linear``; ``onednn``: oneDNN over a prepacked copy of the
-weight; ``avx512``: tserve's few-rows kernel over a panel-packed copy."""
+weight; ``panels``: tserve's few-rows kernel over a panel-packed copy."""
 
 TUNED_ROWS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """Row counts measured; a count between two uses the lower one's choice."""
@@ -105,7 +105,7 @@ class _Weights:
         self.weight, self.bias = linear.weight, linear.bias
         self.out_features = linear.out_features
         self.onednn = _pack(linear.weight) if "onednn" in libraries else None
-        self.kernels = cpu_kernels() if "avx512" in libraries else None
+        self.kernels = cpu_kernels() if "panels" in libraries else None
         self.panels = None
         if self.kernels is not None:
             with torch.inference_mode():
@@ -118,7 +118,7 @@ class _Weights:
                 x, self.onednn, self.bias, "none", [], ""
             )
             return out
-        if library == "avx512":
+        if library == "panels":
             assert self.kernels is not None and self.panels is not None
             return self.kernels.linear(x, self.panels, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
@@ -172,7 +172,7 @@ def available_libraries(dtype: torch.dtype) -> tuple[Library, ...]:
     return (
         "blas",
         *(("onednn",) if onednn_available(dtype) else ()),
-        *(("avx512",) if kernels is not None and kernels.linear_available else ()),
+        *(("panels",) if kernels is not None and kernels.linear_available else ()),
     )
 
 
@@ -192,7 +192,7 @@ def tune_linears(
 
     ``cpu_gemm`` "auto" measures: blocks while it does (SmolLM2: a second
     or two, mostly its output head); weights of one shape and dtype are
-    measured once. "onednn" or "avx512" is used at every row count instead
+    measured once. "onednn" or "panels" is used at every row count instead
     (where it cannot run here: logged, and the model is left alone);
     "blas" leaves the model alone. For a model on CPU (the runner's call).
     Returns the plan of each replaced module.

@@ -26,7 +26,10 @@ number of rows (decode rows and prefill chunks alike).
   model's at near-ties: SmolLM2 answers "What is the capital of France?"
   with "The capital of France is Paris." in fp32 and, when its prompt's
   products run int8, with "L'Étoile, ...", its two top logits being 0.06
-  apart.
+  apart. The K-quants (Q4_K, Q5_K, Q6_K) take llama.cpp's own scheme for
+  them instead, one scale per super-block of 256 activations, so that a
+  super-block's integer sums need no float work per group; each product
+  moves by about 0.7 %.
 * ``fp32``: each block of weights is dequantized in registers once per tile
   of up to 4 activation rows and multiplied in fp32, so a product equals
   dequantize-then-``F.linear`` up to summation order (the tests bound the
@@ -43,7 +46,7 @@ them on this module's ``F32`` kernel.
 
 **Instructions.** AVX2 + FMA + F16C where the CPU has them (chosen at run
 time), else portable C, said once in the log; the block formats' products
-(int8 and fp32) run AVX-512 (VNNI) where the CPU has it
+(int8 and fp32) and the K-quants' int8 ones run AVX-512 (VNNI) where the CPU has it
 (``TSERVE_MAX_ISA=avx2`` caps them at AVX2).
 
 **Threads.** A product's output rows are split among torch's threads
@@ -169,7 +172,7 @@ class QuantKernels:
         """``x [..., in] @ W.T``, fp32 against the weight dequantized in registers:
         a new fp32 ``[..., out]``. ``int8`` (K-quants only; the other block formats
         take int8 activations on a packed weight, :meth:`linear_int8`): the
-        activations quantized to 8 bits per block of 32 and integer products."""
+        activations quantized to 8 bits per super-block of 256 and integer products."""
         if int8 and weight.fmt not in K_FORMATS:
             raise ValueError("int8 activations on this format need a packed weight: linear_int8")
         k, n = weight.in_features, weight.out_features

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 Activations = Literal["int8", "fp32"]
 """How a product treats its activations: ``int8``, quantized per block of 32
-against the packed weight; ``fp32``, against the weight dequantized in registers."""
+against the packed weight (K-quants: per super-block of 256, against the
+file's rows); ``fp32``, against the weight dequantized in registers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +89,13 @@ K_FORMATS: Final = frozenset(f.code for f in _FORMAT_TABLE.values() if f.block =
 _ISA_NAMES: Final = (
     "portable C",
     "AVX2 + FMA + F16C",
-    "AVX-512 VNNI (the block formats' products) and AVX2 + FMA + F16C",
+    "AVX-512 VNNI (the block formats' products, the K-quants' int8 ones) and AVX2 + FMA + F16C",
 )
 
 Isa = Literal[0, 1, 2]
 """0: portable C; 1: AVX2 + FMA + F16C; 2: AVX-512 F/BW/VL + VNNI for the block
-formats' products (int8 and fp32) and the fused step's attention, AVX2 for the rest."""
+formats' products (int8 and fp32), the K-quants' int8 products, the fp32 panel
+kernel (``_cpu_kernels.c``) and the fused step's attention, AVX2 for the rest."""
 
 MAX_ISA_ENV: Final = "TSERVE_MAX_ISA"
 """An environment variable that caps :attr:`QuantLibrary.best_isa` at a variant

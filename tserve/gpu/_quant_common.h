@@ -1,5 +1,6 @@
 /* What the quantized kernels of _quant_kernels.c and _kquant_kernels.c share
- * (and _attention_kernels.c, for the ISA codes, fp16 bits and AVX2 attribute):
+ * (and _attention_kernels.c, for the ISA codes, fp16 bits and AVX2 attribute;
+ * _cpu_kernels.c, for the ISA codes and AVX2 attribute of its fp32 panels):
  * the instruction-set codes, the bound below which a product runs on one
  * thread, the tile and chunk of x rows, the switch that makes a tile's row
  * count a constant, fp16 bits to float, an unaligned u16 load, and (on

@@ -35,6 +35,43 @@ def test_engine_and_serve_share_the_engine_options(monkeypatch: pytest.MonkeyPat
     assert engine.heartbeat_interval == serve.heartbeat_interval == 0.5
 
 
+ENGINE_GROUPS = {
+    "engine: model": ["--max-model-len", "--model-impl", "--dequantize", "--cache-dir"],
+    "engine: batching": ["--max-num-seqs", "--max-num-batched-tokens", "--max-decode-slowdown"],
+    "engine: KV cache": [
+        "--kv-cache-tokens",
+        "--kv-cache-memory-bytes",
+        "--kv-cache-dtype",
+        "--no-prefix-caching",
+    ],
+    "engine: device": ["--device", "--dtype", "--threads", "--gguf-activations"],
+    "engine: sampling defaults": ["--generation-config"],
+    "engine: structured outputs": ["--grammar-compile-timeout", "--grammar-mask-budget"],
+    "engine: advanced (diagnostics and overrides of automatic choices)": [
+        "--gguf-runner",
+        "--cpu-gemm",
+        "--engine-kind",
+        "--echo-step-time",
+    ],
+}
+
+
+@pytest.mark.parametrize("command", ["serve", "engine"])
+def test_help_groups_the_engine_options_by_concern(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each engine option is listed under its concern's heading, advanced ones last."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    headings = [line[:-1] for line in out.splitlines() if line.startswith("engine: ")]
+    assert headings == list(ENGINE_GROUPS)
+    for heading, flags in ENGINE_GROUPS.items():
+        section = out.split(f"\n{heading}:\n", 1)[1].split("\n\n", 1)[0]
+        listed = [line.split()[0] for line in section.splitlines() if line.startswith("  --")]
+        assert listed == flags, heading
+
+
 def test_help_does_not_import_the_benchmark() -> None:
     code = (
         "import sys\n"

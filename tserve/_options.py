@@ -98,81 +98,14 @@ def _security(p: argparse.ArgumentParser, title: str) -> None:
 
 
 def _engine_group(p: argparse.ArgumentParser) -> None:
-    """The options of the engine itself, shared by ``serve`` and ``engine``."""
-    eng = p.add_argument_group("engine")
+    """The options of the engine itself, shared by ``serve`` and ``engine``, one
+    group per concern; knobs that override an automatic choice or serve
+    diagnostics come last, under "advanced"."""
     d = _ENGINE_DEFAULTS
-    _option(eng, "--max-num-seqs", int, d.max_num_seqs, "requests in one batch at most")
-    _option(eng, "--kv-cache-tokens", int, d.kv_cache_tokens, "KV cache budget in tokens")
+    model = p.add_argument_group("engine: model")
+    _option(model, "--max-model-len", int, None, "context length (default: the model's)")
     _option(
-        eng,
-        "--kv-cache-memory-bytes",
-        int,
-        None,
-        "KV cache budget in bytes instead of tokens (a smaller --kv-cache-dtype then holds "
-        "more tokens)",
-    )
-    _option(
-        eng,
-        "--kv-cache-dtype",
-        str,
-        d.kv_cache_dtype,
-        "what the KV cache stores: 'auto' (the model's dtype: fp32 on CPU, bf16 on CUDA), "
-        "'fp32', 'fp16' or 'bf16'",
-        choices=("auto", "fp32", "fp16", "bf16"),
-    )
-    _option(
-        eng,
-        "--max-num-batched-tokens",
-        int,
-        d.max_num_batched_tokens,
-        "tokens in one engine step at most",
-    )
-    _option(
-        eng,
-        "--max-decode-slowdown",
-        float,
-        d.max_decode_slowdown,
-        "while requests decode, a step that also runs prompt tokens may cost at most this "
-        "many times a decode-only step (0: no bound, --max-num-batched-tokens every step)",
-    )
-    _option(
-        eng,
-        "--grammar-compile-timeout",
-        float,
-        d.grammar_compile_timeout,
-        "seconds a structured output's grammar may take to compile: a request whose grammar "
-        "is not compiled by then fails with a 400 naming its field, before any token",
-    )
-    _option(
-        eng,
-        "--grammar-mask-budget",
-        float,
-        d.grammar_mask_budget * 1000,
-        "milliseconds one token's grammar mask may take: a structured output whose masks "
-        "take longer for 8 tokens in a row ends with an error (a late mask delays only "
-        "its own request)",
-    )
-    _option(eng, "--max-model-len", int, None, "context length (default: the model's)")
-    _option(eng, "--threads", int, d.threads, "torch CPU threads")
-    _option(eng, "--device", str, d.device, "auto, cpu or cuda[:N]")
-    _option(eng, "--dtype", str, d.dtype, "auto, float32, bfloat16 or float16")
-    _option(
-        eng,
-        "--cpu-gemm",
-        str,
-        d.cpu_gemm,
-        "linear layers on CPU: 'auto' (measure BLAS, prepacked oneDNN and tserve's "
-        "few-rows panel kernel per layer at startup), 'blas', 'onednn' or 'panels'",
-        choices=("auto", "blas", "onednn", "panels"),
-    )
-    _flag(
-        eng,
-        "--no-prefix-caching",
-        "compute every prompt in full: do not share the KV of a prefix that an earlier "
-        "request computed",
-    )
-    _option(
-        eng,
+        model,
         "--model-impl",
         str,
         d.model_impl,
@@ -182,24 +115,67 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         choices=("auto", "hf"),
     )
     _flag(
-        eng,
+        model,
         "--dequantize",
         "serve a GGUF file (the default model is one) through a one-time conversion to an "
         "fp32 transformers directory instead of as it is (quantized, through tserve's CPU "
         "kernels); it reads formats tserve has no kernel for",
     )
+    _option(model, "--cache-dir", str, None, "where converted models are cached")
+    batching = p.add_argument_group("engine: batching")
+    _option(batching, "--max-num-seqs", int, d.max_num_seqs, "requests in one batch at most")
     _option(
-        eng,
-        "--generation-config",
-        str,
-        d.generation_config,
-        "where a request that leaves temperature, top_p or top_k unset gets them: 'auto' "
-        "(what the model recommends: its generation_config.json, a GGUF file's sampling "
-        "metadata, the default model's card; OpenAI's defaults where it says nothing), "
-        "'none' (OpenAI's defaults always), or a directory with a generation_config.json",
+        batching,
+        "--max-num-batched-tokens",
+        int,
+        d.max_num_batched_tokens,
+        "tokens in one engine step at most",
     )
     _option(
-        eng,
+        batching,
+        "--max-decode-slowdown",
+        float,
+        d.max_decode_slowdown,
+        "while requests decode, a step that also runs prompt tokens may cost at most this "
+        "many times a decode-only step (0: no bound, --max-num-batched-tokens every step)",
+    )
+    kv = p.add_argument_group("engine: KV cache")
+    _option(kv, "--kv-cache-tokens", int, d.kv_cache_tokens, "KV cache budget in tokens")
+    _option(
+        kv,
+        "--kv-cache-memory-bytes",
+        int,
+        None,
+        "KV cache budget in bytes instead of tokens (a smaller --kv-cache-dtype then holds "
+        "more tokens)",
+    )
+    _option(
+        kv,
+        "--kv-cache-dtype",
+        str,
+        d.kv_cache_dtype,
+        "what the KV cache stores: 'auto' (the model's dtype: fp32 on CPU, bf16 on CUDA), "
+        "'fp32', 'fp16' or 'bf16'",
+        choices=("auto", "fp32", "fp16", "bf16"),
+    )
+    _flag(
+        kv,
+        "--no-prefix-caching",
+        "compute every prompt in full: do not share the KV of a prefix that an earlier "
+        "request computed",
+    )
+    device = p.add_argument_group("engine: device")
+    _option(device, "--device", str, d.device, "auto, cpu or cuda[:N]")
+    _option(device, "--dtype", str, d.dtype, "auto, float32, bfloat16 or float16")
+    _option(
+        device,
+        "--threads",
+        int,
+        d.threads,
+        "CPU threads of the engine (torch's and the C kernels')",
+    )
+    _option(
+        device,
         "--gguf-activations",
         str,
         d.gguf_activations,
@@ -208,8 +184,40 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "weights dequantized in registers: the results of the fp32 conversion)",
         choices=("int8", "fp32"),
     )
+    sampling = p.add_argument_group("engine: sampling defaults")
     _option(
-        eng,
+        sampling,
+        "--generation-config",
+        str,
+        d.generation_config,
+        "where a request that leaves temperature, top_p or top_k unset gets them: 'auto' "
+        "(what the model recommends: its generation_config.json, a GGUF file's sampling "
+        "metadata, the default model's card; OpenAI's defaults where it says nothing), "
+        "'none' (OpenAI's defaults always), or a directory with a generation_config.json",
+    )
+    grammar = p.add_argument_group("engine: structured outputs")
+    _option(
+        grammar,
+        "--grammar-compile-timeout",
+        float,
+        d.grammar_compile_timeout,
+        "seconds a structured output's grammar may take to compile: a request whose grammar "
+        "is not compiled by then fails with a 400 naming its field, before any token",
+    )
+    _option(
+        grammar,
+        "--grammar-mask-budget",
+        float,
+        d.grammar_mask_budget * 1000,
+        "milliseconds one token's grammar mask may take: a structured output whose masks "
+        "take longer for 8 tokens in a row ends with an error (a late mask delays only "
+        "its own request)",
+    )
+    advanced = p.add_argument_group(
+        "engine: advanced (diagnostics and overrides of automatic choices)"
+    )
+    _option(
+        advanced,
         "--gguf-runner",
         str,
         d.gguf_runner,
@@ -218,9 +226,17 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "torch's forward pass otherwise), 'native' or 'torch'",
         choices=("auto", "native", "torch"),
     )
-    _option(eng, "--cache-dir", str, None, "where converted models are cached")
     _option(
-        eng,
+        advanced,
+        "--cpu-gemm",
+        str,
+        d.cpu_gemm,
+        "linear layers on CPU: 'auto' (measure BLAS, prepacked oneDNN and tserve's "
+        "few-rows panel kernel per layer at startup), 'blas', 'onednn' or 'panels'",
+        choices=("auto", "blas", "onednn", "panels"),
+    )
+    _option(
+        advanced,
         "--engine-kind",
         str,
         d.engine_kind,
@@ -228,7 +244,7 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         "prompt (the model directory gives only the tokenizer), to measure the frontend alone",
         choices=("model", "echo"),
     )
-    _option(eng, "--echo-step-time", float, d.echo_step_time, "seconds per echo engine step")
+    _option(advanced, "--echo-step-time", float, d.echo_step_time, "seconds per echo engine step")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

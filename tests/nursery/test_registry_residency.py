@@ -227,6 +227,47 @@ async def test_a_busy_model_is_never_unloaded_and_a_load_gives_up_with_models_bu
             release["b"].set()
 
 
+async def test_callers_of_one_unloaded_model_share_its_placement(tiny_model_dir: Path) -> None:
+    """However many callers ask for an unloaded model, one of them waits for
+    room and the others wait for that one, not in line behind other models'
+    loads: a load queued between them cannot unload the model between its
+    first caller's hold and the next one's (the thrash of a budget that fits
+    one model, under requests for several)."""
+    specs = [_echo(name, tiny_model_dir) for name in "abc"]
+    entered = {name: anyio.Event() for name in ("a", "b1", "c", "b2")}
+    leave = {name: anyio.Event() for name in ("a", "b1", "c", "b2")}
+    b_loads: dict[str, int] = {}
+
+    async def hold(who: str) -> None:
+        async with reg.use(who[0]):
+            b_loads[who] = reg.figures(who[0]).loads
+            entered[who].set()
+            await leave[who].wait()
+
+    with anyio.fail_after(HANG_GUARD):
+        rules = {"memory_budget": 1, "fit_timeout": HANG_GUARD}  # each model loads alone
+        async with _registry(*specs, **rules) as reg, anyio.create_task_group() as tg:
+            tg.start_soon(hold, "a")
+            await entered["a"].wait()
+            tg.start_soon(hold, "b1")  # waits for room: a is busy
+            await eventually(lambda: reg.waiting_for_room == 1, "b1 waits for room")
+            tg.start_soon(hold, "c")  # in line behind b1
+            await eventually(lambda: reg.waiting_for_room == 2, "c waits in line")
+            tg.start_soon(hold, "b2")  # waits for b1's placement, not in line
+            await anyio.wait_all_tasks_blocked()
+            assert reg.waiting_for_room == 2
+            leave["a"].set()  # b1 unloads a and loads b
+            await entered["b1"].wait()
+            leave["b1"].set()  # b2 still holds b: c waits
+            await entered["b2"].wait()
+            assert b_loads == {"a": 1, "b1": 1, "b2": 1}  # one load of b served both
+            assert [reg.state(n) for n in "abc"] == [UNLOADED, LOADED, UNLOADED]
+            leave["b2"].set()
+            await entered["c"].wait()
+            assert [reg.state(n) for n in "abc"] == [UNLOADED, UNLOADED, LOADED]
+            leave["c"].set()
+
+
 def _pages() -> int:
     """This process's resident pages (/proc/self/statm)."""
     with open("/proc/self/statm") as f:

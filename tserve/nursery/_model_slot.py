@@ -17,7 +17,7 @@ from tserve.nursery._model_state import ModelLifecycle, ModelState
 from tserve.nursery._residency import DEFAULT_KEEP_ALIVE
 from tserve.protocol import EngineConfig
 
-__all__ = ["Load", "ModelSlot", "ModelSpec"]
+__all__ = ["Load", "ModelSlot", "ModelSpec", "Placement"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +42,14 @@ class Load:
         self.scope = anyio.CancelScope()  # the owner task's, cancelled to cancel the load
 
 
+class Placement:
+    """One call making room for a model's load, as the other callers for it see it."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()  # set once its load started, or the call failed or left
+        self.error: Exception | None = None  # ModelsBusy: no room; the others fail alike
+
+
 class ModelSlot:
     """One model's engine slot: its spec, lifecycle, current load and its LLM when LOADED."""
 
@@ -50,6 +58,9 @@ class ModelSlot:
         self.life = ModelLifecycle(spec.name)
         self.llm: LLM | None = None  # set exactly while LOADED
         self.load: Load | None = None  # the load under way, or the last one
+        # The one call making room for its next load while UNLOADED or FAILED;
+        # every other caller waits for it instead of queueing for room itself.
+        self.placement: Placement | None = None
         self.release = anyio.Event()  # set, with the move to UNLOADING, to stop the engine
         # Calls inside use() on this model's LLM; unload() waits for 0 (never
         # under a request). Bound: one per caller task. ``idle`` is set while 0.
@@ -75,7 +86,11 @@ class ModelSlot:
     @property
     def held(self) -> bool:
         """Requests in flight, or callers about to receive it from its load: not idle."""
-        return self.in_flight > 0 or (self.load is not None and self.load.waiters > 0)
+        return (
+            self.in_flight > 0
+            or (self.load is not None and self.load.waiters > 0)
+            or self.placement is not None
+        )
 
     def start_load(self) -> Load:
         """Move to LOADING with a fresh load; its owner task is the caller's to start."""

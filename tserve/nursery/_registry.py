@@ -35,9 +35,9 @@ from tserve._errors import LLMError
 from tserve.nursery._admission import Overload
 from tserve.nursery._client import ClientSettings
 from tserve.nursery._errors import ShuttingDown
-from tserve.nursery._keeper import DEFAULT_FIT_TIMEOUT, Keeper, ModelFigures
+from tserve.nursery._keeper import DEFAULT_FIT_TIMEOUT, Keeper, ModelFigures, ModelsBusy
 from tserve.nursery._llm import LLM
-from tserve.nursery._model_slot import Load, ModelSlot, ModelSpec
+from tserve.nursery._model_slot import Load, ModelSlot, ModelSpec, Placement
 from tserve.nursery._model_state import ModelLifecycle, ModelState
 from tserve.nursery._open import EngineOwner
 from tserve.nursery._residency import DEFAULT_KEEP_ALIVE
@@ -191,9 +191,7 @@ class ModelRegistry:
             if state in (ModelState.UNLOADED, ModelState.FAILED):
                 await model.gone.wait()  # a dead engine is reaped before the next load
                 if model.life.state in (ModelState.UNLOADED, ModelState.FAILED):
-                    room = await self._keeper.place(model)
-                    if room is not None:  # no checkpoint since: the room is still there
-                        self._start_load(model, room)
+                    await self._place(model)
                 continue
             load = model.load
             assert load is not None
@@ -201,6 +199,29 @@ class ModelRegistry:
             await self._wait_for(load)
             if load.error is not None:
                 raise ModelLoadFailed(name, load.error)
+
+    async def _place(self, model: ModelSlot) -> None:
+        """Make room for ``model``'s load and start it, or wait while another call
+        does (however many callers, one of them queues for room). A caller that
+        waited fails with the ModelsBusy of the call it waited for; when that
+        call was cancelled, the next caller looks again."""
+        placement = model.placement
+        if placement is not None:
+            await placement.done.wait()
+            if placement.error is not None:
+                raise placement.error
+            return
+        placement = model.placement = Placement()
+        try:
+            room = await self._keeper.place(model)
+            if room is not None:  # no checkpoint since: the room is still there
+                self._start_load(model, room)
+        except ModelsBusy as exc:
+            placement.error = exc
+            raise
+        finally:
+            model.placement = None
+            placement.done.set()
 
     async def _wait_for(self, load: Load) -> None:
         load.waiters += 1

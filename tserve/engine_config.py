@@ -35,7 +35,7 @@ GgufRunner: TypeAlias = Literal["auto", "native", "torch"]
 torch's forward pass; or one."""
 
 KvCacheDtype: TypeAlias = Literal["auto", "fp32", "fp16", "bf16"]
-"""What the KV cache stores: "auto" (see ``tserve.gpu._model_runner.resolve_kv_dtype``) or one."""
+"""What the KV cache stores: "auto" (see ``tserve.gpu._placement.kv_dtype``) or one."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

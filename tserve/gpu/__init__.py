@@ -38,10 +38,11 @@ Modules:
   per layer group, blocks behind a sliding window given back (plain Python).
 * ``_kv_groups.py`` — which layers share a KV block: groups of one window each.
 * ``_sequence.py`` — one record per request and the chunk of work in a step.
+* ``_placement.py`` — the one decision of runner, device, dtype and KV
+  dtype, from the config and the machine; no torch.
 * ``_model_runner.py`` — one forward pass over the scheduled chunks; owns the
-  KV pool; the one place that decides the device path (``resolve_device``,
-  the glue kernels, decode attention, tuning) and the forward pass
-  (``model_impl``).
+  KV pool; from the placement's device and dtype, picks the glue kernels,
+  decode attention, tuning and the forward pass (``model_impl``).
 * ``_architectures.py`` — the decoder architectures tserve's own forward pass
   runs, as data: one :class:`Architecture` row per family (biases, Q/K norms,
   GGUF Q/K order), looked up by GGUF or transformers name; no torch.

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tserve.gpu import _placement as placement
 from tserve.gpu._gguf_file import GgufFile, read_vocab, sampling_metadata
 from tserve.gpu._gguf_plan import layer_window
 from tserve.gpu._gguf_vocab import end_of_generation_ids
@@ -112,7 +113,7 @@ def _choose_runner(
     from tserve.gpu._native import native_problem
 
     file = None
-    problem = _native_config_problem(config)
+    problem = placement.native_config_problem(config, cuda=placement.cuda_possible())
     if problem is None:
         file = GgufFile(path, has_kernels=True)
         problem = native_problem(file)
@@ -122,25 +123,6 @@ def _choose_runner(
         raise ModelLoadError(f"--gguf-runner native cannot serve {path.name}: {problem}")
     progress(f"{path.name} runs on torch's forward pass, not the native runner: {problem}")
     return False, file
-
-
-def _native_config_problem(config: EngineConfig) -> str | None:
-    """What in ``config`` keeps a GGUF file off the native runner, or None."""
-    if config.gguf_runner == "torch":
-        return "--gguf-runner torch"
-    if config.device not in ("auto", "cpu") or config.dtype not in ("auto", "float32"):
-        return f"it runs on CPU in float32, not {config.device} {config.dtype}"
-    if config.device == "auto" and _cuda_possible():
-        return "a CUDA device may be present (--device cpu serves it natively)"
-    if config.model_impl == "hf":
-        return "--model-impl hf"
-    return None
-
-
-def _cuda_possible() -> bool:
-    """Whether this machine may have a CUDA device (an NVIDIA driver's device
-    files), told without importing torch."""
-    return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def _load_native(
@@ -154,7 +136,7 @@ def _load_native(
     activations = config.gguf_activations
     model = NativeModel(file, cache_dir=cache, progress=progress, activations=activations)
     set_threads(model.quant.library, config.threads)
-    kv_dtype = "fp32" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    kv_dtype = placement.kv_dtype(config, "float32")
 
     def runner(num_blocks: int, groups: KVGroups) -> Runner:
         return NativeRunner(
@@ -205,21 +187,18 @@ def _load_torch(
         ModelRunner,
         kv_windows,
         resolve_device,
-        resolve_kv_dtype,
-        runs_gguf,
     )
     from tserve.gpu._models import load_model
     from tserve.gpu._quant import quant_kernels
 
     torch.set_num_threads(max(1, config.threads))
     device, dtype = resolve_device(config)
+    dtype_name = str(dtype).removeprefix("torch.")
     model: Any
     if as_is:
-        if not runs_gguf(device, dtype):
-            raise ModelLoadError(
-                f"{path.name} runs as it is on CPU in float32; on {device} ({dtype}) "
-                "serve it with --dequantize"
-            )
+        problem = placement.as_is_problem(path.name, str(device), dtype_name)
+        if problem is not None:
+            raise ModelLoadError(problem)
         progress(f"loading {path} as it is, on {device}, on torch's forward pass")
         gguf = load_gguf(
             path,
@@ -243,8 +222,8 @@ def _load_torch(
         model, tokenizer = load_model(path, device=device, dtype=dtype)
         model_config, model_path, sampling = model.config, path.resolve(), {}
         eos = _eos_ids(model, tokenizer)
-    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
-    kv_name = next(name for name, d in KV_CACHE_DTYPES.items() if d == kv_dtype)
+    kv_name = placement.kv_dtype(config, dtype_name)
+    kv_dtype = KV_CACHE_DTYPES[kv_name]
 
     def runner(num_blocks: int, groups: KVGroups) -> Runner:
         return ModelRunner(

@@ -10,8 +10,8 @@ not decide who runs; the scheduler does, and hands it
 :class:`~tserve.gpu._sequence.ScheduledChunk` s whose block tables it has
 already allocated.
 
-The runner is the one place that decides the device path (:func:`resolve_device`):
-from the device and dtype it picks, once, the glue kernels of tserve's own
+The device and dtype are decided in :mod:`tserve.gpu._placement` (torch's
+objects: :func:`resolve_device`); from them the runner picks, once, the glue kernels of tserve's own
 forward pass (the fused CPU kernels for fp32 on CPU, torch calls otherwise;
 both read and write a KV pool of any of :data:`KV_CACHE_DTYPES`),
 how decode attention runs, whether linear layers are tuned (CPU only), and
@@ -56,6 +56,7 @@ from tserve.gpu._llama import (
     unsupported_reason,
 )
 from tserve.gpu._models import ModelLoadError
+from tserve.gpu._placement import KV_DTYPES, as_is_problem, device_and_dtype
 from tserve.gpu._quant import tune_quantized
 from tserve.gpu._sequence import ScheduledChunk
 from tserve.protocol import CpuGemm, EngineConfig, KvCacheDtype, ModelImpl
@@ -73,18 +74,10 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """The config's device and dtype; "auto" = CUDA with bf16 when present, else CPU with fp32."""
-    if config.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(config.device)
-    if config.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        dtype = getattr(torch, config.dtype)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {config.dtype!r}")
-    return device, dtype
+    """The config's device and dtype as torch's (decided by
+    :func:`tserve.gpu._placement.device_and_dtype`)."""
+    device, dtype = device_and_dtype(config, cuda=torch.cuda.is_available())
+    return torch.device(device), getattr(torch, dtype)
 
 
 KV_CACHE_DTYPES: Final[dict[str, torch.dtype]] = {
@@ -92,23 +85,20 @@ KV_CACHE_DTYPES: Final[dict[str, torch.dtype]] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
-"""``--kv-cache-dtype``'s values, "auto" aside."""
+"""``--kv-cache-dtype``'s values, "auto" aside, as torch's dtypes."""
 
 
 def resolve_kv_dtype(kv_cache_dtype: KvCacheDtype, dtype: torch.dtype) -> torch.dtype:
-    """What the KV cache stores for a model in ``dtype``.
-
-    "auto" = the model's own dtype, as in vLLM: fp32 on CPU, bf16 on CUDA.
-    On CPU the fused decode kernel is bound by its arithmetic, not by
-    reading K/V, so fp16 or bf16 halve the cache's memory without making
-    decode faster (docs/configuration.md has the figures).
-    """
-    return dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
+    """What the KV cache stores for a model in ``dtype`` (decided by
+    :func:`tserve.gpu._placement.kv_dtype`), as torch's dtype."""
+    if kv_cache_dtype == "auto":
+        return KV_CACHE_DTYPES[KV_DTYPES[str(dtype).removeprefix("torch.")]]
+    return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def runs_gguf(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a GGUF file runs as it is here (its kernels are CPU fp32 ones)."""
-    return device.type == "cpu" and dtype == torch.float32
+    return as_is_problem("", str(device), str(dtype).removeprefix("torch.")) is None
 
 
 def kv_windows(model: Any, model_impl: ModelImpl = "auto") -> tuple[int, ...]:

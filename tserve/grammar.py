@@ -185,7 +185,9 @@ def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokeniz
     an empty character class); it accepts only the empty string when EOS is
     all its start allows. ``matcher`` is consumed (use a copy). Blocking: a
     mask per forced token (llguidance releases the GIL while it computes one;
-    bounded by its own limits).
+    bounded by its own limits); between them it holds the GIL only for calls
+    into C, never a loop over the vocabulary in Python, so a low-priority
+    thread running it does not keep a busy thread of its process waiting.
     """
     eos = set(tokenizer.eos_tokens)
     forced: list[int] = []
@@ -204,7 +206,9 @@ def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokeniz
             return "the grammar accepts only the empty string"
         if others > 1 or eos_allowed or len(forced) == FORCED_WALK:
             return None
-        token = next(i for i, b in enumerate(allowed) if b and i not in eos)
+        # The one allowed token (no EOS is): the first non-zero byte, found in C,
+        # so a compile thread holds the GIL for microseconds, not a Python scan.
+        token = len(allowed) - len(allowed.lstrip(b"\x00"))
         if not matcher.consume_token(token):
             return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
         forced.append(token)

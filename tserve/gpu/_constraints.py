@@ -111,6 +111,14 @@ class GrammarCompiler:
 
     The llguidance tokenizer is built in the same thread first (a fraction of
     a second for a 50k vocabulary), so neither start-up nor a step waits for it.
+
+    The compile thread runs at a lower priority (``lower_thread_priority``)
+    and holds the GIL only between llguidance's calls, which release it: a
+    low-priority thread that holds the GIL while a busy machine keeps it off
+    the CPU keeps the step loop waiting for as long. So the grammar text,
+    Python over the whole schema (milliseconds for a 128-tool one), is made
+    in a second thread at the process's own priority, which the compile
+    thread waits for.
     """
 
     def __init__(
@@ -133,6 +141,10 @@ class GrammarCompiler:
         # What building it freed (its parse: tens of MB for a 50k vocabulary) goes
         # back to the kernel, as the engine's own load garbage does (_heap.py).
         self._pool.submit(trim_heap)
+        # The grammar texts. Bound: one at a time, for the one compile running.
+        self._texts = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tserve-grammar-text"
+        )
         # Compiled grammars by constraint_key, least recently used first.
         # Bound: cache_size entries; at the bound the least recently used is
         # dropped (a later request for it compiles it again).
@@ -181,6 +193,7 @@ class GrammarCompiler:
     def close(self) -> None:
         """Stop the worker thread once its current compile ends; queued ones are dropped."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._texts.shutdown(wait=False, cancel_futures=True)
 
     def _remember(self, key: bytes, compiled: Compiled) -> None:
         self._cache[key] = compiled
@@ -189,9 +202,10 @@ class GrammarCompiler:
 
     def _compile(self, constraint: Constraint) -> Compiled:
         """In the worker thread: the matcher of ``constraint``, or why it cannot
-        become a grammar, be built, or write anything (``start_problem``, on a copy)."""
+        become a grammar, be built, or write anything (``start_problem``, on a copy).
+        Blocks while the text thread makes the grammar text."""
         try:
-            text = grammar_text(constraint)
+            text = self._texts.submit(grammar_text, constraint).result()
         except (ValueError, RecursionError) as exc:
             return f"the constraint is invalid: {exc}"
         try:

@@ -50,12 +50,14 @@ __all__ = [
     "JSON_OPTIONS",
     "NUMBER_BOUND",
     "bounded_schema",
+    "checked_text",
     "constraint_problem",
     "first_line",
     "grammar_text",
     "lark_json",
     "llg_tokenizer",
     "start_problem",
+    "text_problem",
 ]
 
 NUMBER_BOUND: Final = 10**18
@@ -150,16 +152,32 @@ def constraint_problem(
     message), or None. With ``tokenizer`` the check also covers what needs the
     vocabulary (special tokens named in a Lark grammar). Blocking: it compiles
     the grammar's lexer, and with ``tokenizer`` the whole grammar and its first
-    mask (:func:`start_problem`): milliseconds, longer for very large grammars."""
+    mask (:func:`start_problem`): milliseconds, longer for very large grammars.
+    It is :func:`checked_text`, then :func:`text_problem` on its text."""
+    text = checked_text(constraint)
+    return text if isinstance(text, Problem) else text_problem(constraint, text, tokenizer)
+
+
+def checked_text(constraint: Constraint) -> str | Problem:
+    """``constraint``'s grammar text (:func:`grammar_text`), or why it cannot have
+    one. Blocking: Python over the whole constraint, holding the GIL
+    (milliseconds for a 128-tool schema)."""
     if isinstance(constraint, Choice):
         if not constraint.choices:
             return Problem("constraint", "choice: at least one choice is required")
         if "" in constraint.choices:
             return Problem("constraint", "choice: a choice must not be empty")
     try:
-        text = grammar_text(constraint)
+        return grammar_text(constraint)
     except (ValueError, RecursionError) as exc:
         return Problem("constraint", f"{_kind(constraint)}: {exc}")
+
+
+def text_problem(
+    constraint: Constraint, text: str, tokenizer: llguidance.LLTokenizer | None = None
+) -> Problem | None:
+    """:func:`constraint_problem` for ``constraint`` whose grammar text is ``text``
+    (:func:`checked_text`'s). Blocking: llguidance's work, which releases the GIL."""
     if tokenizer is None:
         message = llguidance.LLMatcher.validate_grammar(text)
         return Problem("constraint", f"{_kind(constraint)}: {message.strip()}") if message else None

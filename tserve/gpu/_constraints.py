@@ -4,10 +4,11 @@
 grammar text, ``tserve.grammar.grammar_text``, made in a second thread, then
 llguidance's matcher) and keeps the compiled ones in a bounded LRU cache
 keyed by the constraint's wire encoding, so the step loop only encodes it (a
-fraction of a millisecond for a 128-tool schema; the text takes milliseconds). :class:`Constraints` holds each
-constrained request's matcher and answers the step loop's three questions:
-which requests are ready to run, each constrained row's mask, and whether a
-sampled token is accepted and ends the grammar.
+fraction of a millisecond for a 128-tool schema; the text takes milliseconds).
+:class:`Constraints` holds each constrained request's matcher and answers
+the step loop's three questions: which requests are ready to run, each
+constrained row's mask, and whether a sampled token is accepted and ends the
+grammar.
 
 Rules:
 

@@ -50,12 +50,14 @@ __all__ = [
     "JSON_OPTIONS",
     "NUMBER_BOUND",
     "bounded_schema",
+    "checked_text",
     "constraint_problem",
     "first_line",
     "grammar_text",
     "lark_json",
     "llg_tokenizer",
     "start_problem",
+    "text_problem",
 ]
 
 NUMBER_BOUND: Final = 10**18
@@ -150,16 +152,32 @@ def constraint_problem(
     message), or None. With ``tokenizer`` the check also covers what needs the
     vocabulary (special tokens named in a Lark grammar). Blocking: it compiles
     the grammar's lexer, and with ``tokenizer`` the whole grammar and its first
-    mask (:func:`start_problem`): milliseconds, longer for very large grammars."""
+    mask (:func:`start_problem`): milliseconds, longer for very large grammars.
+    It is :func:`checked_text`, then :func:`text_problem` on its text."""
+    text = checked_text(constraint)
+    return text if isinstance(text, Problem) else text_problem(constraint, text, tokenizer)
+
+
+def checked_text(constraint: Constraint) -> str | Problem:
+    """``constraint``'s grammar text (:func:`grammar_text`), or why it cannot have
+    one. Blocking: Python over the whole constraint, holding the GIL
+    (milliseconds for a 128-tool schema)."""
     if isinstance(constraint, Choice):
         if not constraint.choices:
             return Problem("constraint", "choice: at least one choice is required")
         if "" in constraint.choices:
             return Problem("constraint", "choice: a choice must not be empty")
     try:
-        text = grammar_text(constraint)
+        return grammar_text(constraint)
     except (ValueError, RecursionError) as exc:
         return Problem("constraint", f"{_kind(constraint)}: {exc}")
+
+
+def text_problem(
+    constraint: Constraint, text: str, tokenizer: llguidance.LLTokenizer | None = None
+) -> Problem | None:
+    """:func:`constraint_problem` for ``constraint`` whose grammar text is ``text``
+    (:func:`checked_text`'s). Blocking: llguidance's work, which releases the GIL."""
     if tokenizer is None:
         message = llguidance.LLMatcher.validate_grammar(text)
         return Problem("constraint", f"{_kind(constraint)}: {message.strip()}") if message else None
@@ -185,7 +203,9 @@ def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokeniz
     an empty character class); it accepts only the empty string when EOS is
     all its start allows. ``matcher`` is consumed (use a copy). Blocking: a
     mask per forced token (llguidance releases the GIL while it computes one;
-    bounded by its own limits).
+    bounded by its own limits); between them it holds the GIL only for calls
+    into C, never a loop over the vocabulary in Python, so a low-priority
+    thread running it does not keep a busy thread of its process waiting.
     """
     eos = set(tokenizer.eos_tokens)
     forced: list[int] = []
@@ -204,7 +224,9 @@ def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokeniz
             return "the grammar accepts only the empty string"
         if others > 1 or eos_allowed or len(forced) == FORCED_WALK:
             return None
-        token = next(i for i, b in enumerate(allowed) if b and i not in eos)
+        # The one allowed token (no EOS is): the first non-zero byte, found in C,
+        # so a compile thread holds the GIL for microseconds, not a Python scan.
+        token = len(allowed) - len(allowed.lstrip(b"\x00"))
         if not matcher.consume_token(token):
             return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
         forced.append(token)

@@ -25,9 +25,9 @@ from tserve.gpu._constraints import (
     MASK_MISSES,
     GrammarCompiler,
     _unpack,
+    constraint_key,
 )
 from tserve.gpu._engine import EngineCore
-from tserve.grammar import grammar_text
 from tserve.protocol import (
     AddRequest,
     Choice,
@@ -203,6 +203,44 @@ def test_a_grammar_that_fails_to_compile_ends_its_request(core: EngineCore) -> N
     _idle(core)
 
 
+def test_a_constraint_that_cannot_become_a_grammar_fails_alone_from_the_compile_thread(
+    core: EngineCore,
+) -> None:
+    """A schema nested deeper than the grammar text can be made (its recursion
+    limit) is keyed and queued by the step loop, then refused by the compile
+    thread: its request ends with an error naming the constraint, twice the
+    same way (the failure is cached), and the plain request beside it runs on."""
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}}
+    deep = JsonSchema(schema)
+    core.add(_request("deep", deep), PEER)
+    core.add(_request("plain", None, prompt=1, max_tokens=8), PEER)
+    assert core.constraints.get_waiting("deep") is not None  # queued, not refused on the loop
+    ends: dict[str, RequestOutput] = {}
+
+    def step_until(request_id: str) -> None:
+        while request_id not in ends:
+            assert core.has_work
+            ends.update((o.request_id, o) for _, o in core.step() if o.finish_reason is not None)
+
+    step_until("deep")
+    core.add(_request("again", deep), PEER)  # the failure is cached by now
+    step_until("again")
+    step_until("plain")
+    for request_id in ("deep", "again"):
+        out = ends[request_id]
+        assert (out.finish_reason, out.error_param, out.token_ids) == (
+            FinishReason.ERROR,
+            "constraint",
+            [],
+        )
+        assert out.error is not None and out.error.startswith("the constraint is invalid")
+    assert ends["plain"].finish_reason is FinishReason.LENGTH
+    assert len(core.constraints.compiler._cache) == 1  # compiled (and failed) once
+    _idle(core)
+
+
 def _hold_compiler(core: EngineCore) -> threading.Event:
     """Keep the compile thread busy until the returned event is set."""
     release = threading.Event()
@@ -306,19 +344,20 @@ def test_the_compiled_grammar_cache_is_bounded(tiny_model_dir: Path) -> None:
         eos_token_ids=[2],
         cache_size=2,
     )
-    texts = [grammar_text(Regex(p)) for p in ("a+", "b+", "c+")]
-    for text in texts:
-        compiler.start(text)
-        while compiler.result(text) is None:
+    regexes = [Regex(p) for p in ("a+", "b+", "c+")]
+    keys = [constraint_key(r) for r in regexes]
+    for key, regex in zip(keys, regexes, strict=True):
+        compiler.start(key, regex)
+        while compiler.result(key, regex) is None:
             compiler.wait(1.0)
-    assert list(compiler._cache) == texts[1:]  # the least recently used was dropped
-    compiler.start(texts[0])  # compiled again on demand
-    while (matcher := compiler.result(texts[0])) is None:
+    assert list(compiler._cache) == keys[1:]  # the least recently used was dropped
+    compiler.start(keys[0], regexes[0])  # compiled again on demand
+    while (matcher := compiler.result(keys[0], regexes[0])) is None:
         compiler.wait(1.0)
     assert not isinstance(matcher, str) and matcher.consume_token(
         compiler.tokenizer.tokenize_str("a")[0]
     )
-    assert list(compiler._cache) == [texts[2], texts[0]]
+    assert list(compiler._cache) == [keys[2], keys[0]]
     compiler.close()
 
 

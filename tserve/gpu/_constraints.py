@@ -1,23 +1,27 @@
 """Structured outputs in the engine: grammars compiled off the step loop, masks, matchers.
 
-:class:`GrammarCompiler` compiles llguidance grammars in ONE worker thread and
-keeps the compiled ones in a bounded LRU cache keyed by the grammar text
-(``tserve.grammar.grammar_text``). :class:`Constraints` holds each
-constrained request's matcher and answers the step loop's three questions:
-which requests are ready to run, each constrained row's mask, and whether a
-sampled token is accepted and ends the grammar.
+:class:`GrammarCompiler` compiles constraints in ONE worker thread (the
+grammar text, ``tserve.grammar.grammar_text``, made in a second thread, then
+llguidance's matcher) and keeps the compiled ones in a bounded LRU cache
+keyed by the constraint's wire encoding, so the step loop only encodes it (a
+fraction of a millisecond for a 128-tool schema; the text takes milliseconds).
+:class:`Constraints` holds each constrained request's matcher and answers
+the step loop's three questions: which requests are ready to run, each
+constrained row's mask, and whether a sampled token is accepted and ends the
+grammar.
 
 Rules:
 
 * A constrained request is not scheduled until its matcher is ready; it waits
-  here, not in the scheduler, so it never holds back anyone's step. The
-  grammar text is compiled once however many requests (``n > 1`` choices) ask
+  here, not in the scheduler, so it never holds back anyone's step. A
+  constraint is compiled once however many requests (``n > 1`` choices) ask
   for it; each request gets its own copy of the compiled matcher.
-* A grammar that fails to compile, that can write nothing
+* A constraint that cannot become a grammar, a grammar that fails to compile,
+  that can write nothing
   (``tserve.grammar.start_problem``: it accepts no string, or only the empty
   one), or is not compiled ``compile_timeout`` seconds after its request
   arrived, ends that request with an error before its first token. A failed
-  grammar is cached with its error, so the same text fails the same way
+  grammar is cached with its error, so the same constraint fails the same way
   again. The thread cannot be stopped: a compile that runs late finishes and
   is cached (llguidance's own limits bound its work), and the compiles
   behind it wait.
@@ -61,6 +65,7 @@ from pathlib import Path
 from typing import Final
 
 import llguidance
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -68,6 +73,7 @@ from tserve._host import lower_thread_priority
 from tserve.gpu._heap import trim_heap
 from tserve.gpu._sequence import Sequence as Seq
 from tserve.grammar import first_line, grammar_text, llg_tokenizer, start_problem
+from tserve.sampling import Constraint
 
 __all__ = [
     "MASK_FAULT_ENV",
@@ -76,6 +82,7 @@ __all__ = [
     "Constraints",
     "GrammarCompiler",
     "Mask",
+    "constraint_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,13 +96,30 @@ MASK_MISSES: Final = 8
 Compiled = llguidance.LLMatcher | str
 """A compiled grammar's matcher at its start, or why it did not compile."""
 
+_ENCODE: Final = msgspec.msgpack.Encoder().encode
+
+
+def constraint_key(constraint: Constraint) -> bytes:
+    """The compile cache's key for ``constraint``: its wire encoding. Equal
+    constraints give equal keys (a schema's keys in another order give another
+    key: a second compile of the same grammar, never a wrong one)."""
+    return _ENCODE(constraint)
+
 
 class GrammarCompiler:
-    """Grammar texts to matchers, compiled in one worker thread. Not thread-safe:
+    """Constraints to matchers, compiled in one worker thread. Not thread-safe:
     one owner (the step loop) calls it; only the compile runs in the thread.
 
     The llguidance tokenizer is built in the same thread first (a fraction of
     a second for a 50k vocabulary), so neither start-up nor a step waits for it.
+
+    The compile thread runs at a lower priority (``lower_thread_priority``)
+    and holds the GIL only between llguidance's calls, which release it: a
+    low-priority thread that holds the GIL while a busy machine keeps it off
+    the CPU keeps the step loop waiting for as long. So the grammar text,
+    Python over the whole schema (milliseconds for a 128-tool one), is made
+    in a second thread at the process's own priority, which the compile
+    thread waits for.
     """
 
     def __init__(
@@ -118,41 +142,46 @@ class GrammarCompiler:
         # What building it freed (its parse: tens of MB for a 50k vocabulary) goes
         # back to the kernel, as the engine's own load garbage does (_heap.py).
         self._pool.submit(trim_heap)
-        # Compiled grammars by text, least recently used first. Bound:
-        # cache_size entries; at the bound the least recently used is dropped
-        # (a later request for it compiles it again).
-        self._cache: collections.OrderedDict[str, Compiled] = collections.OrderedDict()
+        # The grammar texts. Bound: one at a time, for the one compile running.
+        self._texts = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tserve-grammar-text"
+        )
+        # Compiled grammars by constraint_key, least recently used first.
+        # Bound: cache_size entries; at the bound the least recently used is
+        # dropped (a later request for it compiles it again).
+        self._cache: collections.OrderedDict[bytes, Compiled] = collections.OrderedDict()
         self._cache_size = cache_size
-        # Compiles queued or running, by text. Bound: the distinct grammars of
-        # the requests waiting here (the API's admission caps those).
-        self._running: dict[str, concurrent.futures.Future[Compiled]] = {}
+        # Compiles queued or running, by constraint_key. Bound: the distinct
+        # constraints of the requests waiting here (the API's admission caps those).
+        self._running: dict[bytes, concurrent.futures.Future[Compiled]] = {}
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's tokenizer. Blocks until it is built; raises ValueError if it cannot be."""
         return self._tokenizer.result()
 
-    def start(self, text: str) -> None:
-        """Queue the compile of ``text`` unless it is cached or queued. Never blocks."""
-        if text in self._cache:
-            self._cache.move_to_end(text)
-        elif text not in self._running:
-            self._running[text] = self._pool.submit(self._compile, text)
+    def start(self, key: bytes, constraint: Constraint) -> None:
+        """Queue the compile of ``constraint`` (``key``: its :func:`constraint_key`)
+        unless it is cached or queued. Never blocks."""
+        if key in self._cache:
+            self._cache.move_to_end(key)
+        elif key not in self._running:
+            self._running[key] = self._pool.submit(self._compile, constraint)
 
-    def result(self, text: str) -> Compiled | None:
-        """``text``'s matcher (a fresh copy, at its start) or its error; None while
-        it compiles. Never blocks. ``start`` it first."""
-        future = self._running.get(text)
+    def result(self, key: bytes, constraint: Constraint) -> Compiled | None:
+        """``constraint``'s matcher (a fresh copy, at its start) or its error; None
+        while it compiles. Never blocks. ``start`` it first (and with the same key)."""
+        future = self._running.get(key)
         if future is not None:
             if not future.done():
                 return None
-            del self._running[text]
-            self._remember(text, future.result())
-        compiled = self._cache.get(text)
+            del self._running[key]
+            self._remember(key, future.result())
+        compiled = self._cache.get(key)
         if compiled is None:  # dropped from the cache since: compile it again
-            self.start(text)
+            self.start(key, constraint)
             return None
-        self._cache.move_to_end(text)
+        self._cache.move_to_end(key)
         return compiled if isinstance(compiled, str) else compiled.deep_copy()
 
     def wait(self, timeout: float) -> None:
@@ -165,15 +194,21 @@ class GrammarCompiler:
     def close(self) -> None:
         """Stop the worker thread once its current compile ends; queued ones are dropped."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._texts.shutdown(wait=False, cancel_futures=True)
 
-    def _remember(self, text: str, compiled: Compiled) -> None:
-        self._cache[text] = compiled
+    def _remember(self, key: bytes, compiled: Compiled) -> None:
+        self._cache[key] = compiled
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
 
-    def _compile(self, text: str) -> Compiled:
-        """In the worker thread: the matcher of ``text``, or why it cannot be built
-        or can write nothing (``tserve.grammar.start_problem``, on a copy)."""
+    def _compile(self, constraint: Constraint) -> Compiled:
+        """In the worker thread: the matcher of ``constraint``, or why it cannot
+        become a grammar, be built, or write anything (``start_problem``, on a copy).
+        Blocks while the text thread makes the grammar text."""
+        try:
+            text = self._texts.submit(grammar_text, constraint).result()
+        except (ValueError, RecursionError) as exc:
+            return f"the constraint is invalid: {exc}"
         try:
             matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
             if matcher.is_error():
@@ -187,7 +222,8 @@ class GrammarCompiler:
 @dataclasses.dataclass(slots=True)
 class _Waiting:
     seq: Seq
-    text: str
+    constraint: Constraint  # seq's
+    key: bytes  # constraint_key(constraint)
     since: float  # wall-clock time of its arrival (the clock deadlines use)
 
 
@@ -274,18 +310,21 @@ class Constraints:
         return request_id in self._matchers
 
     def add(self, seq: Seq, now: float) -> str | None:
-        """Start on ``seq``'s grammar; it becomes ready in a later :meth:`take_ready`.
+        """Start on ``seq``'s grammar; it becomes ready, or fails, in a later
+        :meth:`take_ready`. ``seq.params.constraint`` is set. Never blocks: the
+        grammar text is made in the compile thread.
 
-        Returns an error (nothing is kept) when the constraint cannot become a
-        grammar at all. ``seq.params.constraint`` is set. Never blocks.
+        Returns an error (nothing is kept) for a constraint nested too deeply
+        to encode as a cache key (it could not become a grammar either).
         """
-        assert seq.params.constraint is not None
+        constraint = seq.params.constraint
+        assert constraint is not None
         try:
-            text = grammar_text(seq.params.constraint)
-        except (ValueError, RecursionError) as exc:
+            key = constraint_key(constraint)
+        except RecursionError as exc:
             return f"the constraint is invalid: {exc}"
-        self.compiler.start(text)
-        self._waiting[seq.request_id] = _Waiting(seq, text, now)
+        self.compiler.start(key, constraint)
+        self._waiting[seq.request_id] = _Waiting(seq, constraint, key, now)
         return None
 
     def take_ready(self, now: float) -> tuple[list[Seq], list[tuple[Seq, str]]]:
@@ -296,7 +335,7 @@ class Constraints:
         ready: list[Seq] = []
         failed: list[tuple[Seq, str]] = []
         for request_id, waiting in list(self._waiting.items()):
-            compiled = self.compiler.result(waiting.text)
+            compiled = self.compiler.result(waiting.key, waiting.constraint)
             if compiled is None:
                 if now - waiting.since <= self.compile_timeout:
                     continue

@@ -171,8 +171,9 @@ class EngineCore(CoreBookkeeping[Sequence]):
 
     def _queue(self, seq: Sequence) -> str | None:
         """Hand ``seq`` (valid: ``_check``) to the scheduler, or to the grammar
-        compiler first; the problem when it can never run: its id is live (another
-        peer's, waiting for its grammar or scheduled), or its grammar is refused."""
+        compiler first; the problem when it can never run: its id is live
+        (another peer's, waiting for its grammar or scheduled). A grammar the
+        compiler refuses ends its request later (``_take_compiled``)."""
         if self.scheduler.get(seq.request_id) or self.constraints.has(seq.request_id):
             return f"request id {seq.request_id!r} is already in use"
         if seq.params.constraint is None:

@@ -5,7 +5,9 @@ reaches the engine, with :class:`~tserve.nursery.InvalidRequest` naming
 ``constraint`` (the web layer names its own field); the engine never
 generates unconstrained after a failed check. The check compiles the
 grammar's lexer (``tserve.grammar.constraint_problem``): milliseconds for an
-ordinary schema, more for a very large one, so it runs in a worker thread.
+ordinary schema, more for a very large one, so it runs in a worker thread at
+a lower priority than the event loop, and the part of it that holds the GIL
+(the grammar text) in a thread at the event loop's own priority.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import llguidance
 import msgspec
 
 from tserve._host import lower_thread_priority
-from tserve.grammar import constraint_problem, llg_tokenizer
+from tserve.grammar import checked_text, llg_tokenizer, text_problem
 from tserve.nursery._errors import InvalidRequest
 from tserve.sampling import Constraint
 from tserve.validity import Problem
@@ -62,6 +64,13 @@ class ConstraintCheck:
             thread_name_prefix="tserve-grammar-check",
             initializer=lower_thread_priority,
         )
+        # The grammar texts, at the process's own priority: Python that holds
+        # the GIL, which a low-priority thread kept off the CPU by a busy
+        # machine would keep from the event loop as long. A check thread
+        # waits for its text. Bound: one per check thread.
+        self._texts = concurrent.futures.ThreadPoolExecutor(
+            _CHECK_THREADS, thread_name_prefix="tserve-grammar-text"
+        )
         self._limiter = anyio.CapacityLimiter(_CHECK_THREADS)
 
     async def check(self, constraint: Constraint) -> None:
@@ -86,12 +95,13 @@ class ConstraintCheck:
             raise InvalidRequest(problem.message, param=problem.param)
 
     def _check(self, constraint: Constraint) -> Problem | None:
-        """In a worker thread."""
+        """In a check thread; blocks while a text thread makes the grammar text."""
         try:
             tokenizer = self._llg_tokenizer()
         except ValueError as exc:
             return Problem("constraint", f"structured outputs are not available: {exc}")
-        return constraint_problem(constraint, tokenizer)
+        text = self._texts.submit(checked_text, constraint).result()
+        return text if isinstance(text, Problem) else text_problem(constraint, text, tokenizer)
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:

@@ -47,7 +47,9 @@ def test_the_sampler_sums_the_children_and_keeps_each_peak(
 ) -> None:
     process, child = parent
     assert list(children(process.pid)) == [child]
-    found = RssSampler(process.pid).start().stop()
+    sampler = RssSampler(process.pid).start()
+    found = sampler.stop()  # its first sample comes before it looks for a stop
     assert found["samples"] >= 1
     assert found["peak_per_process_mib"] == [found["peak_total_mib"]]
     assert 0 < found["peak_total_mib"] <= process_memory(child)["VmHWM"]
+    assert sampler.checkpoint() == {"peak_total_mib": 0, "peak_per_process_mib": [], "samples": 0}

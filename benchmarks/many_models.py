@@ -9,7 +9,8 @@ Three model names (``smol-a``, ``smol-b``, ``smol-c``) for one GGUF file
 copies) in one folder that both servers serve as ``--models-dir``. Each
 phase starts its server fresh:
 
-1. **cold / warm** (tserve with no budget, ``llama-server --models-max 3``):
+1. **cold / warm** (tserve without ``--models-memory``,
+   ``llama-server --models-max 3``):
    for each model in ``--rounds`` rounds, the model is unloaded (``POST
    /models/unload``, then ``/v1/models`` polled until it says so), one
    request's time to first token (TTFT) is taken cold, load included, and

@@ -150,10 +150,11 @@ def states(url: str) -> dict[str, str]:
 
 
 def unload(url: str, model: str, timeout: float = 120.0) -> None:
-    """``POST /models/unload``, then wait until ``/v1/models`` lists it unloaded."""
+    """``POST /models/unload``, then wait until ``/v1/models`` lists it unloaded
+    (HTTPStatusError if the server refuses; RuntimeError after ``timeout`` s)."""
     if states(url).get(model) == "unloaded":
         return
-    httpx.post(f"{url}/models/unload", json={"model": model}, timeout=timeout)
+    httpx.post(f"{url}/models/unload", json={"model": model}, timeout=timeout).raise_for_status()
     deadline = time.monotonic() + timeout
     while states(url).get(model) != "unloaded":
         if time.monotonic() > deadline:

@@ -1,10 +1,10 @@
-"""A process's memory as Linux counts it (``/proc/PID/status``), and finding an engine child."""
+"""A process's memory as Linux counts it (``/proc/PID/status``), and finding its children."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["engine_child", "process_memory"]
+__all__ = ["children", "engine_child", "process_memory"]
 
 _FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
@@ -21,10 +21,11 @@ def process_memory(pid: int) -> dict[str, float]:
     return found
 
 
-def engine_child(pid: int) -> int:
-    """The pid of the ``python -m tserve.gpu`` engine that server ``pid`` started.
+def children(pid: int) -> dict[int, list[bytes]]:
+    """``pid``'s child processes now: pid -> command line (its arguments).
 
-    LookupError if it has none (yet)."""
+    One pass over ``/proc``; a process that exits meanwhile is left out."""
+    found: dict[int, list[bytes]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -34,6 +35,16 @@ def engine_child(pid: int) -> int:
         except OSError:  # gone meanwhile
             continue
         parent = int(stat.rpartition(")")[2].split()[1])  # the field after the state
-        if parent == pid and b"tserve.gpu" in command:
-            return int(entry.name)
+        if parent == pid:
+            found[int(entry.name)] = command
+    return found
+
+
+def engine_child(pid: int) -> int:
+    """The pid of the ``python -m tserve.gpu`` engine that server ``pid`` started.
+
+    LookupError if it has none (yet)."""
+    for child, command in children(pid).items():
+        if b"tserve.gpu" in command:
+            return child
     raise LookupError(f"process {pid} has no tserve engine child")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.gpu.torch_free import assert_runs_without_torch
 from tserve.gpu._core import FORWARD_FAULT_ENV, ForwardFault
 from tserve.gpu._echo_core import EchoCore
 from tserve.protocol import (
@@ -159,13 +158,11 @@ def test_no_weights_and_no_torch_are_needed(tmp_path: Path) -> None:
 
 
 def test_the_echo_engine_process_never_imports_torch(tiny_model_dir: Path) -> None:
-    code = (
-        "import sys; from tserve.gpu._process import _build_core; "
-        "from tserve.protocol import EngineConfig; "
-        f"_build_core(EngineConfig(model={str(tiny_model_dir)!r}, engine_kind='echo')); "
-        "assert 'torch' not in sys.modules, 'torch was imported'"
+    assert_runs_without_torch(
+        "from tserve.gpu._process import _build_core\n"
+        "from tserve.protocol import EngineConfig\n"
+        f"_build_core(EngineConfig(model={str(tiny_model_dir)!r}, engine_kind='echo'))"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_a_directory_without_a_config_is_refused(tmp_path: Path) -> None:

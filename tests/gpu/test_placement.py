@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.gpu.torch_free import assert_runs_without_torch
 from tserve.gpu import _placement as placement
 from tserve.gpu._model_runner import resolve_device, resolve_kv_dtype, runs_gguf
 from tserve.protocol import EngineConfig, KvCacheDtype
@@ -83,13 +80,4 @@ def test_the_torch_path_carries_out_the_placement() -> None:
 
 def test_the_placement_imports_without_torch() -> None:
     """The native engine decides its placement before (and without) importing torch."""
-    code = (
-        "import sys, tserve.gpu._placement, tserve.gpu._engine_load\n"
-        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
-    )
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root, env=env)
+    assert_runs_without_torch("import tserve.gpu._placement, tserve.gpu._engine_load")

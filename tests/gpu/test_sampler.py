@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import collections
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
 
+from tests.gpu.torch_free import assert_runs_without_torch
 from tserve.gpu._sampler import FAULT_ENV, Sampler, SampleResult, _candidates
 from tserve.gpu._sequence import Sequence
 from tserve.protocol import Sampling, SamplingParams
@@ -363,13 +360,4 @@ def test_a_cpu_torch_tensor_samples_as_its_numpy_array_does() -> None:
 
 def test_the_sampler_and_the_masks_import_without_torch() -> None:
     """The torch-free engine samples with them: neither pulls torch in, directly or not."""
-    code = (
-        "import sys, tserve.gpu._sampler, tserve.gpu._constraints\n"
-        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
-    )
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root, env=env)
+    assert_runs_without_torch("import tserve.gpu._sampler, tserve.gpu._constraints")

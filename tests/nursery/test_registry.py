@@ -6,7 +6,6 @@ no other model."""
 from __future__ import annotations
 
 import os
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import anyio
@@ -15,17 +14,15 @@ import pytest
 import tserve
 from tests.guards import HANG_GUARD
 from tests.nursery.conftest import ENGINE, eventually, process_gone
+from tests.nursery.registries import child_processes, engine_registry
 from tserve import SamplingParams
 from tserve.engine_config import EngineConfig
-from tserve.nursery import ClientSettings, EngineDeadError
+from tserve.nursery import EngineDeadError
 from tserve.nursery._model_state import ModelState
-from tserve.nursery._open import EngineOwner
 from tserve.nursery._registry import (
     ModelLoadFailed,
     ModelNotServed,
-    ModelRegistry,
     ModelSpec,
-    open_registry,
 )
 
 pytestmark = pytest.mark.anyio
@@ -46,20 +43,6 @@ def _spec(name: str, model: Path | str) -> ModelSpec:
     return ModelSpec(name, EngineConfig(model=os.fspath(model), **_OPTIONS))
 
 
-def _registry(*specs: ModelSpec) -> AbstractAsyncContextManager[ModelRegistry]:
-    owner = EngineOwner(ClientSettings(startup_timeout=HANG_GUARD), log_level="WARNING")
-    return open_registry(owner, specs)
-
-
-def _children() -> set[int]:
-    """This process's child processes (its engines)."""
-    pids: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids.update(int(pid) for pid in f.read().split())
-    return {pid for pid in pids if not process_gone(pid)}
-
-
 async def test_a_hundred_first_requests_cause_one_load(
     tiny_model_dir: Path, second_model_dir: Path
 ) -> None:
@@ -67,7 +50,9 @@ async def test_a_hundred_first_requests_cause_one_load(
     100 answers each; the two models are two engines with their own weights."""
     answers: dict[str, list[tuple[int, ...]]] = {"a": [], "b": []}
     with anyio.fail_after(HANG_GUARD):
-        async with _registry(_spec("a", tiny_model_dir), _spec("b", second_model_dir)) as reg:
+        async with engine_registry(
+            [_spec("a", tiny_model_dir), _spec("b", second_model_dir)]
+        ) as reg:
             assert reg.state("a") is ModelState.UNLOADED
 
             async def ask(name: str) -> None:
@@ -94,17 +79,17 @@ async def test_a_load_cancelled_by_its_last_waiter_leaves_nothing(tiny_model_dir
     the load is cancelled, its process stopped, the model UNLOADED, and the
     next request loads it afresh."""
     with anyio.fail_after(HANG_GUARD):
-        async with _registry(_spec("a", tiny_model_dir)) as reg:
-            before = _children()
+        async with engine_registry([_spec("a", tiny_model_dir)]) as reg:
+            before = child_processes()
             async with anyio.create_task_group() as tg:
                 for _ in range(3):
                     tg.start_soon(reg.acquire, "a")
-                await eventually(lambda: len(_children() - before) == 1, "the engine starts")
+                await eventually(lambda: len(child_processes() - before) == 1, "the engine starts")
                 assert reg.state("a") is ModelState.LOADING
-                engine = (_children() - before).pop()
+                engine = (child_processes() - before).pop()
                 tg.cancel_scope.cancel()
             await eventually(lambda: reg.state("a") is ModelState.UNLOADED, "the load ends")
-            assert process_gone(engine) and _children() == before
+            assert process_gone(engine) and child_processes() == before
             assert reg.lifecycle("a").loads == 0 and reg.loaded("a") is None
             llm = await reg.acquire("a")
             assert (await llm.complete("hi", PARAMS)).finish_reason == "length"
@@ -114,18 +99,21 @@ async def test_a_load_cancelled_by_its_last_waiter_leaves_nothing(tiny_model_dir
 async def test_leaving_the_registry_during_a_load_leaves_no_engine(tiny_model_dir: Path) -> None:
     """The block is left while a preload-like (pinned) load starts its engine:
     the load is cancelled and the process stopped before the block is left."""
-    before = _children()
+    before = child_processes()
     with anyio.fail_after(HANG_GUARD):
-        async with anyio.create_task_group() as tg, _registry(_spec("a", tiny_model_dir)) as reg:
+        async with (
+            anyio.create_task_group() as tg,
+            engine_registry([_spec("a", tiny_model_dir)]) as reg,
+        ):
 
             async def pinned() -> None:
                 with pytest.raises(tserve.ShuttingDown):
                     await reg.acquire("a", pin=True)
 
             tg.start_soon(pinned)
-            await eventually(lambda: len(_children() - before) == 1, "the engine starts")
-            engine = (_children() - before).pop()
-    assert process_gone(engine) and _children() == before
+            await eventually(lambda: len(child_processes() - before) == 1, "the engine starts")
+            engine = (child_processes() - before).pop()
+    assert process_gone(engine) and child_processes() == before
     assert reg.state("a") is ModelState.UNLOADED
 
 
@@ -138,7 +126,7 @@ async def test_a_failed_load_names_the_model_and_the_next_request_retries(
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"this is not a GGUF file")
     with anyio.fail_after(HANG_GUARD):
-        async with _registry(_spec("bad", bad), _spec("good", tiny_model_dir)) as reg:
+        async with engine_registry([_spec("bad", bad), _spec("good", tiny_model_dir)]) as reg:
             errors: list[ModelLoadFailed] = []
 
             async def ask() -> None:
@@ -167,7 +155,7 @@ async def test_a_failed_load_names_the_model_and_the_next_request_retries(
 
 
 async def test_an_unknown_model_lists_the_served_names(tiny_model_dir: Path) -> None:
-    async with _registry(_spec("a", tiny_model_dir), _spec("b", tiny_model_dir)) as reg:
+    async with engine_registry([_spec("a", tiny_model_dir), _spec("b", tiny_model_dir)]) as reg:
         with pytest.raises(ModelNotServed) as unknown:
             await reg.acquire("c")
         assert unknown.value.names == ("a", "b") and "'c'" in str(unknown.value)
@@ -186,7 +174,7 @@ async def test_one_engine_dying_fails_only_its_model(
     )
     slow = SamplingParams(max_tokens=400, ignore_eos=True)
     with anyio.fail_after(HANG_GUARD):
-        async with _registry(ModelSpec("a", echo), _spec("b", second_model_dir)) as reg:
+        async with engine_registry([ModelSpec("a", echo), _spec("b", second_model_dir)]) as reg:
             a, b = await reg.acquire("a"), await reg.acquire("b")
             async with a.generate("hi", slow) as stream:
                 await stream.__anext__()
@@ -205,7 +193,7 @@ async def test_one_engine_dying_fails_only_its_model(
 
 async def test_unload_stops_the_engine_and_the_next_request_reloads(tiny_model_dir: Path) -> None:
     with anyio.fail_after(HANG_GUARD):
-        async with _registry(_spec("a", tiny_model_dir)) as reg:
+        async with engine_registry([_spec("a", tiny_model_dir)]) as reg:
             pid = (await reg.acquire("a")).engine_pid
             await reg.unload("a")
             assert reg.state("a") is ModelState.UNLOADED and process_gone(pid)
@@ -222,7 +210,7 @@ async def test_a_model_in_flight_is_not_unloaded_under_its_request(tiny_model_di
     slow = SamplingParams(max_tokens=400, ignore_eos=True)
     unloaded = anyio.Event()
     with anyio.fail_after(HANG_GUARD):
-        async with _registry(ModelSpec("a", echo)) as reg, anyio.create_task_group() as tg:
+        async with engine_registry([ModelSpec("a", echo)]) as reg, anyio.create_task_group() as tg:
             async with reg.use("a") as llm, llm.generate("hi", slow) as stream:
                 await stream.__anext__()
                 assert reg.in_flight("a") == 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import os
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +21,13 @@ import pytest
 import tserve
 from tests.guards import HANG_GUARD
 from tests.nursery.conftest import ENGINE, eventually, process_gone
+from tests.nursery.registries import child_processes, engine_registry
 from tserve import SamplingParams
 from tserve.engine_config import EngineConfig
-from tserve.nursery import ClientSettings, ModelsBusy
+from tserve.nursery import ModelsBusy
 from tserve.nursery._memory import resident_bytes
 from tserve.nursery._model_state import ModelState
-from tserve.nursery._open import EngineOwner
-from tserve.nursery._registry import ModelRegistry, ModelSpec, open_registry
+from tserve.nursery._registry import ModelRegistry, ModelSpec
 
 pytestmark = pytest.mark.anyio
 
@@ -60,20 +59,6 @@ def _echo(name: str, model: Path, step: float = 0.1) -> ModelSpec:
     return _spec(name, model, engine_kind="echo", echo_step_time=step)
 
 
-def _registry(*specs: ModelSpec, **rules: Any) -> AbstractAsyncContextManager[ModelRegistry]:
-    owner = EngineOwner(ClientSettings(startup_timeout=HANG_GUARD), log_level="WARNING")
-    return open_registry(owner, specs, **rules)
-
-
-def _children() -> set[int]:
-    """This process's live child processes (its engines)."""
-    pids: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids.update(int(pid) for pid in f.read().split())
-    return {pid for pid in pids if not process_gone(pid)}
-
-
 async def _answer(reg: ModelRegistry, name: str, **use: Any) -> None:
     async with reg.use(name, **use) as llm:
         assert (await llm.complete("hello", PARAMS)).finish_reason == "length"
@@ -81,7 +66,7 @@ async def _answer(reg: ModelRegistry, name: str, **use: Any) -> None:
 
 async def _measured(spec: ModelSpec) -> int:
     """The RSS of ``spec``'s engine after one request, in a registry of its own."""
-    async with _registry(spec, memory_budget=1 << 50) as reg:
+    async with engine_registry([spec], memory_budget=1 << 50) as reg:
         await _answer(reg, spec.name)
         return reg.figures(spec.name).resident_bytes
 
@@ -94,7 +79,7 @@ async def test_keep_alive_zero_a_duration_and_pinned(tiny_model_dir: Path) -> No
     though the pinning call's block was entered first."""
     specs = [_echo(name, tiny_model_dir) for name in ("zero", "short", "pinned")]
     with anyio.fail_after(HANG_GUARD):
-        async with _registry(*specs, keep_alive=0) as reg:
+        async with engine_registry(specs, keep_alive=0) as reg:
             async with reg.use("zero") as llm:
                 assert (await llm.complete("hi", PARAMS)).finish_reason == "length"
                 assert reg.state("zero") is LOADED  # not under its request
@@ -128,16 +113,19 @@ async def test_least_recently_used_models_make_room_within_the_budget(
     with anyio.fail_after(HANG_GUARD * 2):
         budget = int(2.5 * await _measured(specs[0]))
         peak = 0
-        before = _children()
+        before = child_processes()
 
         async def sample() -> None:
             nonlocal peak
             while True:
-                peak = max(peak, sum(resident_bytes(pid) for pid in _children() - before))
+                peak = max(peak, sum(resident_bytes(pid) for pid in child_processes() - before))
                 await anyio.sleep(0.01)
 
         order = "abcab"
-        async with _registry(*specs, memory_budget=budget) as reg, anyio.create_task_group() as tg:
+        async with (
+            engine_registry(specs, memory_budget=budget) as reg,
+            anyio.create_task_group() as tg,
+        ):
             tg.start_soon(sample)
             for i, name in enumerate(order):
                 await _answer(reg, name)
@@ -149,7 +137,7 @@ async def test_least_recently_used_models_make_room_within_the_budget(
         figures = [reg.figures(n) for n in "abc"]
         assert [(f.loads, f.unloads) for f in figures] == [(2, 2), (2, 2), (1, 1)]
         assert all(f.load_seconds > 0 for f in figures)
-        assert _children() == before
+        assert child_processes() == before
 
 
 async def _hold(
@@ -190,7 +178,7 @@ async def test_a_busy_model_is_never_unloaded_and_a_load_gives_up_with_models_bu
     with anyio.fail_after(HANG_GUARD):
         budget = int(2.5 * await _measured(specs[0]))
         rules = {"memory_budget": budget, "fit_timeout": 5}
-        async with _registry(*specs, **rules) as reg, anyio.create_task_group() as tg:
+        async with engine_registry(specs, **rules) as reg, anyio.create_task_group() as tg:
             for name in "ab":
                 await tg.start(_hold, reg, name, seen, release[name])
             async with anyio.create_task_group() as waiting:  # cancelled: nothing left
@@ -246,7 +234,7 @@ async def test_callers_of_one_unloaded_model_share_its_placement(tiny_model_dir:
 
     with anyio.fail_after(HANG_GUARD):
         rules = {"memory_budget": 1, "fit_timeout": HANG_GUARD}  # each model loads alone
-        async with _registry(*specs, **rules) as reg, anyio.create_task_group() as tg:
+        async with engine_registry(specs, **rules) as reg, anyio.create_task_group() as tg:
             tg.start_soon(hold, "a")
             await entered["a"].wait()
             tg.start_soon(hold, "b1")  # waits for room: a is busy
@@ -279,9 +267,9 @@ async def test_an_unload_returns_the_memory_and_leaves_no_process(tiny_model_dir
     process has no more children than before, and its resident pages are
     back within 5% of their level before the load (a first cycle warms up
     what any load leaves for good: imported modules, caches)."""
-    before = _children()
+    before = child_processes()
     with anyio.fail_after(HANG_GUARD):
-        async with _registry(_spec("a", tiny_model_dir)) as reg:
+        async with engine_registry([_spec("a", tiny_model_dir)]) as reg:
             await _answer(reg, "a")
             await reg.unload("a")
             gc.collect()
@@ -291,12 +279,12 @@ async def test_an_unload_returns_the_memory_and_leaves_no_process(tiny_model_dir
                 pid = llm.engine_pid
                 measured = reg.figures("a").resident_bytes  # the engine's, as read a moment apart
                 assert measured > 0 and abs(measured - resident_bytes(pid)) <= 0.05 * measured
-                assert _children() - before == {pid}
+                assert child_processes() - before == {pid}
             await reg.unload("a")
             del llm
             gc.collect()
             assert abs(_pages() - pages) <= 0.05 * pages
-            assert process_gone(pid) and _children() == before
+            assert process_gone(pid) and child_processes() == before
             assert reg.figures("a").resident_bytes == 0
 
 

@@ -25,6 +25,7 @@ from tserve.gpu._llama import PagedLlama
 from tserve.gpu._model_runner import ModelRunner
 from tserve.gpu._models import ModelLoadError, default_cache_root, default_gguf
 from tserve.gpu._quant import QuantizedEmbedding, QuantizedLinear, quant_kernels
+from tserve.gpu._quant_abi import K_FORMATS
 from tserve.gpu._sequence import ScheduledChunk, Sequence
 from tserve.protocol import AddRequest, SamplingParams
 
@@ -104,8 +105,10 @@ class _Rounded(torch.nn.Module):
         return out
 
 
-def _rounded(x: torch.Tensor) -> torch.Tensor:
-    blocks = x.reshape(x.shape[0], -1, 32)
+def _rounded(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``x`` rounded to 8 bits per ``block`` values, as an int8 kernel rounds its
+    input (32: the block formats'; 256: llama.cpp's q8_K, the K-quants')."""
+    blocks = x.reshape(x.shape[0], -1, block)
     top = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(top > 0, 127 / top, 0)
     return (torch.round(blocks * inverse) * (top / 127)).reshape(x.shape)
@@ -193,7 +196,8 @@ def test_int8_activations_on_k_quants_round_each_product_s_input(
 ) -> None:
     """The Q4_K_M mix on int8 activations: every product of a forward pass (the
     K-quant int8 kernel on the file's layout) is the fp32 product of its own
-    input rounded to 8 bits per block, the integer sums being exact. (Per
+    input rounded to 8 bits per block (of 256 for a K-quant weight, q8_K; of
+    32 for the others), the integer sums being exact. (Per
     product: over the whole model, float rounding of one layer's output flips
     some roundings of the next one's input.)"""
     path = write_gguf(wide_model_dir, tmp_path / "gguf" / "wide.gguf", "Q4_K", formats=_Q4_K_M)
@@ -222,7 +226,8 @@ def test_int8_activations_on_k_quants_round_each_product_s_input(
     assert {id(m) for m, _, _ in seen} == {id(m) for m in linears}
     with torch.inference_mode():
         for module, x, y in seen:
-            expected = F.linear(_rounded(x), kernels.dequantize(module.weight_q))
+            block = 256 if module.weight_q.fmt in K_FORMATS else 32
+            expected = F.linear(_rounded(x, block), kernels.dequantize(module.weight_q))
             assert float((y - expected).norm() / expected.norm()) < 1e-5
 
 

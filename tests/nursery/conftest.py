@@ -12,7 +12,6 @@ import os
 import resource
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -46,14 +45,6 @@ def _raise_nofile_limit() -> None:
 
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def process_gone(pid: int) -> bool:
-    """No such process, or only its zombie is left (it has exited)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
 
 
 async def eventually(predicate: Callable[[], bool], what: str) -> None:

@@ -1,14 +1,12 @@
-"""What the model registry's tests share: a registry of real engines, this process's children."""
+"""What the model registry's tests share: a registry of real engines."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from tests.guards import HANG_GUARD
-from tests.nursery.conftest import process_gone
 from tserve.nursery import ClientSettings
 from tserve.nursery._open import EngineOwner
 from tserve.nursery._registry import ModelRegistry, ModelSpec, open_registry
@@ -21,12 +19,3 @@ def engine_registry(
     are :func:`open_registry`'s (keep-alive, budget, ...)."""
     owner = EngineOwner(ClientSettings(startup_timeout=HANG_GUARD), log_level="WARNING")
     return open_registry(owner, specs, **rules)
-
-
-def child_processes() -> set[int]:
-    """This process's live child processes (its engines)."""
-    pids: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids.update(int(pid) for pid in f.read().split())
-    return {pid for pid in pids if not process_gone(pid)}

@@ -8,7 +8,8 @@ import anyio
 import pytest
 
 from tests.guards import HANG_GUARD
-from tests.nursery.conftest import ENGINE, eventually, process_gone
+from tests.nursery.conftest import ENGINE, eventually
+from tests.processes import process_gone
 from tserve import EngineDeadError, SamplingParams, open_llm
 from tserve.nursery import ClientSettings, attach_llm
 

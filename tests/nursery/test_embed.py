@@ -17,7 +17,8 @@ import pytest
 
 from tests.guards import HANG_GUARD
 from tests.markers import needs_embedding_model
-from tests.nursery.conftest import ENGINE, eventually, process_gone
+from tests.nursery.conftest import ENGINE, eventually
+from tests.processes import process_gone
 from tserve import LLM, EngineDeadError, InvalidRequest, Overloaded, SamplingParams, open_llm
 from tserve.nursery import Embedder
 from tserve.nursery._admission import Overload

@@ -15,7 +15,8 @@ import anyio.abc
 import pytest
 
 from tests.guards import HANG_GUARD
-from tests.nursery.conftest import ENGINE, eventually, process_gone
+from tests.nursery.conftest import ENGINE, eventually
+from tests.processes import process_gone
 from tserve import LLM, EngineDeadError, SamplingParams, ShuttingDown, open_llm
 
 pytestmark = pytest.mark.anyio

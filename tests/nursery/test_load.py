@@ -20,9 +20,9 @@ from tests.nursery.conftest import (
     Wire,
     eventually,
     fd_count,
-    process_gone,
     settled,
 )
+from tests.processes import process_gone
 from tserve import LLM, EngineDeadError, RequestTimeout, SamplingParams, open_llm
 from tserve.protocol import FinishReason
 

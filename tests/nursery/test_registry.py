@@ -13,8 +13,9 @@ import pytest
 
 import tserve
 from tests.guards import HANG_GUARD
-from tests.nursery.conftest import ENGINE, eventually, process_gone
-from tests.nursery.registries import child_processes, engine_registry
+from tests.nursery.conftest import ENGINE, eventually
+from tests.nursery.registries import engine_registry
+from tests.processes import child_pids, process_gone
 from tserve import SamplingParams
 from tserve.engine_config import EngineConfig
 from tserve.nursery import EngineDeadError
@@ -80,16 +81,16 @@ async def test_a_load_cancelled_by_its_last_waiter_leaves_nothing(tiny_model_dir
     next request loads it afresh."""
     with anyio.fail_after(HANG_GUARD):
         async with engine_registry([_spec("a", tiny_model_dir)]) as reg:
-            before = child_processes()
+            before = child_pids()
             async with anyio.create_task_group() as tg:
                 for _ in range(3):
                     tg.start_soon(reg.acquire, "a")
-                await eventually(lambda: len(child_processes() - before) == 1, "the engine starts")
+                await eventually(lambda: len(child_pids() - before) == 1, "the engine starts")
                 assert reg.state("a") is ModelState.LOADING
-                engine = (child_processes() - before).pop()
+                engine = (child_pids() - before).pop()
                 tg.cancel_scope.cancel()
             await eventually(lambda: reg.state("a") is ModelState.UNLOADED, "the load ends")
-            assert process_gone(engine) and child_processes() == before
+            assert process_gone(engine) and child_pids() == before
             assert reg.lifecycle("a").loads == 0 and reg.loaded("a") is None
             llm = await reg.acquire("a")
             assert (await llm.complete("hi", PARAMS)).finish_reason == "length"
@@ -99,7 +100,7 @@ async def test_a_load_cancelled_by_its_last_waiter_leaves_nothing(tiny_model_dir
 async def test_leaving_the_registry_during_a_load_leaves_no_engine(tiny_model_dir: Path) -> None:
     """The block is left while a preload-like (pinned) load starts its engine:
     the load is cancelled and the process stopped before the block is left."""
-    before = child_processes()
+    before = child_pids()
     with anyio.fail_after(HANG_GUARD):
         async with (
             anyio.create_task_group() as tg,
@@ -111,9 +112,9 @@ async def test_leaving_the_registry_during_a_load_leaves_no_engine(tiny_model_di
                     await reg.acquire("a", pin=True)
 
             tg.start_soon(pinned)
-            await eventually(lambda: len(child_processes() - before) == 1, "the engine starts")
-            engine = (child_processes() - before).pop()
-    assert process_gone(engine) and child_processes() == before
+            await eventually(lambda: len(child_pids() - before) == 1, "the engine starts")
+            engine = (child_pids() - before).pop()
+    assert process_gone(engine) and child_pids() == before
     assert reg.state("a") is ModelState.UNLOADED
 
 

@@ -20,8 +20,9 @@ import pytest
 
 import tserve
 from tests.guards import HANG_GUARD
-from tests.nursery.conftest import ENGINE, eventually, process_gone
-from tests.nursery.registries import child_processes, engine_registry
+from tests.nursery.conftest import ENGINE, eventually
+from tests.nursery.registries import engine_registry
+from tests.processes import child_pids, process_gone
 from tserve import SamplingParams
 from tserve.engine_config import EngineConfig
 from tserve.nursery import ModelsBusy
@@ -113,7 +114,7 @@ async def test_least_recently_used_models_make_room_within_the_budget(
     with anyio.fail_after(HANG_GUARD * 2):
         budget = int(2.5 * await _measured(specs[0]))
         peak = 0
-        before = child_processes()
+        before = child_pids()
 
         async def sample() -> None:
             """The peak while every model is loaded or unloaded: the budget bounds
@@ -121,7 +122,7 @@ async def test_least_recently_used_models_make_room_within_the_budget(
             nonlocal peak
             while True:
                 if all(reg.state(n) in (LOADED, UNLOADED) for n in reg.names):
-                    total = sum(resident_bytes(pid) for pid in child_processes() - before)
+                    total = sum(resident_bytes(pid) for pid in child_pids() - before)
                     peak = max(peak, total)  # no checkpoint since the states were read
                 await anyio.sleep(0.01)
 
@@ -141,7 +142,7 @@ async def test_least_recently_used_models_make_room_within_the_budget(
         figures = [reg.figures(n) for n in "abc"]
         assert [(f.loads, f.unloads) for f in figures] == [(2, 2), (2, 2), (1, 1)]
         assert all(f.load_seconds > 0 for f in figures)
-        assert child_processes() == before
+        assert child_pids() == before
 
 
 async def _hold(
@@ -271,7 +272,7 @@ async def test_an_unload_returns_the_memory_and_leaves_no_process(tiny_model_dir
     process has no more children than before, and its resident pages are
     back within 5% of their level before the load (a first cycle warms up
     what any load leaves for good: imported modules, caches)."""
-    before = child_processes()
+    before = child_pids()
     with anyio.fail_after(HANG_GUARD):
         async with engine_registry([_spec("a", tiny_model_dir)]) as reg:
             await _answer(reg, "a")
@@ -283,12 +284,12 @@ async def test_an_unload_returns_the_memory_and_leaves_no_process(tiny_model_dir
                 pid = llm.engine_pid
                 measured = reg.figures("a").resident_bytes  # the engine's, as read a moment apart
                 assert measured > 0 and abs(measured - resident_bytes(pid)) <= 0.05 * measured
-                assert child_processes() - before == {pid}
+                assert child_pids() - before == {pid}
             await reg.unload("a")
             del llm
             gc.collect()
             assert abs(_pages() - pages) <= 0.05 * pages
-            assert process_gone(pid) and child_processes() == before
+            assert process_gone(pid) and child_pids() == before
             assert reg.figures("a").resident_bytes == 0
 
 

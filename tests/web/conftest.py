@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.guards import HANG_GUARD
+from tests.processes import child_pids
 from tserve._host import raise_fd_limit
 
 API_KEY = "sk-test-key"
@@ -74,8 +75,7 @@ class Server:
     @property
     def engine_pid(self) -> int:
         """The engine process: the server's only python child."""
-        tasks = Path(f"/proc/{self.process.pid}/task").glob("*/children")
-        pids = [int(p) for children in tasks for p in children.read_text().split()]
+        pids = list(child_pids(self.process.pid))
         assert len(pids) == 1, pids
         return pids[0]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.processes import child_pids, command_line, process_gone
 from tests.web.conftest import Server
 
 pytestmark = pytest.mark.slow
@@ -24,30 +25,19 @@ TOKENS = 12
 def children(pid: int) -> dict[int, str]:
     """The child processes of ``pid``, by pid, with their command lines."""
     found: dict[int, str] = {}
-    for children_file in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in children_file.read_text().split():
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            except FileNotFoundError:
-                continue
-            found[int(child)] = cmdline.replace(b"\0", b" ").decode()
+    for child in child_pids(pid):
+        cmdline = command_line(child)
+        if cmdline is not None:
+            found[child] = cmdline.replace(b"\0", b" ").decode()
     return found
-
-
-def gone(pid: int) -> bool:
-    """No such process, or only its zombie is left."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def wait_until_gone(pids: list[int], timeout: float = 60.0) -> list[int]:
     """Poll until every pid is gone; return those left (a hang guard, not a timing check)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(gone(p) for p in pids):
+    while time.monotonic() < deadline and not all(process_gone(p) for p in pids):
         time.sleep(0.1)
-    return [p for p in pids if not gone(p)]
+    return [p for p in pids if not process_gone(p)]
 
 
 def stream_one(url: str, i: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from tests.guards import HANG_GUARD
-from tests.nursery.conftest import process_gone
+from tests.processes import child_pids, process_gone
 from tests.web.conftest import API_KEY, Server
 
 ECHO = ("--engine-kind", "echo", "--echo-step-time", "0.2")  # 5 tokens a second
@@ -74,14 +74,6 @@ def _wait_for(predicate: Callable[[], bool], what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened: {what}")
         time.sleep(0.02)
-
-
-def _children(pid: int) -> set[int]:
-    """The live child processes of ``pid`` (a server's engines)."""
-    found: set[int] = set()
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        found.update(int(p) for p in children.read_text().split())
-    return {p for p in found if not process_gone(p)}
 
 
 def _model_metric(server: Server, name: str, model: str) -> float:
@@ -147,7 +139,7 @@ def test_a_client_that_hangs_up_while_its_model_loads_leaves_nothing(
     hold.mkdir()
     monkeypatch.setenv("TSERVE_TEST_FAULT_LOAD_HOLD", str(hold))
     server = start_models()
-    before = _children(server.process.pid)
+    before = child_pids(server.process.pid)
     body = json.dumps({"model": "b", "messages": [{"role": "user", "content": "hi"}]}).encode()
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port))) as conn:
@@ -162,7 +154,7 @@ def test_a_client_that_hangs_up_while_its_model_loads_leaves_nothing(
         assert server.client.get("/health").json() == {"status": "ok"}
     _wait_for(lambda: _states(server)["b"] == "unloaded", "the load is cancelled")
     _wait_for(lambda: process_gone(engine), "the engine exits")
-    assert _children(server.process.pid) == before
+    assert child_pids(server.process.pid) == before
     assert server.metric("tserve_http_generations_in_flight") == 0
     assert _model_metric(server, "tserve_model_loads_total", "b") == 0
     (hold / "release").touch()
@@ -191,7 +183,7 @@ def test_a_load_past_the_timeout_is_a_503_naming_the_model(
     assert isinstance(error, dict) and error["code"] == "model_load_timeout"
     assert "'a'" in error["message"] and "--model-load-timeout" in error["message"]
     _wait_for(lambda: _states(server)["a"] == "unloaded", "the load is cancelled")
-    assert not _children(server.process.pid)  # UNLOADED: its engine process is gone
+    assert not child_pids(server.process.pid)  # UNLOADED: its engine process is gone
 
 
 def test_a_failed_load_names_the_model_and_the_next_request_retries(
@@ -284,7 +276,7 @@ def test_load_and_unload_admin_routes_need_the_api_key(
         ("a", "loaded"),
         ("b", "unloaded"),
     ]
-    engines = _children(server.process.pid)
+    engines = child_pids(server.process.pid)
     assert len(engines) == 1
     ready = anon.get("/ready").json()
     assert ready["models"] == {"a": "loaded", "b": "unloaded"}
@@ -306,9 +298,9 @@ def test_one_engine_killed_ends_only_its_streams(start_models: Callable[..., Ser
     model is failed then unloaded, /health stays 200, and its next request
     loads it again. The admin load works without an API key when none is set."""
     server = start_models(*ECHO, "--preload", "a")
-    (engine_a,) = _children(server.process.pid)
+    (engine_a,) = child_pids(server.process.pid)
     assert server.client.post("/models/load", json={"model": "b"}).json()["success"]
-    (engine_b,) = _children(server.process.pid) - {engine_a}
+    (engine_b,) = child_pids(server.process.pid) - {engine_a}
     long = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True}
     with (
         server.client.stream("POST", "/v1/chat/completions", json={**long, "model": "a"}) as a,
@@ -343,7 +335,7 @@ def test_sigterm_drains_every_models_requests_and_stops_every_engine(
     """SIGTERM with a stream running on each model: both finish in full (the
     drain waits for them), the server exits 0 and no engine outlives it."""
     server = start_models(*ECHO, "--preload", "a", "--preload", "b")
-    engines = _children(server.process.pid)
+    engines = child_pids(server.process.pid)
     assert len(engines) == 2
     short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
     with (

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import child_pids, command_line
 from tests.web.conftest import Server
 from tserve.gpu._models import default_embedding_model_dir
 
@@ -37,10 +38,10 @@ def children(server: Server) -> dict[int, bool]:
     """The server's child processes: pid -> whether it is an engine (``-m tserve.gpu``);
     the others are API workers."""
     found = {}
-    for listing in Path(f"/proc/{server.process.pid}/task").glob("*/children"):
-        for child in listing.read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            found[int(child)] = b"-m\0tserve.gpu\0" in cmdline
+    for child in child_pids(server.process.pid):
+        cmdline = command_line(child)
+        if cmdline is not None:
+            found[child] = b"-m\0tserve.gpu\0" in cmdline
     return found
 
 

@@ -11,7 +11,7 @@ TEST_STAMP := $(VENV)/.tserve-test-models
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile $(wildcard tserve/gpu/*.c tserve/gpu/*.h)
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard tserve/gpu/kernels/*.c tserve/gpu/kernels/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0

@@ -62,7 +62,7 @@ def tserve_peer(model_dir: Path, *extra: str) -> Peer:
 
 
 def default_model_dir() -> Path:
-    from tserve.gpu._gguf_convert import default_model_dir
+    from tserve.gpu.gguf._convert import default_model_dir
 
     return default_model_dir()
 

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._results import result_stem, write_json
-from tserve.gpu._cpu_kernels import cpu_kernels
-from tserve.gpu._quant_abi import Isa
+from tserve.gpu.kernels._cpu_kernels import cpu_kernels
+from tserve.gpu.kernels._quant_abi import Isa
 
 _SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 """SmolLM2-135M's products per layer: (out, in) features."""

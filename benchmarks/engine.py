@@ -4,7 +4,7 @@ Run: ``python -m benchmarks.engine [--tiny] [--sizes 1 8 32 128] [--tokens 24] [
 
 For each size N and each workload, on the same prompts, in this one process:
 
-* engine: an :class:`~tserve.gpu._engine.EngineCore` (``max_num_seqs=N``) kept
+* engine: an :class:`~tserve.gpu.engine._engine_core.EngineCore` (``max_num_seqs=N``) kept
   at N requests in flight: a request is added as soon as one finishes, until
   every request of the workload is done (``ignore_eos``, greedy);
 * static: ``model.generate`` over consecutive batches of N prompts (left
@@ -33,7 +33,7 @@ CPU (``--cpu-gemm``, default auto: the BLAS or prepacked oneDNN), while
 gives the static side the engine's linear layers too, so that the ratio
 shows batching alone; ``--cpu-gemm blas`` does the same the other way round.
 ``--model-impl hf`` runs the engine on the transformers modules instead of
-tserve's own forward pass (:mod:`tserve.gpu._llama`) for a Llama-family model.
+tserve's own forward pass (:mod:`tserve.gpu.forward._llama`) for a Llama-family model.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from typing import Any
 import torch
 
 from benchmarks._results import result_stem, write_json
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._gemm import tune_linears
-from tserve.gpu._gguf_convert import default_model_dir
-from tserve.gpu._models import build_tiny_model, load_model
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.forward._gemm import tune_linears
+from tserve.gpu.gguf._convert import default_model_dir
+from tserve.gpu.models._directory import build_tiny_model, load_model
 from tserve.protocol import AddRequest, EngineConfig, SamplingParams
 
 _PEER = b"bench"

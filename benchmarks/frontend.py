@@ -11,7 +11,7 @@ two ways in this one process, alternately, ``--repeat`` times each:
   mux and its socket, the engine process, and back through the mailboxes,
   RequestStream and the incremental detokenizer; one task per request
   reading its deltas (``async for``), as the HTTP layer does;
-* direct: an in-process :class:`tserve.gpu._engine.EngineCore` with the same
+* direct: an in-process :class:`tserve.gpu.engine._engine_core.EngineCore` with the same
   engine options, adding every request and calling ``step()`` until all
   have finished: no mux, no process boundary, no text.
 
@@ -124,7 +124,7 @@ async def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
         work = make_workload(
             args.requests, args.prompt_len, args.output_len, llm.ready.vocab_size, args.seed
         )
-        from tserve.gpu._engine import EngineCore  # torch: the direct run only
+        from tserve.gpu.engine._engine_core import EngineCore  # torch: the direct run only
 
         config = EngineConfig(model=llm.ready.model_path, **engine_options)
         core = await anyio.to_thread.run_sync(lambda: EngineCore(config, progress=lambda _: None))
@@ -164,7 +164,7 @@ async def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
 
 def _tiny_model() -> str:
-    from tserve.gpu._models import TINY_MODEL_VERSION, build_tiny_model
+    from tserve.gpu.models._directory import TINY_MODEL_VERSION, build_tiny_model
 
     directory = Path(tempfile.gettempdir()) / f"tserve-bench-tiny-v{TINY_MODEL_VERSION}"
     if not (directory / "config.json").is_file():

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["trio", "asyncio"], default="trio")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
-        from tserve.gpu._models import build_tiny_model  # the tokenizer only
+        from tserve.gpu.models._directory import build_tiny_model  # the tokenizer only
 
         model = str(build_tiny_model(Path(scratch) / "tiny"))
         result = anyio.run(_main, args, model, backend=args.backend)

@@ -43,8 +43,8 @@ from typing import Any
 
 from benchmarks._bandwidth import read_bandwidth
 from benchmarks._results import result_stem, write_json
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._models import default_gguf
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.models._directory import default_gguf
 from tserve.protocol import AddRequest, EngineConfig, GgufActivations, SamplingParams
 
 _SIDES = ("native", "native-fp32", "int8", "fp32", "dequantized")
@@ -101,9 +101,9 @@ def _step_bytes(core: EngineCore) -> int:
     """Bytes of weights one decode step reads (each weight once, the embedding's one row aside)."""
     import torch
 
-    from tserve.gpu._model_runner import ModelRunner
-    from tserve.gpu._native import NativeRunner
-    from tserve.gpu._quant import QuantizedLinear
+    from tserve.gpu.forward._native import NativeRunner
+    from tserve.gpu.forward._quant import QuantizedLinear
+    from tserve.gpu.forward._runner import ModelRunner
 
     if isinstance(core.runner, NativeRunner):
         return core.runner.model.product_bytes

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from benchmarks._results import result_stem, write_json
-from tserve.gpu._engine import EngineCore
+from tserve.gpu.engine._engine_core import EngineCore
 from tserve.protocol import AddRequest, EngineConfig, JsonSchema, SamplingParams
 
 _PEER = b"bench"

@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks._results import result_stem, write_json
 from benchmarks.structured import tools_schema
-from tserve.gpu._engine import EngineCore
+from tserve.gpu.engine._engine_core import EngineCore
 from tserve.protocol import AddRequest, EngineConfig, JsonSchema, SamplingParams
 
 _PEER = b"bench"

@@ -47,8 +47,8 @@ import httpx
 
 from benchmarks._results import result_stem, write_json
 from benchmarks._serve import serve
-from tserve.gpu._gguf_file import tokenizer_dir
-from tserve.gpu._models import default_gguf
+from tserve.gpu.gguf._file import tokenizer_dir
+from tserve.gpu.models._directory import default_gguf
 
 __all__ = ["PROMPTS", "main"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from tests.gpu import kquant_blocks
-from tserve.gpu._models import default_gguf
+from tserve.gpu.models._directory import default_gguf
 
 _MIXES = ("Q4_K_M", "Q5_K_M", *kquant_blocks.FORMATS)
 _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}

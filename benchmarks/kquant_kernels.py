@@ -27,7 +27,7 @@ import torch
 
 from benchmarks._results import result_stem, write_json
 from tests.gpu import kquant_blocks
-from tserve.gpu._quant import FORMATS, QuantizedLinear, QuantizedWeight, quant_kernels
+from tserve.gpu.forward._quant import FORMATS, QuantizedLinear, QuantizedWeight, quant_kernels
 
 _MODES = ("fp32", "int8")
 _BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 
 from benchmarks._results import result_stem, write_json
-from tserve.gpu._gguf import load_gguf
-from tserve.gpu._model_runner import KV_CACHE_DTYPES, ModelRunner
-from tserve.gpu._models import default_cache_root, default_gguf
-from tserve.gpu._quant import quant_kernels
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.forward._gguf import load_gguf
+from tserve.gpu.forward._quant import quant_kernels
+from tserve.gpu.forward._runner import KV_CACHE_DTYPES, ModelRunner
+from tserve.gpu.models._directory import default_cache_root, default_gguf
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import SamplingParams
 
 BLOCK = 16

@@ -10,9 +10,9 @@ for each text of :data:`TEXTS`, and writes ``{"file", "sha256", "texts",
 The tests compare tserve's tokenizer, built from the same file's metadata,
 with these ids (``tests/gpu/data/``). Regenerate with:
 
+    GGUF=$(python -c 'from tserve.gpu.models._directory import *; print(default_gguf())')
     python -m benchmarks.llama_tokenize --llama-server .../llama-server \\
-        "$(python -c 'from tserve.gpu._models import default_gguf; print(default_gguf())')" \\
-        tests/gpu/data/smollm2_tokenize.json --chats
+        "$GGUF" tests/gpu/data/smollm2_tokenize.json --chats
     python -m benchmarks.llama_tokenize --llama-server .../llama-server \\
         gemma-3-270m-q4_k_m.gguf tests/gpu/data/gemma3_tokenize.json
 

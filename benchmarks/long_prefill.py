@@ -37,7 +37,7 @@ from benchmarks._results import result_stem, write_json
 
 
 def _core(gguf: Path, threads: int, batch_tokens: int, kv_tokens: int) -> Any:
-    from tserve.gpu._engine import EngineCore
+    from tserve.gpu.engine._engine_core import EngineCore
     from tserve.protocol import EngineConfig
 
     config = EngineConfig(
@@ -128,7 +128,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.isa == "avx2":
         os.environ["TSERVE_MAX_ISA"] = "avx2"  # read once, when the kernels load
-    from tserve.gpu._models import default_gguf
+    from tserve.gpu.models._directory import default_gguf
 
     prompts = [int(p) for p in args.prompts.split(",")]
     gguf = (args.gguf or default_gguf()).resolve()

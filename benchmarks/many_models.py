@@ -423,7 +423,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="of the random prompts")
     args = p.parse_args()
     from benchmarks.vs_llamacpp import ensure_llama_server
-    from tserve.gpu._models import default_gguf
+    from tserve.gpu.models._directory import default_gguf
 
     gguf = (args.gguf or default_gguf()).resolve()
     exe = None if args.no_llama else args.llama_server or ensure_llama_server(args.peer_cache)

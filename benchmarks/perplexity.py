@@ -49,15 +49,15 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._results import REPO_ROOT, result_stem, write_json
-from tserve.gpu._attention import build_step
-from tserve.gpu._gguf import load_gguf
-from tserve.gpu._gguf_file import GgufFile, tokenizer_dir
-from tserve.gpu._library import set_threads
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._models import default_gguf
-from tserve.gpu._native import NativeModel, NativeRunner
-from tserve.gpu._quant import Activations, QuantizedLinear, quant_kernels
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.forward._attention import build_step
+from tserve.gpu.forward._gguf import load_gguf
+from tserve.gpu.forward._native import NativeModel, NativeRunner
+from tserve.gpu.forward._quant import Activations, QuantizedLinear, quant_kernels
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.gguf._file import GgufFile, tokenizer_dir
+from tserve.gpu.kernels._library import set_threads
+from tserve.gpu.models._directory import default_gguf
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import SamplingParams
 
 _SIDES = ("dequantized", "fp32", "int8", "native", "native-fp32", "transformers")

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from benchmarks._results import result_stem, write_json
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._gguf_convert import default_model_dir
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.gguf._convert import default_model_dir
 from tserve.protocol import AddRequest, EngineConfig, SamplingParams
 
 _PEER = b"bench"

@@ -7,7 +7,7 @@ Chats share a system prompt of about ``--system-tokens`` tokens (lines of
 the model's chat template. Every repeat opens a new session: its system
 prompt starts with the session number, so nothing of it is cached yet. In
 each session, one request at a time, on an
-:class:`~tserve.gpu._engine.EngineCore` in this process (the engine's default
+:class:`~tserve.gpu.engine._engine_core.EngineCore` in this process (the engine's default
 settings: one thread, a 512-token step budget):
 
 * cold: the session's first chat (the cache is on, but holds nothing of it);
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from benchmarks._results import result_stem, write_json
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._gguf_convert import default_model_dir
-from tserve.gpu._models import build_tiny_model
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.gguf._convert import default_model_dir
+from tserve.gpu.models._directory import build_tiny_model
 from tserve.protocol import AddRequest, EngineConfig, SamplingParams
 
 _PEER = b"bench"

@@ -124,7 +124,7 @@ def decode_bytes(gguf: Path) -> int:
     """Bytes of weights one decode step reads: every tensor once, where a tied
     embedding counts once (as the output head); an untied one's single rows
     are left out."""
-    from tserve.gpu._gguf_file import _reader
+    from tserve.gpu.gguf._file import _reader
 
     tensors = _reader(gguf).tensors
     untied = any(t.name == "output.weight" for t in tensors)
@@ -272,8 +272,8 @@ def main() -> int:
     )
     p.add_argument("--long-threads", type=_ints, default=[1, 2], help="thread counts to compare")
     args = p.parse_args()
-    from tserve.gpu._gguf_file import tokenizer_dir
-    from tserve.gpu._models import default_cache_root, default_gguf
+    from tserve.gpu.gguf._file import tokenizer_dir
+    from tserve.gpu.models._directory import default_cache_root, default_gguf
 
     gguf = (args.gguf or default_gguf()).resolve()
     need = max(args.levels) * (args.input_len + args.output_len)

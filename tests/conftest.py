@@ -17,7 +17,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama + byte-level BPE tokenizer, built once per session (~1 s)."""
-    from tserve.gpu._models import TINY_MODEL_VERSION, build_tiny_model
+    from tserve.gpu.models._directory import TINY_MODEL_VERSION, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp(f"tiny-model-v{TINY_MODEL_VERSION}"))
 
@@ -25,7 +25,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama in SmolLM2's layout (tied output head, 3:1 GQA), built once."""
-    from tserve.gpu._models import TINY_MODEL_VERSION, build_tiny_model
+    from tserve.gpu.models._directory import TINY_MODEL_VERSION, build_tiny_model
 
     directory = tmp_path_factory.mktemp(f"smollm2-tiny-v{TINY_MODEL_VERSION}")
     return build_tiny_model(directory, smollm2_layout=True)
@@ -41,7 +41,7 @@ def tiny_model(tiny_model_dir: Path) -> tuple[Any, Any]:
     """
     import torch
 
-    from tserve.gpu._models import load_model
+    from tserve.gpu.models._directory import load_model
 
     return load_model(tiny_model_dir, device="cpu", dtype=torch.float32)
 

@@ -173,3 +173,33 @@ def test_each_package_docstring_names_its_modules(package: Path) -> None:
     names = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
     names |= {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
     assert {name for name in names if name not in doc} == set()
+
+
+GPU_LAYERS: list[str] = ["kernels", "models", "gguf", "scheduling", "sampling", "forward", "engine"]
+"""``tserve/gpu``'s sub-packages, each importing only itself and those before it."""
+
+
+def test_the_engine_packages_import_one_way() -> None:
+    graph = _graph()
+
+    def layer(module: str) -> int | None:
+        parts = module.split(".")
+        if parts[:2] != ["tserve", "gpu"] or len(parts) < 4:
+            return None  # outside tserve.gpu, or its top level (__main__)
+        return GPU_LAYERS.index(parts[2])
+
+    wrong = {
+        (module, target)
+        for module, targets in graph.items()
+        if (own := layer(module)) is not None
+        for target in targets
+        if (other := layer(target)) is not None and other > own
+    }
+    assert wrong == set()
+
+
+def test_every_engine_package_has_its_layer() -> None:
+    gpu = ROOT / "gpu"
+    assert sorted(p.name for p in gpu.iterdir() if (p / "__init__.py").exists()) == sorted(
+        GPU_LAYERS
+    )

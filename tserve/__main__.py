@@ -299,7 +299,7 @@ def _engine(args: argparse.Namespace) -> int:
     if args.bind is None:
         _usage_error("engine", "--bind is required (tcp://HOST:PORT or ipc://PATH)")
     _check_link(args, "engine", args.bind)
-    from tserve.gpu._process import run_engine  # the engine's process: torch loads later
+    from tserve.gpu.engine._process import run_engine  # the engine's process: torch loads later
     from tserve.protocol import EngineConfig
 
     config = EngineConfig(model=args.model, **engine_options(args))

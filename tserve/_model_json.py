@@ -1,6 +1,6 @@
 """A model directory's optional JSON files, read the same way by both processes.
 
-The engine reads ``generation_config.json`` (``gpu/_sampling_defaults.py``),
+The engine reads ``generation_config.json`` (``gpu/models/_sampling_defaults.py``),
 the API process ``tokenizer_config.json`` and ``special_tokens_map.json``
 (``nursery/_tokenizer_files.py``). A leaf: the standard library only, so
 either side may import it. Blocking (a small file read).

@@ -27,15 +27,15 @@ ModelImpl: TypeAlias = Literal["auto", "hf"]
 """Whose forward pass runs the model: tserve's own where it covers the model, or transformers'."""
 
 GgufActivations: TypeAlias = Literal["int8", "fp32"]
-"""How a GGUF file's quantized products treat their activations (``tserve.gpu._quant``)."""
+"""How a GGUF file's quantized products treat their activations (``tserve.gpu.forward._quant``)."""
 
 GgufRunner: TypeAlias = Literal["auto", "native", "torch"]
 """What runs a GGUF file served as it is on CPU: the native runner (no torch,
-``tserve.gpu._native``) on CPU in float32, in any mix of formats, else
+``tserve.gpu.forward._native``) on CPU in float32, in any mix of formats, else
 torch's forward pass; or one."""
 
 KvCacheDtype: TypeAlias = Literal["auto", "fp32", "fp16", "bf16"]
-"""What the KV cache stores: "auto" (see ``tserve.gpu._placement.kv_dtype``) or one."""
+"""What the KV cache stores: "auto" (see ``tserve.gpu.models._placement.kv_dtype``) or one."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,10 +60,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     prompt tokens may cost at most this many times a decode-only step (the
     scheduler's token cost model), so streams never stall behind a long
     prompt; 0 = no bound. ``model_impl`` "auto": tserve's own forward pass for
-    the architectures of ``tserve.gpu._architectures``, transformers' modules
+    the architectures of ``tserve.gpu.models._architectures``, transformers' modules
     over the paged attention for others; "hf": transformers' modules for all.
     ``dequantize``: a GGUF file (the default model is one) is converted once
-    (``tserve.gpu._gguf_convert``) to an fp32 directory and served from it,
+    (``tserve.gpu.gguf._convert``) to an fp32 directory and served from it,
     instead of as it is (its quantized weights through tserve's kernels; CPU
     fp32 only). ``gguf_activations`` (a GGUF file served as it is): "int8",
     activations quantized to 8 bits per block of 32 against the packed
@@ -75,14 +75,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     pass; "auto", native on CPU in float32 (where no CUDA device may be
     present and ``model_impl`` is "auto"). ``heartbeat_interval``: every peer hears from
     the engine at least this often; on a network bind it is also the period
-    of the ZMTP heartbeats (``tserve.gpu._bind``).
+    of the ZMTP heartbeats (``tserve.gpu.engine._bind``).
 
     ``generation_config``: where a request that leaves temperature, top_p or
     top_k unset gets them (vLLM's ``--generation-config``): "auto" = what the
     model recommends (its generation_config.json, a GGUF file's
     ``general.sampling.*`` metadata, the default model's card), "none" =
     OpenAI's defaults always, else a directory whose generation_config.json
-    alone gives them (``tserve.gpu._sampling_defaults``).
+    alone gives them (``tserve.gpu.models._sampling_defaults``).
 
     ``grammar_compile_timeout``: a constrained request whose grammar is not
     compiled this many seconds after it arrived ends with an error (it waits
@@ -90,16 +90,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     grammars kept, by text (least recently used dropped beyond it).
     ``grammar_mask_budget``: seconds one token's grammar mask may take; a
     constrained request whose masks take longer for ``MASK_MISSES`` (8) tokens
-    in a row (``tserve.gpu._constraints``) ends with an error. A late mask
+    in a row (``tserve.gpu.sampling._constraints``) ends with an error. A late mask
     never holds back other rows.
 
-    ``task`` "embed" makes an embedding engine (``tserve.gpu._embed_core``):
+    ``task`` "embed" makes an embedding engine (``tserve.gpu.engine._embed_core``):
     ``model`` is a local encoder directory or "default" (all-MiniLM-L6-v2);
     ``max_model_len`` None = the encoder's maximum (256 for MiniLM);
     ``max_num_seqs`` and ``max_num_batched_tokens`` bound one forward pass
     (inputs, padded tokens); the KV fields are unused; ``dtype`` "auto" is fp32.
 
-    ``engine_kind`` "echo" runs no model (``tserve.gpu._echo_core``), to
+    ``engine_kind`` "echo" runs no model (``tserve.gpu.engine._echo_core``), to
     measure the frontend alone: ``model`` only gives the API its tokenizer;
     each step of ``echo_step_time`` s gives each of up to ``max_num_seqs``
     requests one token echoing its prompt. ``max_tokens``, stop token ids,

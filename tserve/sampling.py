@@ -109,7 +109,7 @@ class SamplingDefaults(msgspec.Struct, array_like=True, frozen=True):
     """A model's recommended sampling values; None where it recommends nothing.
 
     The engine reads them once at load (``EngineConfig.generation_config``,
-    ``tserve.gpu._sampling_defaults``), applies them to every request that
+    ``tserve.gpu.models._sampling_defaults``), applies them to every request that
     leaves the field unset, and reports them in ``tserve.protocol.EngineReady``.
     ``source`` says where they came from ("" when from nowhere).
     """

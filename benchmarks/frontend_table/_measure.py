@@ -23,7 +23,7 @@ import anyio
 from benchmarks.frontend_table._client import ClientSpec, client_argv, prompt
 from benchmarks.frontend_table._server import EchoServer, cpu_seconds
 from tserve import LLM, SamplingParams, open_llm
-from tserve.gpu._echo_core import EchoCore
+from tserve.gpu.engine._echo_core import EchoCore
 from tserve.protocol import AddRequest, EngineConfig
 from tserve.protocol import SamplingParams as WireParams
 

@@ -64,7 +64,9 @@ def build_model(spec: str, scratch: Path) -> str:
     if spec != "tiny":
         return spec
     target = scratch / "tiny"
-    code = "import sys; from tserve.gpu._models import build_tiny_model as b; b(sys.argv[1])"
+    code = (
+        "import sys; from tserve.gpu.models._directory import build_tiny_model as b; b(sys.argv[1])"
+    )
     subprocess.run(
         [sys.executable, "-c", code, str(target)],
         cwd=REPO_ROOT,

@@ -4,7 +4,7 @@ The default model on one engine thread, beside two processes that burn both
 cores, gets a 7,500-token prompt while 8 short streams run. Every request
 completes, the server stays up, and ``/health`` answers 200 at every poll:
 the heartbeat comes from the pulse thread while the long prefill works
-(``tserve/gpu/_pulse.py``), so no step, however long, reads as a dead engine.
+(``tserve/gpu/engine/_pulse.py``), so no step, however long, reads as a dead engine.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from tests.faults.workload import (
     wait_until_idle,
 )
 from tests.guards import HANG_GUARD
-from tserve.gpu._sampler import FAULT_ENV
+from tserve.gpu.sampling._sampler import FAULT_ENV
 from tserve.nursery import LLM, RequestFailed, open_llm
 
 POISON = r"^poison-"
@@ -79,7 +79,7 @@ def test_only_an_environment_variable_at_engine_start_reaches_the_hook() -> None
     sources = {str(p.relative_to(root)): p.read_text() for p in root.rglob("*.py")}
     names_the_hook = re.compile(rf"{FAULT_ENV}|\bFAULT_ENV\b")
     assert sorted(p for p, text in sources.items() if names_the_hook.search(text)) == [
-        "gpu/_sampler.py"
+        "gpu/sampling/_sampler.py"
     ]
     assert not [p for p, text in sources.items() if "TSERVE_TEST_" in text and p[:4] != "gpu/"]
 

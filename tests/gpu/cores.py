@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tserve.gpu._engine import EngineCore
+from tserve.gpu.engine._engine_core import EngineCore
 from tserve.protocol import AddRequest, EngineConfig
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.gpu import kquant_blocks
-from tserve.gpu._quant import FORMATS, Isa, QuantizedWeight, QuantKernels, quant_kernels
+from tserve.gpu.forward._quant import FORMATS, Isa, QuantizedWeight, QuantKernels, quant_kernels
 
 __all__ = [
     "assert_every_variant_is_the_product",

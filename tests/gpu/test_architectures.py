@@ -26,14 +26,14 @@ import torch
 from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import write_gguf
 from tests.gpu.tiny_architectures import KINDS, build_tiny_architecture
-from tserve.gpu._architectures import ARCHITECTURES, hf_architecture
-from tserve.gpu._gguf_convert import converted_gguf_dir
-from tserve.gpu._gguf_file import GgufFile
-from tserve.gpu._llama import PagedLlama
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._models import ModelLoadError, load_model
-from tserve.gpu._native import NativeModel, NativeRunner
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.forward._llama import PagedLlama
+from tserve.gpu.forward._native import NativeModel, NativeRunner
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.gguf._convert import converted_gguf_dir
+from tserve.gpu.gguf._file import GgufFile
+from tserve.gpu.models._architectures import ARCHITECTURES, hf_architecture
+from tserve.gpu.models._directory import ModelLoadError, load_model
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import AddRequest, ModelImpl, SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -125,8 +125,8 @@ def test_a_quantized_file_runs_as_the_torch_path_s_fused_steps_bit_for_bit(
     model_dir: Path, tmp_path: Path, fmt: str
 ) -> None:
     """Native and torch runners on one quantized file: the same C decoder."""
-    from tserve.gpu._gguf import load_gguf
-    from tserve.gpu._quant import quant_kernels
+    from tserve.gpu.forward._gguf import load_gguf
+    from tserve.gpu.forward._quant import quant_kernels
 
     path = write_gguf(model_dir, tmp_path / "gguf" / f"m-{fmt}.gguf", fmt)
     file = GgufFile(path, has_kernels=True)
@@ -151,7 +151,7 @@ def test_a_quantized_file_runs_as_the_torch_path_s_fused_steps_bit_for_bit(
 def test_a_directory_on_the_torch_forward_pass_gives_transformers_logits(
     model_dir: Path, fused: bool
 ) -> None:
-    from tserve.gpu._llama import TORCH_OPS
+    from tserve.gpu.forward._llama import TORCH_OPS
 
     model, _ = load_model(model_dir, device="cpu", dtype=torch.float32)
     runner = ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, cpu_gemm="blas")

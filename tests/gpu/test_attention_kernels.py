@@ -15,10 +15,10 @@ import itertools
 import numpy as np
 import pytest
 
-from tserve.gpu._decoder_abi import attend
-from tserve.gpu._library import KV_CODES, set_threads
-from tserve.gpu._native import KV_STORAGE
-from tserve.gpu._quant_abi import QuantLibrary, quant_library
+from tserve.gpu.forward._native import KV_STORAGE
+from tserve.gpu.kernels._decoder_abi import attend
+from tserve.gpu.kernels._library import KV_CODES, set_threads
+from tserve.gpu.kernels._quant_abi import QuantLibrary, quant_library
 
 TOLERANCE = 2e-6
 """The largest difference from float64 allowed, relative to the largest |value|

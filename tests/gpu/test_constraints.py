@@ -19,7 +19,8 @@ import pytest
 
 from tests.gpu.cores import small_core
 from tests.gpu.test_engine_core import PEER, _drive, _Run
-from tserve.gpu._constraints import (
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.sampling._constraints import (
     MASK_FAULT_ENV,
     MASK_HOLD_ENV,
     MASK_MISSES,
@@ -27,7 +28,6 @@ from tserve.gpu._constraints import (
     _unpack,
     constraint_key,
 )
-from tserve.gpu._engine import EngineCore
 from tserve.protocol import (
     AddRequest,
     Choice,

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tserve.gpu import _cpu_kernels
-from tserve.gpu._cpu_kernels import CpuKernels, cpu_kernels
-from tserve.gpu._llama import _rotate
-from tserve.gpu._quant_abi import Isa
+from tserve.gpu.forward._llama import _rotate
+from tserve.gpu.kernels import _cpu_kernels
+from tserve.gpu.kernels._cpu_kernels import CpuKernels, cpu_kernels
+from tserve.gpu.kernels._quant_abi import Isa
 
 KERNELS = cpu_kernels()
 
@@ -179,12 +179,12 @@ def test_the_kernels_are_the_library_the_install_built_beside_the_package() -> N
     import subprocess
     import sys
 
-    spec = importlib.util.find_spec("tserve.gpu._kernels")
+    spec = importlib.util.find_spec("tserve.gpu.kernels._kernels")
     assert spec is not None and spec.origin is not None
     assert Path(spec.origin).parent == Path(_cpu_kernels.__file__).parent
     probe = (
-        "from tserve.gpu._cpu_kernels import cpu_kernels; "
-        "from tserve.gpu._quant import quant_kernels; "
+        "from tserve.gpu.kernels._cpu_kernels import cpu_kernels; "
+        "from tserve.gpu.forward._quant import quant_kernels; "
         "assert cpu_kernels() is not None and quant_kernels() is not None"
     )
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)

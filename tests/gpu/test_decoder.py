@@ -19,14 +19,20 @@ import pytest
 import torch
 
 from tests.gpu import kquant_blocks
-from tserve.gpu._attention import KVPool, build_step
-from tserve.gpu._cpu_kernels import CpuKernels, cpu_kernels
-from tserve.gpu._decoder import MAX_FUSED_TOKENS, fused_decoder
-from tserve.gpu._kv_groups import KVGroups
-from tserve.gpu._llama import TORCH_OPS, LayerWeights, PagedLlama
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._quant import FORMATS, Activations, QuantizedLinear, QuantizedWeight, quant_kernels
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.forward._attention import KVPool, build_step
+from tserve.gpu.forward._decoder import MAX_FUSED_TOKENS, fused_decoder
+from tserve.gpu.forward._llama import TORCH_OPS, LayerWeights, PagedLlama
+from tserve.gpu.forward._quant import (
+    FORMATS,
+    Activations,
+    QuantizedLinear,
+    QuantizedWeight,
+    quant_kernels,
+)
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.kernels._cpu_kernels import CpuKernels, cpu_kernels
+from tserve.gpu.scheduling._kv_groups import KVGroups
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import SamplingParams
 
 BLOCK_SIZE, NUM_BLOCKS, VOCAB, POSITIONS = 4, 24, 100, MAX_FUSED_TOKENS + 16

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from tests.gpu.torch_free import assert_runs_without_torch
-from tserve.gpu._core import FORWARD_FAULT_ENV, ForwardFault
-from tserve.gpu._echo_core import EchoCore
+from tserve.gpu.engine._core import FORWARD_FAULT_ENV, ForwardFault
+from tserve.gpu.engine._echo_core import EchoCore
 from tserve.protocol import (
     AddRequest,
     EngineConfig,
@@ -159,7 +159,7 @@ def test_no_weights_and_no_torch_are_needed(tmp_path: Path) -> None:
 
 def test_the_echo_engine_process_never_imports_torch(tiny_model_dir: Path) -> None:
     assert_runs_without_torch(
-        "from tserve.gpu._process import _build_core\n"
+        "from tserve.gpu.engine._process import _build_core\n"
         "from tserve.protocol import EngineConfig\n"
         f"_build_core(EngineConfig(model={str(tiny_model_dir)!r}, engine_kind='echo'))"
     )

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.markers import needs_embedding_model
-from tserve.gpu._embed_core import EmbedCore
-from tserve.gpu._models import ModelLoadError, default_embedding_model_dir, load_encoder
+from tserve.gpu.engine._embed_core import EmbedCore
+from tserve.gpu.models._directory import ModelLoadError, default_embedding_model_dir, load_encoder
 from tserve.protocol import AddRequest, EngineConfig, FinishReason, RequestOutput, SamplingParams
 
 PEER = b"api-1"

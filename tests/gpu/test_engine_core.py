@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from tests.gpu.cores import small_core
-from tserve.gpu._core import FORWARD_FAULT_ENV, ForwardFault
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._models import load_model
-from tserve.gpu._sampler import FAULT_ENV as SAMPLER_FAULT_ENV
+from tserve.gpu.engine._core import FORWARD_FAULT_ENV, ForwardFault
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.models._directory import load_model
+from tserve.gpu.sampling._sampler import FAULT_ENV as SAMPLER_FAULT_ENV
 from tserve.protocol import (
     AddRequest,
     FinishReason,

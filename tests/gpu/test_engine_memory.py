@@ -27,14 +27,14 @@ import pytest
 import torch
 
 from tests.gpu.gguf_files import write_gguf
-from tserve.gpu._architectures import ARCHITECTURES
-from tserve.gpu._gguf import load_gguf
-from tserve.gpu._gguf_file import GgufConfig
-from tserve.gpu._gguf_plan import rope_tables
-from tserve.gpu._llama import rope_table
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._quant import QuantizedEmbedding, QuantizedLinear, quant_kernels
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.forward._gguf import load_gguf
+from tserve.gpu.forward._llama import rope_table
+from tserve.gpu.forward._quant import QuantizedEmbedding, QuantizedLinear, quant_kernels
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.gguf._file import GgufConfig
+from tserve.gpu.gguf._plan import rope_tables
+from tserve.gpu.models._architectures import ARCHITECTURES
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import SamplingParams
 
 PAGE = mmap.PAGESIZE
@@ -228,8 +228,8 @@ def test_loading_a_gguf_file_imports_no_transformers(
     path = write_gguf(smollm2_tiny_dir, tmp_path / "gguf" / "tiny.gguf", "Q4_1")
     script = (
         "import sys; from pathlib import Path\n"
-        "from tserve.gpu._gguf import load_gguf\n"
-        "from tserve.gpu._quant import quant_kernels\n"
+        "from tserve.gpu.forward._gguf import load_gguf\n"
+        "from tserve.gpu.forward._quant import quant_kernels\n"
         f"load_gguf(Path({str(path)!r}), kernels=quant_kernels(), "
         f"cache_dir=Path({str(tmp_path)!r}), progress=print)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"

@@ -24,7 +24,7 @@ import zmq
 
 from tests.guards import HANG_GUARD
 from tserve import protocol as p
-from tserve.gpu._core import FORWARD_FAULT_ENV, STALL_FAULT_ENV
+from tserve.gpu.engine._core import FORWARD_FAULT_ENV, STALL_FAULT_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

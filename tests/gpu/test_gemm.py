@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tserve.gpu._gemm import (
+from tserve.gpu.forward._gemm import (
     TUNED_ROWS,
     Plan,
     TunedLinear,
@@ -19,8 +19,8 @@ from tserve.gpu._gemm import (
     onednn_available,
     tune_linears,
 )
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._models import load_model
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.models._directory import load_model
 
 pytestmark = pytest.mark.skipif(
     not onednn_available(torch.float32), reason="this torch has no oneDNN linear"

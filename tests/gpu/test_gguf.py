@@ -19,14 +19,14 @@ import torch.nn.functional as F
 
 from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import build_wide_model, write_gguf
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._gguf import Concat, load_gguf
-from tserve.gpu._llama import PagedLlama
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._models import ModelLoadError, default_cache_root, default_gguf
-from tserve.gpu._quant import QuantizedEmbedding, QuantizedLinear, quant_kernels
-from tserve.gpu._quant_abi import K_FORMATS
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.forward._gguf import Concat, load_gguf
+from tserve.gpu.forward._llama import PagedLlama
+from tserve.gpu.forward._quant import QuantizedEmbedding, QuantizedLinear, quant_kernels
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.kernels._quant_abi import K_FORMATS
+from tserve.gpu.models._directory import ModelLoadError, default_cache_root, default_gguf
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import AddRequest, SamplingParams
 
 
@@ -315,7 +315,7 @@ def test_the_default_model_runs_quantized_and_knows_paris(
     tmp_path: Path, kv_dtype: torch.dtype
 ) -> None:
     """The bundled Q4_1 file, its tokenizer from its metadata (converted once), on
-    fp32 activations (int8 ones can flip this near-tie: tserve/gpu/_quant.py),
+    fp32 activations (int8 ones can flip this near-tie: tserve/gpu/forward/_quant.py),
     over a KV cache of each dtype."""
     from transformers import AutoTokenizer
 

@@ -23,8 +23,8 @@ import pytest
 from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import write_gguf
 from tests.gpu.tiny_vocabs import PIECES, sentencepiece_vocab
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._models import ModelLoadError
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.models._directory import ModelLoadError
 from tserve.protocol import AddRequest, SamplingParams
 
 _SUPPORTED = "llama, qwen2, qwen3, phi3, gemma2, gemma3"

@@ -1,4 +1,4 @@
-"""A GGUF file's tokenizer from its metadata (tserve/gpu/_gguf_vocab.py).
+"""A GGUF file's tokenizer from its metadata (tserve/gpu/gguf/_vocab.py).
 
 Tiny files of each vocabulary kind, written with the ``gguf`` package, check
 the logic against ids worked out by hand from the token texts (the real
@@ -20,9 +20,9 @@ from tests.gpu.tiny_vocabs import (
     byte_level_vocab,
     sentencepiece_vocab,
 )
-from tserve.gpu._gguf_file import read_vocab, tokenizer_dir
-from tserve.gpu._gguf_vocab import end_of_generation_ids
-from tserve.gpu._models import ModelLoadError
+from tserve.gpu.gguf._file import read_vocab, tokenizer_dir
+from tserve.gpu.gguf._vocab import end_of_generation_ids
+from tserve.gpu.models._directory import ModelLoadError
 from tserve.nursery._model_tokenizer import ModelTokenizer, load_model_tokenizer
 
 

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from tests.gpu.tiny_vocabs import GEMMA3_TEMPLATE
-from tserve.gpu._gguf_file import read_vocab, tokenizer_dir
-from tserve.gpu._gguf_vocab import end_of_generation_ids
-from tserve.gpu._models import default_gguf
+from tserve.gpu.gguf._file import read_vocab, tokenizer_dir
+from tserve.gpu.gguf._vocab import end_of_generation_ids
+from tserve.gpu.models._directory import default_gguf
 from tserve.nursery._model_tokenizer import ModelTokenizer, load_model_tokenizer
 from tserve.nursery._tokenizer import ChatTokenizer
 

@@ -11,9 +11,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tserve.gpu._kv import NO_BLOCK, BlockManager, kv_budget_blocks
-from tserve.gpu._kv_groups import KVGroups
-from tserve.gpu._sequence import Sequence
+from tserve.gpu.scheduling._kv import NO_BLOCK, BlockManager, kv_budget_blocks
+from tserve.gpu.scheduling._kv_groups import KVGroups
+from tserve.gpu.scheduling._sequence import Sequence
 from tserve.protocol import SamplingParams
 
 

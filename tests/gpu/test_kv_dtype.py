@@ -22,12 +22,12 @@ import torch
 from tests.gpu.cores import small_core
 from tests.gpu.gguf_files import write_gguf
 from tests.gpu.test_prefix_cache import _run
-from tserve.gpu._gguf import load_gguf
-from tserve.gpu._llama import TORCH_OPS, PagedLlama
-from tserve.gpu._model_runner import ModelRunner, resolve_kv_dtype
-from tserve.gpu._models import load_model
-from tserve.gpu._quant import quant_kernels
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.forward._gguf import load_gguf
+from tserve.gpu.forward._llama import TORCH_OPS, PagedLlama
+from tserve.gpu.forward._quant import quant_kernels
+from tserve.gpu.forward._runner import ModelRunner, resolve_kv_dtype
+from tserve.gpu.models._directory import load_model
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import AddRequest, SamplingParams
 
 VOCAB = 512  # the tiny models'

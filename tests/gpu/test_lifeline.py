@@ -15,7 +15,7 @@ from typing import Any, cast
 import pytest
 
 from tests.guards import HANG_GUARD
-from tserve.gpu._process import _apply, _Stop
+from tserve.gpu.engine._process import _apply, _Stop
 from tserve.protocol import Shutdown, encode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
     import os, signal, time
-    from tserve.gpu._lifeline import SignalLifeline
+    from tserve.gpu.engine._lifeline import SignalLifeline
 
     lifeline = SignalLifeline()
     finished = []
@@ -54,7 +54,7 @@ def test_a_signal_interrupts_the_load_and_then_stops_the_loop() -> None:
 
 def test_a_signal_after_the_load_is_a_stop_reason() -> None:
     script = (
-        "import os, signal; from tserve.gpu._lifeline import SignalLifeline\n"
+        "import os, signal; from tserve.gpu.engine._lifeline import SignalLifeline\n"
         "lifeline = SignalLifeline(); assert lifeline.load(lambda: 1) == 1\n"
         "print(lifeline.stop_reason()); os.kill(os.getpid(), signal.SIGINT)\n"
         "print(lifeline.stop_reason())\n"

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from tserve.gpu._cpu_kernels import CpuKernels
-from tserve.gpu._llama import TORCH_OPS, PagedLlama, unsupported_reason
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.forward._llama import TORCH_OPS, PagedLlama, unsupported_reason
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.kernels._cpu_kernels import CpuKernels
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import SamplingParams
 
 _SHAPE: dict[str, Any] = {

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from tserve.gpu._llama import PagedLlama
-from tserve.gpu._model_runner import ModelRunner, kv_bytes_per_token
-from tserve.gpu._models import load_model
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.forward._llama import PagedLlama
+from tserve.gpu.forward._runner import ModelRunner, kv_bytes_per_token
+from tserve.gpu.models._directory import load_model
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import SamplingParams
 
 BLOCK_SIZE = 4

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from tserve.gpu import _gguf_convert
-from tserve.gpu._gguf_convert import default_model_dir
-from tserve.gpu._models import ModelLoadError, build_tiny_model, load_model
+from tserve.gpu.gguf import _convert
+from tserve.gpu.gguf._convert import default_model_dir
+from tserve.gpu.models._directory import ModelLoadError, build_tiny_model, load_model
 
 
 def test_tiny_model_builds_deterministically(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -81,7 +81,7 @@ def test_a_failed_conversion_leaves_no_cache(
         (out / "model.safetensors").write_bytes(b"half written")
         raise RuntimeError("killed mid-conversion")
 
-    monkeypatch.setattr(_gguf_convert, "write_fp32_dir", crash)
+    monkeypatch.setattr(_convert, "write_fp32_dir", crash)
     with pytest.raises(RuntimeError, match="mid-conversion"):
         default_model_dir(tmp_path)
     assert list(tmp_path.iterdir()) == []

@@ -21,14 +21,14 @@ import torch
 
 from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import build_wide_model, write_gguf
-from tserve.gpu._decoder_abi import MAX_FUSED_TOKENS
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._gguf import load_gguf
-from tserve.gpu._gguf_file import GgufFile
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._native import NativeModel, NativeRunner, native_problem
-from tserve.gpu._quant import Activations, quant_kernels
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.forward._gguf import load_gguf
+from tserve.gpu.forward._native import NativeModel, NativeRunner, native_problem
+from tserve.gpu.forward._quant import Activations, quant_kernels
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.gguf._file import GgufFile
+from tserve.gpu.kernels._decoder_abi import MAX_FUSED_TOKENS
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import AddRequest, SamplingParams
 
 KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -334,8 +334,8 @@ def test_prefix_caching_hits_on_the_native_runner_and_changes_no_token(
 
 _SERVE_DEFAULT = """
 import sys
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._heap import keep_freed_heap, trim_heap
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.kernels._heap import keep_freed_heap, trim_heap
 from tserve.protocol import AddRequest, EngineConfig, SamplingParams
 
 def rss():
@@ -343,7 +343,7 @@ def rss():
         if line.startswith("VmRSS"):
             return int(line.split()[1]) // 1024
 
-keep_freed_heap()  # as the engine process does (tserve/gpu/_process.py)
+keep_freed_heap()  # as the engine process does (tserve/gpu/engine/_process.py)
 core = EngineCore(EngineConfig(device="cpu", cache_dir=sys.argv[1]), progress=print)
 trim_heap()
 print("rss after load", rss(), "MiB")

@@ -1,4 +1,4 @@
-"""The one decision of runner, device, dtype and KV dtype (``tserve.gpu._placement``)."""
+"""The one decision of runner, device, dtype and KV dtype (``tserve.gpu.models._placement``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.gpu.torch_free import assert_runs_without_torch
-from tserve.gpu import _placement as placement
-from tserve.gpu._model_runner import resolve_device, resolve_kv_dtype, runs_gguf
+from tserve.gpu.forward._runner import resolve_device, resolve_kv_dtype, runs_gguf
+from tserve.gpu.models import _placement as placement
 from tserve.protocol import EngineConfig, KvCacheDtype
 
 
@@ -80,4 +80,4 @@ def test_the_torch_path_carries_out_the_placement() -> None:
 
 def test_the_placement_imports_without_torch() -> None:
     """The native engine decides its placement before (and without) importing torch."""
-    assert_runs_without_torch("import tserve.gpu._placement, tserve.gpu._engine_load")
+    assert_runs_without_torch("import tserve.gpu.models._placement, tserve.gpu.forward._load")

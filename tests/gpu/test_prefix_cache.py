@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.gpu.cores import small_core
-from tserve.gpu._engine import EngineCore
+from tserve.gpu.engine._engine_core import EngineCore
 from tserve.protocol import AddRequest, FinishReason, SamplingParams
 
 VOCAB = 512  # the tiny model's

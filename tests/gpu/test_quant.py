@@ -29,7 +29,7 @@ from tests.gpu.quant_products import (
     variants,
     weight,
 )
-from tserve.gpu._quant import (
+from tserve.gpu.forward._quant import (
     BLOCK_FORMATS,
     FORMATS,
     K_FORMATS,
@@ -65,7 +65,7 @@ def test_the_best_variant_is_the_one_the_cpu_flags_allow(kernels: QuantKernels) 
 @pytest.mark.parametrize(("cap", "isa"), [("avx2", 1), ("portable", 0)])
 def test_max_isa_caps_the_variant_that_runs(kernels: QuantKernels, cap: str, isa: int) -> None:
     """``TSERVE_MAX_ISA``, read when the kernels load (a fresh interpreter here)."""
-    code = "from tserve.gpu._quant_abi import quant_library as q; print(q().best_isa)"
+    code = "from tserve.gpu.kernels._quant_abi import quant_library as q; print(q().best_isa)"
     env = {**os.environ, "TSERVE_MAX_ISA": cap}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True

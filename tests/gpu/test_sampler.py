@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.gpu.torch_free import assert_runs_without_torch
-from tserve.gpu._sampler import FAULT_ENV, Sampler, SampleResult, _candidates
-from tserve.gpu._sequence import Sequence
+from tserve.gpu.sampling._sampler import FAULT_ENV, Sampler, SampleResult, _candidates
+from tserve.gpu.scheduling._sequence import Sequence
 from tserve.protocol import Sampling, SamplingParams
 
 VOCAB = 50
@@ -360,4 +360,6 @@ def test_a_cpu_torch_tensor_samples_as_its_numpy_array_does() -> None:
 
 def test_the_sampler_and_the_masks_import_without_torch() -> None:
     """The torch-free engine samples with them: neither pulls torch in, directly or not."""
-    assert_runs_without_torch("import tserve.gpu._sampler, tserve.gpu._constraints")
+    assert_runs_without_torch(
+        "import tserve.gpu.sampling._sampler, tserve.gpu.sampling._constraints"
+    )

@@ -11,10 +11,10 @@ import pytest
 
 from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import write_gguf
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._engine_load import is_default_gguf
-from tserve.gpu._models import ModelLoadError, default_gguf
-from tserve.gpu._sampling_defaults import read_sampling_defaults
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.forward._load import is_default_gguf
+from tserve.gpu.models._directory import ModelLoadError, default_gguf
+from tserve.gpu.models._sampling_defaults import read_sampling_defaults
 from tserve.protocol import AddRequest, Sampling, SamplingDefaults, SamplingParams
 
 

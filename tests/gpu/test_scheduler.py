@@ -25,9 +25,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tserve.gpu._kv import NO_BLOCK, BlockManager
-from tserve.gpu._scheduler import Scheduler
-from tserve.gpu._sequence import ScheduledChunk, Sequence, SequenceStatus
+from tserve.gpu.scheduling._kv import NO_BLOCK, BlockManager
+from tserve.gpu.scheduling._scheduler import Scheduler
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence, SequenceStatus
 from tserve.protocol import FinishReason, SamplingParams
 
 EOS = 0
@@ -206,7 +206,7 @@ def tokens_of(chunks: list[ScheduledChunk]) -> dict[str, int]:
 
 def test_the_bookkeeping_imports_no_torch_zmq_trio_or_numpy() -> None:
     code = (
-        "import sys, tserve.gpu._scheduler, tserve.gpu._kv\n"
+        "import sys, tserve.gpu.scheduling._scheduler, tserve.gpu.scheduling._kv\n"
         "print(sorted({'torch', 'zmq', 'trio', 'numpy'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

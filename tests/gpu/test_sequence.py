@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tserve.gpu._sequence import IllegalTransition, Sequence, SequenceStatus
+from tserve.gpu.scheduling._sequence import IllegalTransition, Sequence, SequenceStatus
 from tserve.protocol import SamplingParams
 
 W, R, F = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED

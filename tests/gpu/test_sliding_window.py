@@ -24,14 +24,14 @@ import torch
 
 from tests.gpu.cores import small_core
 from tests.gpu.gguf_files import write_gguf
-from tserve.gpu._engine import EngineCore
-from tserve.gpu._gguf_file import GgufFile
-from tserve.gpu._kv import NO_BLOCK, BlockManager
-from tserve.gpu._kv_groups import KVGroups
-from tserve.gpu._model_runner import ModelRunner
-from tserve.gpu._models import load_model
-from tserve.gpu._native import NativeModel, NativeRunner
-from tserve.gpu._sequence import ScheduledChunk, Sequence
+from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.forward._native import NativeModel, NativeRunner
+from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.gguf._file import GgufFile
+from tserve.gpu.models._directory import load_model
+from tserve.gpu.scheduling._kv import NO_BLOCK, BlockManager
+from tserve.gpu.scheduling._kv_groups import KVGroups
+from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import AddRequest, EngineConfig, FinishReason, SamplingParams
 
 WINDOW, BLOCK_SIZE = 8, 4
@@ -312,7 +312,7 @@ def test_the_torch_runner_with_groups_gives_the_ungrouped_logits(
 
 def test_a_reclaimed_entry_is_never_handed_to_a_kernel_as_a_block() -> None:
     """``NO_BLOCK`` stays out of the tables the kernels get (block 0 stands in)."""
-    from tserve.gpu._step_layout import token_tables
+    from tserve.gpu.scheduling._step_layout import token_tables
 
     seq = Sequence("s", _prompt(20), SamplingParams())
     seq.block_tables = [[NO_BLOCK, NO_BLOCK, 7, 8, 9], [1, 2, 3, 4, 5]]

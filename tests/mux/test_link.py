@@ -1,7 +1,7 @@
 """The mux over a network link: CURVE keys, a refused key said at once, a vanished engine.
 
 The monitor's rules alone (``Link.verdict``, sans-IO); then a real mux against
-the engine's real socket (``tserve.gpu._bind``) in a thread of this process,
+the engine's real socket (``tserve.gpu.engine._bind``) in a thread of this process,
 answering only the handshake; then a fake engine process that the test stops
 with SIGSTOP, so that its connection stays open but nothing answers: the
 case only heartbeats can tell (a killed process closes its connections).
@@ -28,7 +28,7 @@ from tests.mux.fake_engine import run_fake_engine
 from tests.mux.test_mux import _open, _read_all
 from tserve import protocol as p
 from tserve._curve import client_keys, server_keys, write_keys
-from tserve.gpu._bind import bind_engine_socket
+from tserve.gpu.engine._bind import bind_engine_socket
 from tserve.mux import EngineDeadError, Link, open_mux
 
 pytestmark = pytest.mark.anyio

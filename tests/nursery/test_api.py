@@ -24,7 +24,7 @@ from tserve import (
     ShuttingDown,
     open_llm,
 )
-from tserve.gpu._core import STALL_FAULT_ENV
+from tserve.gpu.engine._core import STALL_FAULT_ENV
 from tserve.nursery import RequestState
 from tserve.nursery._admission import Overload
 from tserve.nursery._tokenizer import INLINE_TOKENIZE_CHARS

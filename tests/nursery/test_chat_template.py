@@ -155,7 +155,7 @@ def _write_model(directory: Path, source: Path, template: str, how: str) -> Path
 @pytest.fixture(scope="module")
 def default_model() -> Path:
     """The converted default model (converted once, as the engine does, if absent)."""
-    from tserve.gpu._gguf_convert import default_model_dir
+    from tserve.gpu.gguf._convert import default_model_dir
 
     return default_model_dir()
 
@@ -281,7 +281,7 @@ def test_generation_defaults_match_transformers(template_dirs: dict[str, Path]) 
     """The engine's reading of generation_config.json (its sampling defaults)."""
     from transformers import GenerationConfig
 
-    from tserve.gpu._sampling_defaults import read_sampling_defaults
+    from tserve.gpu.models._sampling_defaults import read_sampling_defaults
 
     reference = GenerationConfig.from_pretrained(template_dirs["tools"])
     ours = read_sampling_defaults("auto", model_dir=template_dirs["tools"])

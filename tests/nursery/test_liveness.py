@@ -15,7 +15,7 @@ from tests.guards import HANG_GUARD
 from tests.nursery.conftest import ENGINE, eventually
 from tests.processes import process_gone
 from tserve import EngineDeadError, SamplingParams, open_llm
-from tserve.gpu._core import STALL_FAULT_ENV
+from tserve.gpu.engine._core import STALL_FAULT_ENV
 
 pytestmark = pytest.mark.anyio
 

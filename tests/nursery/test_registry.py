@@ -35,7 +35,7 @@ _OPTIONS = {k: v for k, v in ENGINE.items() if k != "log_level"}
 @pytest.fixture(scope="module")
 def second_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second tiny model: other weights (another seed), same layout."""
-    from tserve.gpu._models import build_tiny_model
+    from tserve.gpu.models._directory import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-seed-1"), seed=1)
 

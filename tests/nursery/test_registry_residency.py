@@ -47,7 +47,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 def more_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Two more tiny models: other weights (other seeds), the same layout."""
-    from tserve.gpu._models import build_tiny_model
+    from tserve.gpu.models._directory import build_tiny_model
 
     return [build_tiny_model(tmp_path_factory.mktemp(f"tiny-seed-{s}"), seed=s) for s in (1, 2)]
 

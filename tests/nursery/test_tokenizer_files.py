@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.nursery.tokenizer_pair import Pair
-from tserve.gpu._models import default_embedding_model_dir
+from tserve.gpu.models._directory import default_embedding_model_dir
 from tserve.nursery._chat_template import ChatTemplateError
 from tserve.nursery._model_tokenizer import load_encoder_pipeline, load_model_tokenizer
 from tserve.nursery._tokenizer_files import TokenizerFilesError, read_tokenizer_files

@@ -34,7 +34,7 @@ from tests.gpu.tiny_vocabs import (
     sentencepiece_vocab,
 )
 from tests.web.conftest import Server
-from tserve.gpu._gguf_file import tokenizer_dir
+from tserve.gpu.gguf._file import tokenizer_dir
 
 _CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

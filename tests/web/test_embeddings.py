@@ -51,7 +51,7 @@ def token_count(text: str) -> int:
     """MiniLM's tokens for ``text``, [CLS] and [SEP] included."""
     from tokenizers import Tokenizer
 
-    from tserve.gpu._models import default_embedding_model_dir
+    from tserve.gpu.models._directory import default_embedding_model_dir
 
     tokenizer = Tokenizer.from_file(str(default_embedding_model_dir() / "tokenizer.json"))
     tokenizer.no_truncation()

@@ -33,7 +33,7 @@ ECHO = ("--engine-kind", "echo", "--echo-step-time", "0.2")  # 5 tokens a second
 @pytest.fixture(scope="module")
 def second_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second tiny model: other weights (another seed), same layout."""
-    from tserve.gpu._models import build_tiny_model
+    from tserve.gpu.models._directory import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-seed-1"), seed=1)
 

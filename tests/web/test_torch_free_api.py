@@ -20,7 +20,7 @@ import pytest
 
 from tests.processes import child_pids, command_line
 from tests.web.conftest import Server
-from tserve.gpu._models import default_embedding_model_dir
+from tserve.gpu.models._directory import default_embedding_model_dir
 
 pytestmark = pytest.mark.slow
 

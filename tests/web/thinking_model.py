@@ -38,7 +38,7 @@ def build_thinking_model(directory: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from tserve.gpu._models import build_tiny_model
+    from tserve.gpu.models._directory import build_tiny_model
 
     build_tiny_model(directory, seed=1)
     tokenizer = AutoTokenizer.from_pretrained(directory)

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     except msgspec.DecodeError as exc:
         parser.error(f"bad CONFIG_JSON: {exc}")
     # Import late: loading torch takes a while and argument errors should not wait.
-    from tserve.gpu._process import run_engine
+    from tserve.gpu.engine._process import run_engine
 
     return run_engine(config, args.address, args.parent_pid)
 

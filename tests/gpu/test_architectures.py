@@ -151,7 +151,7 @@ def test_a_quantized_file_runs_as_the_torch_path_s_fused_steps_bit_for_bit(
 def test_a_directory_on_the_torch_forward_pass_gives_transformers_logits(
     model_dir: Path, fused: bool
 ) -> None:
-    from tserve.gpu.forward._llama import TORCH_OPS
+    from tserve.gpu.forward._step_ops import TORCH_OPS
 
     model, _ = load_model(model_dir, device="cpu", dtype=torch.float32)
     runner = ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, cpu_gemm="blas")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tserve.gpu.forward._llama import _rotate
+from tserve.gpu.forward._step_ops import rotate
 from tserve.gpu.kernels import _cpu_kernels
 from tserve.gpu.kernels._cpu_kernels import CpuKernels, cpu_kernels
 from tserve.gpu.kernels._quant_abi import Isa
@@ -63,7 +63,7 @@ def test_rope_store_rotates_q_and_k_and_fills_the_pool(
     k_pool = torch.zeros(kv_heads, slots_total, dim, dtype=kv_dtype)
     v_pool = torch.zeros(kv_heads, slots_total, dim, dtype=kv_dtype)
     heads3 = qkv.view(tokens, -1, dim)
-    rotated = _rotate(heads3[:, : heads + kv_heads], cos[positions, None], sin[positions, None])
+    rotated = rotate(heads3[:, : heads + kv_heads], cos[positions, None], sin[positions, None])
     values = heads3[:, heads + kv_heads :].clone()
 
     kernels.rope_store(qkv, heads, kv_heads, positions, cos, sin, slots, k_pool, v_pool)

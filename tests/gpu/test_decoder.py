@@ -21,7 +21,7 @@ import torch
 from tests.gpu import kquant_blocks
 from tserve.gpu.forward._attention import KVPool, build_step
 from tserve.gpu.forward._decoder import MAX_FUSED_TOKENS, fused_decoder
-from tserve.gpu.forward._llama import TORCH_OPS, LayerWeights, PagedLlama
+from tserve.gpu.forward._llama import LayerWeights, PagedLlama
 from tserve.gpu.forward._quant import (
     FORMATS,
     Activations,
@@ -30,6 +30,7 @@ from tserve.gpu.forward._quant import (
     quant_kernels,
 )
 from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.forward._step_ops import TORCH_OPS
 from tserve.gpu.kernels._cpu_kernels import CpuKernels, cpu_kernels
 from tserve.gpu.scheduling._kv_groups import KVGroups
 from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence

@@ -23,9 +23,10 @@ from tests.gpu.cores import small_core
 from tests.gpu.gguf_files import write_gguf
 from tests.gpu.test_prefix_cache import _run
 from tserve.gpu.forward._gguf import load_gguf
-from tserve.gpu.forward._llama import TORCH_OPS, PagedLlama
+from tserve.gpu.forward._llama import PagedLlama
 from tserve.gpu.forward._quant import quant_kernels
 from tserve.gpu.forward._runner import ModelRunner, resolve_kv_dtype
+from tserve.gpu.forward._step_ops import TORCH_OPS
 from tserve.gpu.models._directory import load_model
 from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import AddRequest, SamplingParams

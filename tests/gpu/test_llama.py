@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from tserve.gpu.forward._llama import TORCH_OPS, PagedLlama, unsupported_reason
+from tserve.gpu.forward._llama import PagedLlama, unsupported_reason
 from tserve.gpu.forward._runner import ModelRunner
+from tserve.gpu.forward._step_ops import TORCH_OPS
 from tserve.gpu.kernels._cpu_kernels import CpuKernels
 from tserve.gpu.scheduling._sequence import ScheduledChunk, Sequence
 from tserve.protocol import SamplingParams

@@ -2,7 +2,9 @@
 
 * ``_llama.py`` — :class:`PagedLlama`, tserve's own forward pass over torch
   for every architecture of :mod:`tserve.gpu.models._architectures`: fused
-  products, the head on sampled rows only; its glue as :class:`StepOps`.
+  products, the head on sampled rows only.
+* ``_step_ops.py`` — the glue between a step's products as one interface
+  (:class:`StepOps`), and its torch implementation for any device and dtype.
 * ``_native.py`` — a GGUF file served without torch: its weights as numpy
   arrays the C kernels read, a step as the embedding, the fused decoder and
   the head (logits bit for bit the torch path's fused step's).

@@ -30,10 +30,11 @@ runner's pool keeps such layers in KV groups of their own
 
 One forward pass for every device: the glue between the products (residual
 add and RMSNorm, RoPE and the K/V write, the MLP activation, decode
-attention) is a :class:`StepOps` the model runner picks once from the device
-and dtype: the fused CPU kernels (:class:`~tserve.gpu.kernels._cpu_kernels.CpuKernels`,
-fp32 on CPU) or :data:`TORCH_OPS` (any device and dtype). The weights come
-from a Hugging Face model (:meth:`PagedLlama.from_hf`) or from a GGUF file
+attention) is a :class:`~tserve.gpu.forward._step_ops.StepOps` the model
+runner picks once from the device and dtype: the fused CPU kernels
+(:class:`~tserve.gpu.kernels._cpu_kernels.CpuKernels`, fp32 on CPU) or
+:data:`~tserve.gpu.forward._step_ops.TORCH_OPS` (any device and dtype). The
+weights come from a Hugging Face model (:meth:`PagedLlama.from_hf`) or from a GGUF file
 (:mod:`tserve.gpu.forward._gguf`); a linear layer is any module from ``[T, in]`` to
 ``[T, out]`` (``nn.Linear``, a tuned one, a quantized one). A quantized
 model's short steps may instead run every layer in one call
@@ -44,21 +45,18 @@ without Python between them, handed down by the runner like ``ops``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from tserve.gpu.forward._attention import AttentionGroup, StepMetadata, Tokens, attend_groups
+from tserve.gpu.forward._step_ops import TORCH_OPS, StepOps
 from tserve.gpu.models._architectures import ARCHITECTURES, Architecture, hf_architecture, soft_cap
 
 __all__ = [
-    "TORCH_OPS",
     "LayerWeights",
     "PagedLlama",
-    "StepOps",
-    "TorchOps",
     "hf_layer_windows",
     "rope_table",
     "unsupported_reason",
@@ -94,119 +92,6 @@ def unsupported_reason(model: Any) -> str | None:
         if kind not in _STATIC_ROPE:
             return f"RoPE type {kind!r} depends on more than the position"
     return None
-
-
-class StepOps(Protocol):
-    """The glue between a step's products; every tensor is on the model's device."""
-
-    def add_rms_norm(
-        self, residual: torch.Tensor, hidden: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        """``residual += hidden`` in place (unless None); its RMSNorm times ``weight``, new."""
-        ...
-
-    def rope_store(
-        self,
-        qkv: torch.Tensor,
-        heads: int,
-        kv_heads: int,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slots: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-    ) -> None:
-        """RoPE on the Q and K heads of ``qkv [T, (heads + 2 kv_heads) * D]`` in place,
-        then K and V into the pools ``[kv_heads, slots, D]`` at ``slots [T]``, cast
-        to the pools' dtype (which may differ from ``qkv``'s)."""
-        ...
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of ``gate_up [T, 2 I]`` (gate first): a new ``[T, I]``."""
-        ...
-
-    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``gelu_tanh(gate) * up`` of ``gate_up [T, 2 I]`` (gate first): a new ``[T, I]``."""
-        ...
-
-    def paged_decode(
-        self,
-        q: torch.Tensor,
-        heads: int,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-        max_len: int,
-        block_size: int,
-        scale: float,
-        window: int = 0,
-        softcap: float = 0.0,
-    ) -> torch.Tensor | None:
-        """Decode attention read where the keys lie (``[B, heads, D]``; with a
-        sliding ``window`` > 0, over the last ``window`` keys; ``softcap`` > 0:
-        scores capped by tanh), or None: the group goes through
-        :func:`~tserve.gpu.forward._attention.attend_groups`' own."""
-        ...
-
-
-class TorchOps:
-    """:class:`StepOps` in torch calls, for any device and dtype."""
-
-    def add_rms_norm(
-        self, residual: torch.Tensor, hidden: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        if hidden is not None:
-            residual.add_(hidden)
-        return _rms_norm(residual, weight, eps)
-
-    def rope_store(
-        self,
-        qkv: torch.Tensor,
-        heads: int,
-        kv_heads: int,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slots: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-    ) -> None:
-        split = qkv.view(qkv.shape[0], heads + 2 * kv_heads, -1)
-        c = cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
-        s = sin.index_select(0, positions).unsqueeze(1)
-        split[:, : heads + kv_heads] = _rotate(split[:, : heads + kv_heads], c, s)
-        keys, values = split[:, heads : heads + kv_heads], split[:, heads + kv_heads :]
-        k_pool.index_copy_(1, slots, keys.transpose(0, 1).to(k_pool.dtype))
-        v_pool.index_copy_(1, slots, values.transpose(0, 1).to(v_pool.dtype))
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
-
-    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh").mul_(up)
-
-    def paged_decode(
-        self,
-        q: torch.Tensor,
-        heads: int,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-        max_len: int,
-        block_size: int,
-        scale: float,
-        window: int = 0,
-        softcap: float = 0.0,
-    ) -> torch.Tensor | None:
-        return None
-
-
-TORCH_OPS: Final = TorchOps()
 
 
 class LayerWeights(torch.nn.Module):
@@ -298,7 +183,8 @@ class PagedLlama(torch.nn.Module):
     Holds its weights (:meth:`from_hf` shares a Hugging Face model's
     embedding, output head, norms and o/down projections, so tied weights
     stay tied, and makes fused copies of its Q/K/V and gate/up weights) and
-    the :class:`StepOps` it runs with (``ops``; the runner may replace it
+    the :class:`~tserve.gpu.forward._step_ops.StepOps` it runs with (``ops``;
+    the runner may replace it
     before the first step), and :attr:`decoder` and :attr:`progress`, which
     the runner may set.
     For inference only.
@@ -558,25 +444,3 @@ def rope_table(
         cos, sin = rotary(probe, ids) if layer_type is None else rotary(probe, ids, layer_type)
     half = cos.shape[-1] // 2
     return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x [T, heads, D]`` with ``cos``/``sin`` ``[T, 1, D/2]``: a new tensor.
-
-    The same products and sums as transformers' ``x * cos + rotate_half(x) * sin``.
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm: statistics in fp32, the weight applied in ``x``'s dtype.
-
-    In fp32 that is torch's own ``rms_norm`` with the weight (one call, the
-    same values); other dtypes normalize in fp32 and scale after the cast back.
-    """
-    shape = (x.shape[-1],)
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, shape, weight, eps)
-    return weight * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)

@@ -44,14 +44,9 @@ from tserve.gpu.forward._attention import (
 )
 from tserve.gpu.forward._decoder import fused_decoder
 from tserve.gpu.forward._gemm import tune_linears
-from tserve.gpu.forward._llama import (
-    TORCH_OPS,
-    PagedLlama,
-    StepOps,
-    hf_layer_windows,
-    unsupported_reason,
-)
+from tserve.gpu.forward._llama import PagedLlama, hf_layer_windows, unsupported_reason
 from tserve.gpu.forward._quant import tune_quantized
+from tserve.gpu.forward._step_ops import TORCH_OPS, StepOps
 from tserve.gpu.kernels._cpu_kernels import cpu_kernels
 from tserve.gpu.kernels._heap import untouched_pages
 from tserve.gpu.models._directory import ModelLoadError

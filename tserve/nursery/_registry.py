@@ -32,8 +32,6 @@ import anyio
 import anyio.abc
 
 from tserve._errors import LLMError
-from tserve.nursery._admission import Overload
-from tserve.nursery._client import ClientSettings
 from tserve.nursery._errors import ShuttingDown
 from tserve.nursery._keeper import DEFAULT_FIT_TIMEOUT, Keeper, ModelFigures, ModelsBusy
 from tserve.nursery._llm import LLM
@@ -449,20 +447,21 @@ async def open_models(
     every other has been unloaded. The budget counts host memory only (RSS),
     not a GPU's.
     """
-    settings = ClientSettings(
+    owner = EngineOwner.of(
         max_pending=max_pending,
+        overload=overload,
+        max_queued=max_queued,
+        max_queued_tokens=max_queued_tokens,
         request_timeout=request_timeout,
         startup_timeout=startup_timeout,
         heartbeat_timeout=heartbeat_timeout,
-        overload=Overload(overload),
-        max_queued=max_queued,
-        max_queued_tokens=max_queued_tokens,
+        shutdown_grace=shutdown_grace,
+        log_level=log_level,
     )
     specs = [  # TypeError for an unknown option, before any engine starts
         ModelSpec(name, EngineConfig(model=os.fspath(model), **engine_options))
         for name, model in models.items()
     ]
-    owner = EngineOwner(settings, shutdown_grace=shutdown_grace, log_level=log_level)
     async with open_registry(
         owner,
         specs,

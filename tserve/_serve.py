@@ -30,7 +30,8 @@ from tserve.nursery import LLM, ClientSettings, EngineDeadError, attach_llm
 from tserve.nursery._gc import serving_gc
 from tserve.nursery._keeper import DEFAULT_FIT_TIMEOUT
 from tserve.nursery._open import EngineOwner
-from tserve.nursery._registry import ModelLoadFailed, ModelSpec, open_registry
+from tserve.nursery._open_registry import open_registry
+from tserve.nursery._registry import ModelLoadFailed, ModelSpec
 from tserve.nursery._residency import DEFAULT_KEEP_ALIVE
 from tserve.web import ServerConfig, serve
 from tserve.web._model_lookup import ManyModels

@@ -9,7 +9,8 @@ from typing import Any
 from tests.guards import HANG_GUARD
 from tserve.nursery import ClientSettings
 from tserve.nursery._open import EngineOwner
-from tserve.nursery._registry import ModelRegistry, ModelSpec, open_registry
+from tserve.nursery._open_registry import open_registry
+from tserve.nursery._registry import ModelRegistry, ModelSpec
 
 
 def engine_registry(

@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import pytest
@@ -39,6 +42,22 @@ def _session(
     )
 
 
+@contextlib.contextmanager
+def _engines(
+    ipc_address: str, **gen_options: Any
+) -> Iterator[tuple[str, subprocess.Popen[bytes], subprocess.Popen[bytes]]]:
+    """Two fake engines for the block, within the hang guard: the "embedding" one
+    (its address and process) and the generation one at ``ipc_address`` (its
+    process; ``gen_options`` are :func:`run_fake_engine`'s)."""
+    embed_address = ipc_address.replace("engine.sock", "embed.sock")
+    with (
+        run_fake_engine(embed_address) as embed_process,
+        run_fake_engine(ipc_address, **gen_options) as gen_process,
+        anyio.fail_after(HANG_GUARD),
+    ):
+        yield embed_address, embed_process, gen_process
+
+
 def _stream(session: EngineSession, request_id: str) -> Mailbox:
     mailbox = session.mux.open_mailbox(request_id, 10**9)
     session.mux.submit(AddRequest(request_id, [0], SamplingParams(max_tokens=10**9)))
@@ -52,11 +71,10 @@ async def test_a_killed_dependency_fails_every_live_stream_in_the_same_tick(
     generation mux is already dead too (its listener ran first, in the same
     call), every live generation stream fails with EngineDeadError naming the
     embedding engine, and the generation engine, asked to shut down, exits 0."""
-    embed_address = ipc_address.replace("engine.sock", "embed.sock")
-    with (
-        run_fake_engine(embed_address) as embed_process,
-        run_fake_engine(ipc_address, tokens_per_step=1, step_delay=0.01) as gen_process,
-        anyio.fail_after(HANG_GUARD),
+    with _engines(ipc_address, tokens_per_step=1, step_delay=0.01) as (
+        embed_address,
+        embed_process,
+        gen_process,
     ):
         async with (
             _session(embed_address, embed_process.pid) as embed,
@@ -87,12 +105,7 @@ async def test_a_dependency_dead_before_the_start_fails_the_start(ipc_address: s
     """An embedding engine already dead when the generation session starts:
     the start fails with EngineDeadError naming it, and nothing is left
     listening to the dead mux."""
-    embed_address = ipc_address.replace("engine.sock", "embed.sock")
-    with (
-        run_fake_engine(embed_address) as embed_process,
-        run_fake_engine(ipc_address) as gen_process,
-        anyio.fail_after(HANG_GUARD),
-    ):
+    with _engines(ipc_address) as (embed_address, embed_process, gen_process):
         async with _session(embed_address, embed_process.pid) as embed:
             embed.mux.engine_died("it broke")
             with pytest.raises(EngineDeadError, match=r"^embedding engine: it broke$"):
@@ -106,12 +119,7 @@ async def test_a_dependency_that_dies_after_the_session_changes_nothing(
 ) -> None:
     """The generation session ended first (normally): the embedding engine's
     later death does not touch its mux, and no listener is left behind."""
-    embed_address = ipc_address.replace("engine.sock", "embed.sock")
-    with (
-        run_fake_engine(embed_address) as embed_process,
-        run_fake_engine(ipc_address) as gen_process,
-        anyio.fail_after(HANG_GUARD),
-    ):
+    with _engines(ipc_address) as (embed_address, embed_process, gen_process):
         async with _session(embed_address, embed_process.pid) as embed:
             async with _session(ipc_address, gen_process.pid, depends_on=embed) as gen:
                 assert len(embed.mux.death_listeners) == 1

@@ -59,6 +59,15 @@ async def _fails_as_llm_error(block: AbstractAsyncContextManager[object]) -> LLM
     raise AssertionError("it started")
 
 
+async def _raises(call: Awaitable[object]) -> LLMError:
+    """The LLMError that awaiting ``call`` raised."""
+    try:
+        await call
+    except LLMError as exc:
+        return exc
+    raise AssertionError(f"{call!r}: no error")
+
+
 async def test_a_model_that_cannot_load() -> None:
     error = await _fails_as_llm_error(open_llm("/nonexistent/model", **ENGINE))
     assert isinstance(error, tserve.EngineDeadError)
@@ -75,15 +84,6 @@ async def test_attaching_without_keys_or_to_a_gone_engine() -> None:
 async def test_failures_of_requests(tiny_model_dir: Path) -> None:
     """An overload, bad input, a deadline, then the engine killed mid-stream."""
     caught: dict[str, LLMError] = {}
-
-    async def expect(name: str, call: Awaitable[object]) -> None:
-        try:
-            await call
-        except LLMError as exc:
-            caught[name] = exc
-        else:
-            raise AssertionError(f"{name}: no error")
-
     short = SamplingParams(max_tokens=2)
     with anyio.fail_after(HANG_GUARD):
         async with open_llm(tiny_model_dir, max_pending=1, overload="raise", **PACED) as llm:
@@ -98,7 +98,7 @@ async def test_failures_of_requests(tiny_model_dir: Path) -> None:
                     async for _ in held:
                         pass
                 caught["killed"] = died.value
-            await expect("after the death", llm.complete([7], short))
+            caught["after the death"] = await _raises(llm.complete([7], short))
     assert isinstance(caught["overloaded"], tserve.Overloaded)
     assert isinstance(caught["killed"], tserve.EngineDeadError)
     assert "SIGKILL" in str(caught["killed"])
@@ -107,25 +107,16 @@ async def test_failures_of_requests(tiny_model_dir: Path) -> None:
 
 async def test_bad_input_a_deadline_and_shutting_down(tiny_model_dir: Path) -> None:
     caught: dict[str, LLMError] = {}
-
-    async def expect(name: str, call: Awaitable[object]) -> None:
-        try:
-            await call
-        except LLMError as exc:
-            caught[name] = exc
-        else:
-            raise AssertionError(f"{name}: no error")
-
     short = SamplingParams(max_tokens=2)
     with anyio.fail_after(HANG_GUARD):
         async with open_llm(tiny_model_dir, **PACED) as llm:
-            await expect("token id", llm.complete([10**6], short))
-            await expect("surrogate", llm.complete("a\ud800b", short))
+            caught["token id"] = await _raises(llm.complete([10**6], short))
+            caught["surrogate"] = await _raises(llm.complete("a\ud800b", short))
             chat = [{"role": "user", "content": "a\udfffb"}]
-            await expect("chat surrogate", llm.complete_chat(chat, short))
-            await expect("deadline", llm.complete([8], LONG, timeout=0.05))
-            await expect("no embedder", llm.embed("x"))
-    await expect("after the block", llm.complete([9], short))
+            caught["chat surrogate"] = await _raises(llm.complete_chat(chat, short))
+            caught["deadline"] = await _raises(llm.complete([8], LONG, timeout=0.05))
+            caught["no embedder"] = await _raises(llm.embed("x"))
+    caught["after the block"] = await _raises(llm.complete([9], short))
     assert isinstance(caught["token id"], tserve.InvalidRequest)
     assert caught["token id"].param == "prompt"
     assert isinstance(caught["surrogate"], tserve.InvalidRequest)

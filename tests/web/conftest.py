@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -169,6 +172,46 @@ def keyed_server(model_dir: Path, *args: str, log: Path) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One shared server with an API key, for tests that leave it as they found it."""
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with keyed_server(tiny_model_dir, "--max-pending", "512", log=log) as srv:
+    yield from served(tiny_model_dir, tmp_path_factory, "--max-pending", "512")
+
+
+@pytest.fixture
+def nothing_left_in_flight(server: Server) -> Iterator[None]:
+    """After the test, nothing in flight on the shared server (each a hang guard);
+    a module of tests takes it with ``pytest.mark.usefixtures``."""
+    yield
+    server.wait_for_metric("tserve_http_generations_in_flight", 0)
+    server.wait_for_metric("tserve_requests_live", 0)
+
+
+def served(
+    model_dir: Path, tmp: pytest.TempPathFactory, *args: str, folder: str = "server"
+) -> Iterator[Server]:
+    """A :func:`keyed_server` of ``model_dir`` with ``args``, its log in a new
+    temporary ``folder``: for a module-scoped fixture to ``yield from``."""
+    with keyed_server(model_dir, *args, log=tmp.mktemp(folder) / "server.log") as srv:
         yield srv
+
+
+def tiny_model_copy(tiny_model_dir: Path, directory: Path, **config: Any) -> Path:
+    """``directory``: a copy of the tiny model, ``config`` written over its config.json."""
+    shutil.copytree(tiny_model_dir, directory)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return directory
+
+
+def named_events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    """The (event name, data) pairs of a named-event SSE response (Messages,
+    Responses), checking each name is its data's ``type``."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    name = ""
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            data = json.loads(line.removeprefix("data: "))
+            assert name == data["type"], (name, data)
+            out.append((name, data))
+            name = ""
+    return out

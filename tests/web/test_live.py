@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -18,14 +18,7 @@ from hypothesis import strategies as st
 
 from tests.web.conftest import API_KEY, Server
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_in_flight(server: Server) -> Iterator[None]:
-    yield
-    server.wait_for_metric("tserve_http_generations_in_flight", 0)
-    server.wait_for_metric("tserve_requests_live", 0)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("nothing_left_in_flight")]
 
 
 def sync_client(server: Server, **kwargs: object) -> openai.OpenAI:

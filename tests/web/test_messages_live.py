@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,24 +16,18 @@ import jsonschema
 import openai
 import pytest
 
-from tests.web.conftest import API_KEY, Server, keyed_server
+from tests.web.conftest import API_KEY, Server, named_events, served, tiny_model_copy
+from tests.web.sdks import anthropic_client
 from tests.web.test_faults import PACED, StartServer, stream_through_engine_kill
 from tests.web.test_live import _until_aborted
+from tests.web.test_tools_live import WEATHER_PARAMETERS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("nothing_left_in_flight")]
 
 WEATHER: Any = {
     "name": "get_weather",
     "description": "The weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 6},
-            "unit": {"enum": ["c", "f"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
+    "input_schema": WEATHER_PARAMETERS,
 }
 HELLO: Any = [{"role": "user", "content": "Hello there"}]
 GREEDY = {"temperature": 0}  # this SDK types no temperature (newer models take none)
@@ -44,37 +37,11 @@ GREEDY = {"temperature": 0}  # this SDK types no temperature (newer models take 
 REPLAYS = [Path(__file__).parent / f"claude_code_request{s}.json" for s in ("", "_no_tools")]
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_in_flight(server: Server) -> Iterator[None]:
-    yield
-    server.wait_for_metric("tserve_http_generations_in_flight", 0)
-    server.wait_for_metric("tserve_requests_live", 0)
-
-
-def sdk(server: Server, **kwargs: Any) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, **kwargs)
-
-
-def events_of(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
-    """The (event name, data) pairs of an SSE response, checking each name is its data's type."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    name = ""
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            name = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            data = json.loads(line.removeprefix("data: "))
-            assert name == data["type"], (name, data)
-            out.append((name, data))
-            name = ""
-    return out
-
-
 def stream_events(server: Server, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     with server.client.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        return events_of(r)
+        return named_events(r)
 
 
 def check_order(names: list[str]) -> None:
@@ -100,7 +67,7 @@ def check_order(names: list[str]) -> None:
 def test_create_is_the_chat_completion_of_the_same_conversation(server: Server) -> None:
     """Greedy, the Messages answer is chat's answer: one machinery, two shapes."""
     system = "You are terse."
-    message = sdk(server).messages.create(
+    message = anthropic_client(server).messages.create(
         model="tiny", max_tokens=12, extra_body=GREEDY, system=system, messages=HELLO
     )
     chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY).chat.completions.create(
@@ -121,7 +88,7 @@ def test_create_is_the_chat_completion_of_the_same_conversation(server: Server) 
 
 
 def test_sdk_stream_events_in_order_and_its_final_message(server: Server) -> None:
-    client = sdk(server)
+    client = anthropic_client(server)
     whole = client.messages.create(model="tiny", max_tokens=16, extra_body=GREEDY, messages=HELLO)
     with client.messages.stream(
         model="tiny", max_tokens=16, extra_body=GREEDY, messages=HELLO
@@ -145,7 +112,7 @@ def test_sdk_stream_events_in_order_and_its_final_message(server: Server) -> Non
 
 
 def test_a_stop_sequence_ends_the_message_and_is_named(server: Server) -> None:
-    client = sdk(server)
+    client = anthropic_client(server)
     whole = client.messages.create(
         model="tiny", max_tokens=24, extra_body=GREEDY, messages=HELLO
     ).content
@@ -163,7 +130,7 @@ def test_a_stop_sequence_ends_the_message_and_is_named(server: Server) -> None:
     "choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}], ids=["any", "tool"]
 )
 def test_forced_tool_use_then_a_tool_result_round_trip(server: Server, choice: Any) -> None:
-    client = sdk(server)
+    client = anthropic_client(server)
     question: Any = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.messages.create(
         model="tiny", max_tokens=200, tools=[WEATHER], tool_choice=choice, messages=question
@@ -209,7 +176,7 @@ def test_streamed_tool_use_input_arrives_as_json_deltas(server: Server) -> None:
     )
     jsonschema.validate(json.loads(partial), WEATHER["input_schema"])
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
-    with sdk(server).messages.stream(**body) as stream:
+    with anthropic_client(server).messages.stream(**body) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use"
     for block in final.content:
@@ -218,7 +185,7 @@ def test_streamed_tool_use_input_arrives_as_json_deltas(server: Server) -> None:
 
 
 def test_count_tokens_is_the_prompt_the_engine_sees(server: Server) -> None:
-    client = sdk(server)
+    client = anthropic_client(server)
     system: Any = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
     for tools in ([], [WEATHER]):
         count = client.messages.count_tokens(
@@ -244,7 +211,7 @@ def test_metrics_count_messages_like_chat(server: Server) -> None:
         server.metric("vllm:prompt_tokens_total"),
         server.metric("vllm:generation_tokens_total"),
     )
-    message = sdk(server).messages.create(model="tiny", max_tokens=4, messages=HELLO)
+    message = anthropic_client(server).messages.create(model="tiny", max_tokens=4, messages=HELLO)
     events = stream_events(server, {"model": "tiny", "max_tokens": 4, "messages": HELLO})
     server.wait_for_metric("tserve_http_generations_in_flight", 0)  # the body counted it
     assert labelled(server, "tserve_http_requests_total", route) == before + 2
@@ -266,12 +233,8 @@ def long_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """The tiny model with 2,048 positions (its rotary positions have no table to
     outgrow), for a request the size of Claude Code's smallest."""
     directory = tmp_path_factory.mktemp("long") / "model"
-    shutil.copytree(tiny_model_dir, directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    log = tmp_path_factory.mktemp("long-server") / "server.log"
-    with keyed_server(directory, log=log) as srv:
-        yield srv
+    tiny_model_copy(tiny_model_dir, directory, max_position_embeddings=2048)
+    yield from served(directory, tmp_path_factory, folder="long-server")
 
 
 @pytest.mark.parametrize("replay", REPLAYS, ids=lambda p: p.stem)
@@ -290,7 +253,7 @@ def test_claude_code_request_replays_as_a_well_formed_stream(
     path = "/v1/messages?beta=true"
     with long_server.client.stream("POST", path, json=body, headers=headers) as r:
         assert r.status_code == 200, r.read()
-        events = events_of(r)
+        events = named_events(r)
     check_order([name for name, _ in events])
     assert events[-2][1]["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
     counted = long_server.client.post(
@@ -430,7 +393,7 @@ def test_engine_death_mid_stream_ends_with_an_error_event(start_server: StartSer
     """The echo engine at 10 steps a second needs 48 s for 480 tokens: at the kill
     (after its second token) the stream is mid-way, so it must end with an error event."""
     server = start_server("--max-num-seqs", "1", *PACED)
-    events = stream_through_engine_kill(server, "/v1/messages", LONG, events_of)
+    events = stream_through_engine_kill(server, "/v1/messages", LONG, named_events)
     names = [name for name, _ in events]
     assert names[:2] == ["message_start", "ping"] and "message_stop" not in names
     name, error = events[-1]

@@ -10,12 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import jsonschema
-import openai
 import pytest
 
-from tests.web.conftest import API_KEY, Server, keyed_server
+from tests.web.conftest import Server, served
+from tests.web.sdks import anthropic_client, openai_client
 from tests.web.thinking_model import ANSWER, REASONING, build_thinking_model
 from tserve.web._message_events import MessageChoice
 from tserve.web._reasoning import QWEN3
@@ -50,33 +49,20 @@ def thinking_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_thinking_model(tmp_path_factory.mktemp("thinking-model"))
 
 
-def _server(model: Path, tmp: pytest.TempPathFactory, *args: str) -> Iterator[Server]:
-    with keyed_server(model, *args, log=tmp.mktemp("server") / "server.log") as srv:
-        yield srv
-
-
 @pytest.fixture(scope="module")
 def auto(thinking_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The default, --reasoning-parser auto: the template writes <think>, so qwen3's."""
-    yield from _server(thinking_dir, tmp_path_factory)
+    yield from served(thinking_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def r1(thinking_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from _server(thinking_dir, tmp_path_factory, "--reasoning-parser", "deepseek_r1")
+    yield from served(thinking_dir, tmp_path_factory, "--reasoning-parser", "deepseek_r1")
 
 
 @pytest.fixture(scope="module")
 def plain(thinking_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from _server(thinking_dir, tmp_path_factory, "--reasoning-parser", "none")
-
-
-def openai_sdk(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-def anthropic_sdk(server: Server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
+    yield from served(thinking_dir, tmp_path_factory, "--reasoning-parser", "none")
 
 
 def _message(server: Server, **body: Any) -> dict[str, Any]:
@@ -93,7 +79,7 @@ def test_reasoning_content_is_split_from_the_answer(
     which: str, request: pytest.FixtureRequest
 ) -> None:
     server: Server = request.getfixturevalue(which)
-    completion = openai_sdk(server).chat.completions.create(
+    completion = openai_client(server).chat.completions.create(
         model="tiny", messages=HI, temperature=0
     )
     message = completion.choices[0].message
@@ -108,7 +94,7 @@ def test_reasoning_content_is_split_from_the_answer(
 
 
 def test_streamed_reasoning_comes_first_in_its_own_deltas(auto: Server) -> None:
-    stream = openai_sdk(auto).chat.completions.create(
+    stream = openai_client(auto).chat.completions.create(
         model="tiny", messages=HI, stream=True, temperature=0
     )
     reasoning, content, order = [], [], []
@@ -162,7 +148,7 @@ def test_without_a_reasoning_parser_the_text_is_unchanged(plain: Server) -> None
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_json_schema_applies_to_the_answer_after_the_thinking(auto: Server, stream: bool) -> None:
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
-    client = openai_sdk(auto)
+    client = openai_client(auto)
     if stream:
         reasoning, content = "", ""
         for chunk in client.chat.completions.create(
@@ -187,7 +173,7 @@ def test_a_json_schema_applies_to_the_answer_after_the_thinking(auto: Server, st
 
 def test_a_required_tool_call_follows_the_thinking(auto: Server) -> None:
     choice = (
-        openai_sdk(auto)
+        openai_client(auto)
         .chat.completions.create(
             model="tiny",
             messages=HI,
@@ -208,7 +194,7 @@ def test_a_required_tool_call_follows_the_thinking(auto: Server) -> None:
 
 def test_streamed_tool_call_after_thinking(auto: Server) -> None:
     reasoning, names, arguments = "", [], ""
-    for chunk in openai_sdk(auto).chat.completions.create(
+    for chunk in openai_client(auto).chat.completions.create(
         model="tiny",
         messages=HI,
         tools=[WEATHER],
@@ -234,7 +220,7 @@ THINKING: Any = {"type": "enabled", "budget_tokens": 1024}
 
 
 def test_messages_thinking_block(auto: Server) -> None:
-    message = anthropic_sdk(auto).messages.create(
+    message = anthropic_client(auto).messages.create(
         model="tiny", max_tokens=64, messages=HI, thinking=THINKING, extra_body=GREEDY
     )
     [thinking, text] = message.content
@@ -245,7 +231,7 @@ def test_messages_thinking_block(auto: Server) -> None:
 
 
 def test_messages_thinking_streamed(auto: Server) -> None:
-    with anthropic_sdk(auto).messages.stream(
+    with anthropic_client(auto).messages.stream(
         model="tiny", max_tokens=64, messages=HI, thinking={"type": "adaptive"}, extra_body=GREEDY
     ) as stream:
         deltas = [event.delta.type for event in stream if event.type == "content_block_delta"]
@@ -259,7 +245,7 @@ def test_messages_thinking_streamed(auto: Server) -> None:
 @pytest.mark.parametrize("thinking", [None, {"type": "disabled"}])
 def test_messages_without_thinking_have_no_thinking_block(auto: Server, thinking: Any) -> None:
     extra = {} if thinking is None else {"thinking": thinking}
-    client = anthropic_sdk(auto)
+    client = anthropic_client(auto)
     message = client.messages.create(
         model="tiny", max_tokens=64, messages=HI, **extra, extra_body=GREEDY
     )
@@ -292,7 +278,7 @@ def test_thinking_not_asked_for_is_dropped_from_the_answer() -> None:
 
 
 def test_responses_get_a_reasoning_item_before_the_answer(auto: Server) -> None:
-    client = openai_sdk(auto)
+    client = openai_client(auto)
     response = client.responses.create(model="tiny", input="Hi", temperature=0)
     reasoning, message = response.output
     assert reasoning.type == "reasoning" and reasoning.content is not None

@@ -6,7 +6,6 @@ docs/failures.md states them for chat."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -19,56 +18,29 @@ import openai
 import pydantic
 import pytest
 
-from tests.web.conftest import API_KEY, Server, keyed_server
+from tests.web.conftest import Server, named_events, served, tiny_model_copy
+from tests.web.sdks import openai_client
 from tests.web.test_api_processes import start
 from tests.web.test_faults import PACED, StartServer, stream_through_engine_kill
 from tests.web.test_live import _until_aborted
+from tests.web.test_tools_live import WEATHER_PARAMETERS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("nothing_left_in_flight")]
 
 WEATHER: Any = {
     "type": "function",
     "name": "get_weather",
     "description": "The weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 6},
-            "unit": {"enum": ["c", "f"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
+    "parameters": WEATHER_PARAMETERS,
     "strict": True,
 }
 SYSTEM = "You are terse."
 HELLO = "Hello there"
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_in_flight(server: Server) -> Iterator[None]:
-    yield
-    server.wait_for_metric("tserve_http_generations_in_flight", 0)
-    server.wait_for_metric("tserve_requests_live", 0)
-
-
-def sdk(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
 def events_of(response: httpx.Response) -> list[dict[str, Any]]:
     """The data of each SSE event, checking each ``event:`` name is its data's type."""
-    out: list[dict[str, Any]] = []
-    name = ""
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            name = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            data = json.loads(line.removeprefix("data: "))
-            assert name == data["type"], (name, data)
-            out.append(data)
-            name = ""
-    return out
+    return [data for _, data in named_events(response)]
 
 
 def stream_events(server: Server, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -131,7 +103,7 @@ def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
 
 def test_create_is_the_chat_completion_of_the_same_conversation(server: Server) -> None:
     """Greedy, the response's text is chat's answer, token for token: one machinery."""
-    client = sdk(server)
+    client = openai_client(server)
     response = client.responses.create(
         model="tiny", instructions=SYSTEM, input=HELLO, max_output_tokens=12, temperature=0
     )
@@ -166,7 +138,7 @@ def test_create_is_the_chat_completion_of_the_same_conversation(server: Server) 
 
 
 def test_the_same_prompt_again_reads_its_prefix_from_the_cache(server: Server) -> None:
-    client = sdk(server)
+    client = openai_client(server)
     prompt = "A prompt long enough to fill several blocks of the prefix cache. " * 4
     first = client.responses.create(model="tiny", input=prompt, max_output_tokens=2)
     second = client.responses.create(model="tiny", input=prompt, max_output_tokens=2)
@@ -195,7 +167,7 @@ def test_streamed_events_in_order_and_the_final_response_is_the_whole_one(
     done = [e for e in events if e["type"] == "response.output_text.done"]
     assert [e["text"] for e in done] == [text]
     # The SDK parses every event of it.
-    with sdk(server).responses.stream(**body) as stream:
+    with openai_client(server).responses.stream(**body) as stream:
         kinds = [event.type for event in stream]
     assert squeezed(kinds) == squeezed([e["type"] for e in events])
 
@@ -221,7 +193,7 @@ def test_a_completed_stream_gives_the_sdk_its_final_response(server: Server) -> 
         "tool_choice": "required",
         "max_output_tokens": 200,
     }
-    with sdk(server).responses.stream(**body) as stream:
+    with openai_client(server).responses.stream(**body) as stream:
         final = stream.get_final_response()
     assert final.status == "completed"
     calls = [item for item in final.output if item.type == "function_call"]
@@ -236,7 +208,7 @@ def test_a_completed_stream_gives_the_sdk_its_final_response(server: Server) -> 
 def test_a_tool_call_then_its_output_round_trip_through_previous_response_id(
     server: Server, choice: Any
 ) -> None:
-    client = sdk(server)
+    client = openai_client(server)
     first = client.responses.create(
         model="tiny",
         input="Weather in Paris?",
@@ -311,7 +283,7 @@ CITY: Any = {
 
 
 def test_text_format_json_schema_output_validates(server: Server) -> None:
-    response = sdk(server).responses.create(
+    response = openai_client(server).responses.create(
         model="tiny",
         input="A city as JSON",
         text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
@@ -329,14 +301,14 @@ class City(pydantic.BaseModel):
 
 
 def test_parse_with_a_pydantic_model(server: Server) -> None:
-    parsed = sdk(server).responses.parse(
+    parsed = openai_client(server).responses.parse(
         model="tiny", input="A city", text_format=City, max_output_tokens=200
     )
     assert isinstance(parsed.output_parsed, City)
 
 
 def test_retrieve_list_input_items_and_delete(server: Server) -> None:
-    client = sdk(server)
+    client = openai_client(server)
     created = client.responses.create(
         model="tiny",
         input=[
@@ -388,7 +360,7 @@ def test_unknown_ids_are_404_naming_the_field(server: Server) -> None:
 
 
 def test_store_false_is_not_stored(server: Server) -> None:
-    created = sdk(server).responses.create(
+    created = openai_client(server).responses.create(
         model="tiny", input="Hi", max_output_tokens=2, store=False
     )
     assert created.model_dump()["store"] is False
@@ -398,7 +370,7 @@ def test_store_false_is_not_stored(server: Server) -> None:
 def test_a_continuation_past_the_context_is_a_400_naming_previous_response_id(
     server: Server,
 ) -> None:
-    client = sdk(server)
+    client = openai_client(server)
     first = client.responses.create(model="tiny", input="word " * 60, max_output_tokens=2)
     previous = first.id
     for _ in range(8):  # each turn repeats the conversation so far: it must overflow
@@ -471,7 +443,7 @@ def test_bad_bodies_are_400_naming_the_field(
 
 
 def test_input_items_paging_errors_name_the_field(server: Server) -> None:
-    created = sdk(server).responses.create(model="tiny", input="Hi", max_output_tokens=2)
+    created = openai_client(server).responses.create(model="tiny", input="Hi", max_output_tokens=2)
     path = f"/v1/responses/{created.id}/input_items"
     for query, field in (("limit=0", "limit"), ("order=up", "order"), ("after=msg_x", "after")):
         assert openai_error(server.client.get(f"{path}?{query}"), 400)["param"] == field
@@ -526,7 +498,7 @@ def test_background_then_cancel_aborts_the_engine_request(start_server: StartSer
 
 
 def test_background_runs_to_completion_and_is_polled(server: Server) -> None:
-    client = sdk(server)
+    client = openai_client(server)
     queued = client.responses.create(
         model="tiny", input=HELLO, max_output_tokens=4, background=True, temperature=0
     )
@@ -545,7 +517,7 @@ def test_background_runs_to_completion_and_is_polled(server: Server) -> None:
 
 
 def test_cancel_of_a_foreground_response_is_a_400(server: Server) -> None:
-    created = sdk(server).responses.create(model="tiny", input="Hi", max_output_tokens=2)
+    created = openai_client(server).responses.create(model="tiny", input="Hi", max_output_tokens=2)
     response = server.client.post(f"/v1/responses/{created.id}/cancel", json={})
     assert openai_error(response, 400)["param"] == "response_id"
 
@@ -667,12 +639,8 @@ def long_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """The tiny model with 8,192 positions (its rotary positions have no table to
     outgrow), for a request the size of Codex's, cut."""
     directory = tmp_path_factory.mktemp("long") / "model"
-    shutil.copytree(tiny_model_dir, directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
-    log = tmp_path_factory.mktemp("long-server") / "server.log"
-    with keyed_server(directory, log=log) as srv:
-        yield srv
+    tiny_model_copy(tiny_model_dir, directory, max_position_embeddings=8192)
+    yield from served(directory, tmp_path_factory, folder="long-server")
 
 
 def test_the_codex_request_replays_as_a_well_formed_stream(long_server: Server) -> None:

@@ -17,7 +17,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.web.conftest import API_KEY, Server
+from tests.web.conftest import Server
+from tests.web.sdks import openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +46,7 @@ class Person(BaseModel):
 
 @pytest.fixture
 def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as c:
+    with openai_client(server) as c:
         yield c
     server.wait_for_metric("tserve_requests_live", 0)
 

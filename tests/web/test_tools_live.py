@@ -15,24 +15,26 @@ import pytest
 from openai.lib.streaming.chat import FunctionToolCallArgumentsDeltaEvent as ArgumentsDelta
 
 from tests.nursery import chat_templates
-from tests.web.conftest import API_KEY, Server, keyed_server
+from tests.web.conftest import Server, served
+from tests.web.sdks import openai_client
 from tests.web.test_structured_requests import HISTORY
 
 pytestmark = pytest.mark.slow
 
+WEATHER_PARAMETERS: Any = {  # also those of test_messages_live's and test_responses_live's tools
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "unit": {"enum": ["c", "f"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 WEATHER: Any = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 6},
-                "unit": {"enum": ["c", "f"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
+        "parameters": WEATHER_PARAMETERS,
     },
 }
 
@@ -51,20 +53,14 @@ def hermes_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def hermes(hermes_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("hermes-server") / "server.log"
-    with keyed_server(hermes_dir, log=log) as srv:
-        yield srv
-
-
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    yield from served(hermes_dir, tmp_path_factory, folder="hermes-server")
 
 
 @pytest.mark.parametrize("which", ["generic", "hermes"])
 def test_history_with_tool_calls_renders(which: str, server: Server, hermes: Server) -> None:
     srv = server if which == "generic" else hermes
     for tools in ([WEATHER], openai.omit):
-        out = client(srv).chat.completions.create(
+        out = openai_client(srv).chat.completions.create(
             model="tiny", messages=HISTORY, max_tokens=4, tools=tools
         )
         assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
@@ -96,13 +92,13 @@ def test_auto_tools_answer_and_never_fail(server: Server, stream: bool) -> None:
             "seed": seed,
         }
         if not stream:
-            out = client(server).chat.completions.create(**args)
+            out = openai_client(server).chat.completions.create(**args)
             message = out.choices[0].message
             assert message.content is not None or message.tool_calls
             continue
         finishes = [
             chunk.choices[0].finish_reason
-            for chunk in client(server).chat.completions.create(**args, stream=True)
+            for chunk in openai_client(server).chat.completions.create(**args, stream=True)
             if chunk.choices
         ]
         assert finishes[-1] in ("stop", "length", "tool_calls")
@@ -145,7 +141,7 @@ def test_required_and_named_calls_validate(
 ) -> None:
     srv = server if which == "generic" else hermes
     for seed in range(2):
-        out = client(srv).chat.completions.create(
+        out = openai_client(srv).chat.completions.create(
             model="tiny",
             messages=ASK,
             tools=[WEATHER, CLOCK],
@@ -168,7 +164,7 @@ def test_streamed_calls_are_assembled_by_the_sdk(
 ) -> None:
     srv = server if which == "generic" else hermes
     for seed in range(2):
-        with client(srv).chat.completions.stream(
+        with openai_client(srv).chat.completions.stream(
             model="tiny",
             messages=ASK,
             tools=[WEATHER, CLOCK],

@@ -2,6 +2,8 @@
 
 Modules, each with one job (imports run down this list, never up)::
 
+    _open_registry.py   open_models / open_registry: a registry for a block,
+                        its preloads loaded first, every engine stopped on exit
     _registry.py        ModelRegistry: the served models, each one's engine owned
                         by one task; loads on demand, one per model at a time
     _keeper.py          Keeper: the residency rules applied to the registry's
@@ -63,7 +65,8 @@ from tserve.nursery._keeper import ModelFigures, ModelsBusy
 from tserve.nursery._llm import LLM, LLMStats
 from tserve.nursery._model_state import ModelState
 from tserve.nursery._open import attach_embedder, attach_llm, open_embedder, open_llm
-from tserve.nursery._registry import ModelLoadFailed, ModelNotServed, ModelRegistry, open_models
+from tserve.nursery._open_registry import open_models
+from tserve.nursery._registry import ModelLoadFailed, ModelNotServed, ModelRegistry
 from tserve.nursery._request import RequestStream
 from tserve.nursery._residency import parse_keep_alive
 from tserve.nursery._results import Completion, Delta, Usage

@@ -120,17 +120,18 @@ async def open_llm(
     and ``heartbeat_interval`` with the generation engine. The death of
     either engine turns ``engine_alive`` False.
     """
-    settings = ClientSettings(
+    owner = EngineOwner.of(
         max_pending=max_pending,
+        overload=overload,
+        max_queued=max_queued,
+        max_queued_tokens=max_queued_tokens,
         request_timeout=request_timeout,
         startup_timeout=startup_timeout,
         heartbeat_timeout=heartbeat_timeout,
-        overload=Overload(overload),
-        max_queued=max_queued,
-        max_queued_tokens=max_queued_tokens,
+        shutdown_grace=shutdown_grace,
+        log_level=log_level,
     )
     config = EngineConfig(model=os.fspath(model), **engine_options)  # TypeError: unknown option
-    owner = EngineOwner(settings, shutdown_grace=shutdown_grace, log_level=log_level)
     embedding = None if embedding_model is None else os.fspath(embedding_model)
     async with owner.open_llm(config, embedding, freeze_gc=freeze_gc) as llm:
         yield llm
@@ -144,6 +145,33 @@ class EngineOwner:
     settings: ClientSettings
     shutdown_grace: float = 5.0
     log_level: str = "INFO"
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        max_pending: int,
+        overload: str,
+        max_queued: int,
+        max_queued_tokens: int | None,
+        request_timeout: float | None,
+        startup_timeout: float,
+        heartbeat_timeout: float,
+        shutdown_grace: float,
+        log_level: str,
+    ) -> EngineOwner:
+        """The owner that :func:`open_llm` and :func:`tserve.nursery.open_models` build
+        from their keyword options (``overload`` by its name; ValueError for another)."""
+        settings = ClientSettings(
+            max_pending=max_pending,
+            request_timeout=request_timeout,
+            startup_timeout=startup_timeout,
+            heartbeat_timeout=heartbeat_timeout,
+            overload=Overload(overload),
+            max_queued=max_queued,
+            max_queued_tokens=max_queued_tokens,
+        )
+        return cls(settings, shutdown_grace=shutdown_grace, log_level=log_level)
 
     @contextlib.asynccontextmanager
     async def open_llm(

@@ -20,6 +20,9 @@ What each module owns:
   ``_response_bodies`` its Structs, ``_response_requests`` its bodies to chat
   requests, ``_response_events`` deltas to output items and SSE events
   (sans-IO), ``_response_store`` the stored responses every API process shares.
+* ``_output_parser``: one output's deltas parsed into thinking and answer
+  events (text, tool calls), what ``_message_events`` and ``_response_events``
+  build on (sans-IO).
 * ``_embeddings``: ``/v1/embeddings``.
 * ``_tokens``: ``/tokenize`` and ``/detokenize``.
 * ``_model_lookup``: the one lookup of a request's ``model`` (one LLM, or a

@@ -30,31 +30,22 @@ order raises :class:`SSEOrderError` (a bug in the caller).
 
 from __future__ import annotations
 
-import enum
 import json
 import uuid
 from collections.abc import Sequence
-from typing import Any, Final
-
-import msgspec
+from typing import Any
 
 from tserve.nursery import Delta, RequestStream, Usage
 from tserve.web._errors import anthropic_error_reply
+from tserve.web._output_parser import OutputParser
 from tserve.web._reasoning import ReasoningSyntax
-from tserve.web._sse import SSEOrderError, closing_error
-from tserve.web._tool_stream import Arguments, CallStarted, Content, Event, ToolCallStream
+from tserve.web._sse import NamedPhase, SSEOrderError, closing_error, named_event
+from tserve.web._tool_stream import Arguments, CallStarted, Content, Event
 from tserve.web._tools import ToolPlan
 
-__all__ = ["MessageChoice", "MessageEvents", "MessageOutput", "named_event", "new_message_id"]
+__all__ = ["MessageChoice", "MessageEvents", "MessageOutput", "new_message_id"]
 
 JSON = dict[str, Any]
-
-_ENCODER: Final = msgspec.json.Encoder()
-
-
-def named_event(name: str, payload: Any) -> bytes:
-    """One SSE event ``name`` carrying ``payload`` as JSON."""
-    return b"event: " + name.encode() + b"\ndata: " + _ENCODER.encode(payload) + b"\n\n"
 
 
 def new_message_id() -> str:
@@ -84,8 +75,7 @@ class MessageChoice:
         *,
         show_thinking: bool = False,
     ) -> None:
-        self._calls: ToolCallStream | None = None if plan is None else plan.stream(_new_tool_use_id)
-        self._thinking = None if reasoning is None else reasoning.parser()
+        self._parser = OutputParser(plan, _new_tool_use_id, reasoning)
         self._show_thinking = show_thinking
         self.blocks: list[JSON] = []  # text blocks hold "text"; tool_use blocks "input" text
         self._open: str | None = None  # the type of the last block while it is open
@@ -96,16 +86,8 @@ class MessageChoice:
 
     def push(self, delta: Delta) -> list[JSON]:
         """Take one delta; return its block events."""
-        reasoning, text = "", delta.text
-        if self._thinking is not None:
-            split = self._thinking.push(text, final=delta.finish_reason is not None)
-            reasoning, text = split.reasoning, split.content
+        reasoning, events = self._parser.push(delta)
         out = self._thinking_events(reasoning) if self._show_thinking else []
-        events: list[Event] = [Content(text)] if self._calls is None else []
-        if self._calls is not None:
-            events = self._calls.push(text)
-            if delta.finish_reason is not None:
-                events += self._calls.finish()
         out += [payload for event in events for payload in self._block_events(event)]
         if delta.finish_reason is not None:
             out += self._close()
@@ -220,12 +202,6 @@ class MessageOutput:
         return MessageEvents(self, len(streams[0].prompt_token_ids), request_id)
 
 
-class _Phase(enum.Enum):
-    START = "start"  # nothing sent
-    STREAMING = "streaming"  # message_start went out; blocks
-    DONE = "done"  # message_stop or the error event went out: nothing is left
-
-
 class MessageEvents:
     """The events of one streamed message, as bytes, in their legal order (module
     docstring). Synchronous; an illegal call raises SSEOrderError and changes nothing."""
@@ -234,7 +210,7 @@ class MessageEvents:
         self._output = output
         self._input_tokens = input_tokens
         self._request_id = request_id
-        self._phase = _Phase.START
+        self._phase = NamedPhase.START
         self.status = 200  # 200, or the status of the error event once one went out
 
     @property
@@ -243,16 +219,16 @@ class MessageEvents:
 
     def chunk(self, index: int, delta: Delta) -> bytes:
         """The next delta's events (``message_start`` and ``ping`` before the first)."""
-        if self._phase is _Phase.DONE or index != 0:
+        if self._phase is NamedPhase.DONE or index != 0:
             raise SSEOrderError(f"a delta for choice {index} in phase {self._phase.value}")
         out = []
-        if self._phase is _Phase.START:
+        if self._phase is NamedPhase.START:
             start = self._output.message([], _usage(self._input_tokens, 0))
             out += [
                 named_event("message_start", {"type": "message_start", "message": start}),
                 named_event("ping", {"type": "ping"}),
             ]
-            self._phase = _Phase.STREAMING
+            self._phase = NamedPhase.STREAMING
         choice = self._output.choice
         out += [named_event(e["type"], e) for e in choice.push(delta)]
         if delta.finish_reason is not None:
@@ -269,17 +245,16 @@ class MessageEvents:
                 ),
                 named_event("message_stop", {"type": "message_stop"}),
             ]
-            self._phase = _Phase.DONE
+            self._phase = NamedPhase.DONE
         return b"".join(out)
 
     def close(self, error: Exception | None = None) -> list[bytes]:
         """The events that end the stream now: nothing after ``message_stop``; else
         the error event (``error``, or ShuttingDown for a stream cut short)."""
-        done = self._phase is _Phase.DONE
-        error = closing_error(error, unfinished=self.unfinished, phase=self._phase, done=done)
+        error = closing_error(error, unfinished=self.unfinished, phase=self._phase)
         if error is None:
             return []
         reply = anthropic_error_reply(error, self._request_id)
         self.status = reply.status
-        self._phase = _Phase.DONE
+        self._phase = NamedPhase.DONE
         return [named_event("error", reply.body)]

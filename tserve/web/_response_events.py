@@ -35,37 +35,28 @@ ends silently. Anything out of this order raises :class:`SSEOrderError`.
 
 from __future__ import annotations
 
-import enum
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Final
-
-import msgspec
+from typing import Any
 
 from tserve.nursery import Delta, RequestStream, Usage
 from tserve.web._errors import error_reply
+from tserve.web._output_parser import OutputParser
 from tserve.web._reasoning import ReasoningSyntax
 from tserve.web._response_requests import item_id
-from tserve.web._sse import SSEOrderError, closing_error
-from tserve.web._tool_stream import Arguments, CallStarted, Content, Event, ToolCallStream
+from tserve.web._sse import NamedPhase, SSEOrderError, closing_error, named_event
+from tserve.web._tool_stream import Arguments, CallStarted, Content, Event
 from tserve.web._tools import ToolPlan, new_call_id
 
 __all__ = ["ResponseChoice", "ResponseEvents", "ResponseOutput", "new_response_id", "usage"]
 
 JSON = dict[str, Any]
 
-_ENCODER: Final = msgspec.json.Encoder()
-
 
 def new_response_id() -> str:
     """``resp_`` and 32 hex digits: the only ids the store takes."""
     return f"resp_{uuid.uuid4().hex}"
-
-
-def _event(payload: JSON) -> bytes:
-    name: str = payload["type"]
-    return b"event: " + name.encode() + b"\ndata: " + _ENCODER.encode(payload) + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> JSON:
@@ -89,8 +80,7 @@ class ResponseChoice:
         namespaces: dict[str, str] | None = None,
         reasoning: ReasoningSyntax | None = None,
     ) -> None:
-        self._calls: ToolCallStream | None = None if plan is None else plan.stream(new_call_id)
-        self._thinking = None if reasoning is None else reasoning.parser()
+        self._parser = OutputParser(plan, new_call_id, reasoning)
         self._namespaces = namespaces or {}  # function name -> the namespace tool it is in
         self.items: list[JSON] = []  # message items hold their text in content[0]["text"]
         self._open: str | None = None  # the type of the last item while it is open
@@ -99,16 +89,8 @@ class ResponseChoice:
 
     def push(self, delta: Delta) -> list[JSON]:
         """Take one delta; return its item events."""
-        reasoning, text = "", delta.text
-        if self._thinking is not None:
-            split = self._thinking.push(text, final=delta.finish_reason is not None)
-            reasoning, text = split.reasoning, split.content
+        reasoning, events = self._parser.push(delta)
         out = self._reasoning_events(reasoning)
-        events: list[Event] = [Content(text)] if self._calls is None else []
-        if self._calls is not None:
-            events = self._calls.push(text)
-            if delta.finish_reason is not None:
-                events += self._calls.finish()
         out += [payload for event in events for payload in self._item_events(event)]
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
@@ -290,12 +272,6 @@ class ResponseOutput:
         return ResponseEvents(self, len(streams[0].prompt_token_ids), request_id)
 
 
-class _Phase(enum.Enum):
-    START = "start"  # nothing sent
-    STREAMING = "streaming"  # response.created went out; items
-    DONE = "done"  # the final event went out: nothing is left
-
-
 class ResponseEvents:
     """The events of one streamed response, as bytes, in their legal order (module
     docstring). Synchronous; an illegal call raises SSEOrderError and changes nothing."""
@@ -304,7 +280,7 @@ class ResponseEvents:
         self._output = output
         self._input_tokens = input_tokens
         self._request_id = request_id
-        self._phase = _Phase.START
+        self._phase = NamedPhase.START
         self._sequence = 0
         self.status = 200  # 200, or the status of the error once one went out
 
@@ -315,14 +291,14 @@ class ResponseEvents:
     def _encode(self, payloads: list[JSON]) -> bytes:
         out = []
         for payload in payloads:
-            out.append(_event({**payload, "sequence_number": self._sequence}))
+            out.append(named_event(payload["type"], {**payload, "sequence_number": self._sequence}))
             self._sequence += 1
         return b"".join(out)
 
     def _start(self) -> list[JSON]:
-        if self._phase is not _Phase.START:
+        if self._phase is not NamedPhase.START:
             return []
-        self._phase = _Phase.STREAMING
+        self._phase = NamedPhase.STREAMING
         created = self._output.obj("in_progress")
         return [
             {"type": "response.created", "response": created},
@@ -331,7 +307,7 @@ class ResponseEvents:
 
     def chunk(self, index: int, delta: Delta) -> bytes:
         """The next delta's events (``response.created`` and ``.in_progress`` first)."""
-        if self._phase is _Phase.DONE or index != 0:
+        if self._phase is NamedPhase.DONE or index != 0:
             raise SSEOrderError(f"a delta for choice {index} in phase {self._phase.value}")
         payloads = self._start() + self._output.choice.push(delta)
         if delta.finish_reason is not None:
@@ -340,14 +316,13 @@ class ResponseEvents:
                 "response.incomplete" if final["status"] == "incomplete" else "response.completed"
             )
             payloads.append({"type": kind, "response": final})
-            self._phase = _Phase.DONE
+            self._phase = NamedPhase.DONE
         return self._encode(payloads)
 
     def close(self, error: Exception | None = None) -> list[bytes]:
         """The events that end the stream now: nothing after the final event; else
         ``response.failed`` or ``error`` (ShuttingDown for a stream cut short)."""
-        done = self._phase is _Phase.DONE
-        error = closing_error(error, unfinished=self.unfinished, phase=self._phase, done=done)
+        error = closing_error(error, unfinished=self.unfinished, phase=self._phase)
         if error is None:
             return []
         reply = error_reply(error, self._request_id)
@@ -367,5 +342,5 @@ class ResponseEvents:
         else:
             failed = self._output.end(self._output.failed(str(body["message"])))
             payloads.append({"type": "response.failed", "response": failed})
-        self._phase = _Phase.DONE
+        self._phase = NamedPhase.DONE
         return [self._encode(payloads)]

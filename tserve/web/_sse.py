@@ -1,7 +1,9 @@
 """Server-sent events as OpenAI streams them, in their one legal order. Sans-IO.
 
 The encoder: :func:`event` turns a payload into one ``data: {json}`` event,
-:data:`DONE` is the ``data: [DONE]`` that ends every stream.
+:data:`DONE` is the ``data: [DONE]`` that ends every stream; :func:`named_event`
+is the ``event: NAME`` kind the Messages and Responses streams send, whose
+order their own modules keep (:class:`NamedPhase`, :func:`closing_error`).
 
 The order (:class:`SSEEvents`), for a response of ``k`` choices::
 
@@ -38,7 +40,16 @@ from tserve.nursery import Delta, ShuttingDown, Usage
 from tserve.web._errors import error_reply
 from tserve.web._responses import ChatChoice, CompletionChoice, total_usage
 
-__all__ = ["DONE", "SSEEvents", "SSEOrderError", "StreamPhase", "closing_error", "event"]
+__all__ = [
+    "DONE",
+    "NamedPhase",
+    "SSEEvents",
+    "SSEOrderError",
+    "StreamPhase",
+    "closing_error",
+    "event",
+    "named_event",
+]
 
 DONE: Final = b"data: [DONE]\n\n"
 
@@ -52,20 +63,34 @@ def event(payload: Any) -> bytes:
     return b"data: " + _ENCODER.encode(payload) + b"\n\n"
 
 
+def named_event(name: str, payload: Any) -> bytes:
+    """One SSE event ``name`` carrying ``payload`` as JSON."""
+    return b"event: " + name.encode() + b"\ndata: " + _ENCODER.encode(payload) + b"\n\n"
+
+
 class SSEOrderError(RuntimeError):
     """An event out of the order in the module docstring."""
 
 
+class NamedPhase(enum.Enum):
+    """Where a named-event stream (Messages, Responses) is."""
+
+    START = "start"  # nothing sent
+    STREAMING = "streaming"  # the opening events went out; the output's events
+    DONE = "done"  # the last event, or the error event, went out: nothing is left
+
+
 def closing_error(
-    error: Exception | None, *, unfinished: int, phase: enum.Enum, done: bool
+    error: Exception | None, *, unfinished: int, phase: NamedPhase
 ) -> Exception | None:
     """The error a named-event stream (Messages, Responses) ends with on ``close``.
 
     ``error``; ShuttingDown when it is None but choices still run (the stream
-    was cut short); None for a stream that finished (``done``). Raises
+    was cut short); None for a stream that finished (phase ``DONE``). Raises
     SSEOrderError for a finished stream closed before its end, or an error
     after its end.
     """
+    done = phase is NamedPhase.DONE
     if error is None and unfinished:
         error = ShuttingDown("the stream was cut short")
     if error is None:

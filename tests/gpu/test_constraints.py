@@ -8,6 +8,7 @@ each run the same.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -27,6 +28,7 @@ from tserve.gpu.sampling._constraints import (
     GrammarCompiler,
     _unpack,
     constraint_key,
+    mask_threads,
 )
 from tserve.protocol import (
     AddRequest,
@@ -532,4 +534,26 @@ def test_masks_over_their_budget_end_the_grammar(tiny_model_dir: Path) -> None:
     assert final.error is not None and "--grammar-mask-budget" in final.error
     assert len([t for o in outputs["slow"] for t in o.token_ids]) == MASK_MISSES - 1
     assert outputs["plain"][-1].finish_reason is FinishReason.LENGTH
+    # Its first mask ran with everyone's; each after a miss, in the slow lane.
+    assert core.constraints.masks_started == {"fast": 1, "slow": MASK_MISSES - 1}
     _idle(core)
+
+
+def test_masks_run_on_the_cores_the_forward_pass_leaves(tiny_model_dir: Path) -> None:
+    """One mask thread beside a one-thread forward pass on two cores, never
+    none; the engine sizes its pool by the cores it may run on."""
+    assert [mask_threads(1, 2), mask_threads(2, 2), mask_threads(4, 2)] == [1, 1, 1]
+    assert [mask_threads(1, 16), mask_threads(8, 16)] == [15, 8]
+    for threads in (1, 2):
+        core = small_core(tiny_model_dir, threads=threads)
+        cores = len(os.sched_getaffinity(0))
+        assert core.constraints.mask_threads == mask_threads(threads, cores)
+        core.add(_request("c", Regex(PATTERN)), PEER)
+        outputs = _outputs_until_idle(core)
+        assert outputs["c"][-1].finish_reason is FinishReason.STOP
+        # Every mask of a grammar within its budget ran in the shared pool.
+        started = core.constraints.masks_started
+        assert started["fast"] >= 1 and started["fast"] + started["slow"] == len(
+            [t for o in outputs["c"] for t in o.token_ids]
+        )
+        core.close()

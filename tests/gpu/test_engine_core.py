@@ -22,6 +22,8 @@ from tserve.gpu.engine._core import FORWARD_FAULT_ENV, ForwardFault
 from tserve.gpu.engine._engine_core import EngineCore
 from tserve.gpu.models._directory import load_model
 from tserve.gpu.sampling._sampler import FAULT_ENV as SAMPLER_FAULT_ENV
+from tserve.gpu.scheduling._budget import STEP_OVERHEAD_TOKENS
+from tserve.gpu.scheduling._sequence import ScheduledChunk
 from tserve.protocol import (
     AddRequest,
     FinishReason,
@@ -138,7 +140,7 @@ def _reference(model: Any, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("kv_cache_tokens", "expect_preemption"), [(8192, False), (512, True)], ids=["roomy", "tight"]
+    ("kv_cache_tokens", "expect_preemption"), [(8192, False), (384, True)], ids=["roomy", "tight"]
 )
 @pytest.mark.parametrize("cpu_gemm", ["auto", "onednn"])
 @pytest.mark.parametrize("model_impl", ["auto", "hf"])
@@ -166,7 +168,7 @@ def test_smollm2_layout_requests_match_generate_alone(
     smollm2_tiny_dir: Path, model_impl: str
 ) -> None:
     """SmolLM2's layout (tied output head, 3:1 GQA) under a tight KV budget."""
-    core = small_core(smollm2_tiny_dir, kv_cache_tokens=512, model_impl=model_impl)
+    core = small_core(smollm2_tiny_dir, kv_cache_tokens=384, model_impl=model_impl)
     reference, _ = load_model(smollm2_tiny_dir, device="cpu", dtype=torch.float32)
     _staggered_requests_match_generate(core, reference, 32, expect_preemption=True)
 
@@ -508,3 +510,33 @@ def test_ready_info_describes_the_model(core: EngineCore) -> None:
     info = core.ready_info()
     assert info.vocab_size == VOCAB and info.max_model_len == 512
     assert info.eos_token_ids == list(core.eos_token_ids) and info.kv_tokens_total == 8192
+
+
+def test_a_prompt_arriving_beside_a_stream_is_prefilled_in_budgeted_chunks(
+    core: EngineCore,
+) -> None:
+    """A side request's prompt beside one decoding stream runs in chunks of at most
+    ``(max_decode_slowdown - 1) * (STEP_OVERHEAD_TOKENS + 1)`` tokens (13 at the
+    defaults: a step about 2.5 decode steps' cost), the stream's decode in every step."""
+    budget = int((core.config.max_decode_slowdown - 1) * (STEP_OVERHEAD_TOKENS + 1))
+    assert core.scheduler.prefill_budget(1) == budget == 13
+    steps: list[dict[str, int]] = []
+    execute = core.runner.execute
+
+    def recorded(chunks: list[ScheduledChunk]) -> Any:
+        steps.append({c.seq.request_id: len(c.token_ids) for c in chunks})
+        return execute(chunks)
+
+    core.runner.execute = recorded  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    core.add(AddRequest("stream", [5, 6, 7], params), PEER)
+    core.step()  # its prefill, alone: the whole step's budget
+    core.add(AddRequest("side", list(range(10, 40)), SamplingParams(max_tokens=1)), PEER)
+    while core.scheduler.get("side") is not None:
+        core.step()
+    side_steps = [step for step in steps[1:] if "side" in step]
+    assert [step["side"] for step in side_steps] == [13, 13, 4]
+    assert all(step["stream"] == 1 for step in side_steps)  # it decoded in every one
+    while core.has_work:
+        core.step()
+    _idle(core)

@@ -522,9 +522,9 @@ def test_an_old_long_request_is_not_starved_by_a_stream_of_short_ones() -> None:
     ("slowdown", "decodes", "budget"),
     [
         (2.5, 0, 512),  # nothing decodes: the whole step budget
-        (2.5, 1, 49),  # 1.5 * (32 + 1)
-        (2.5, 16, 72),  # 1.5 * (32 + 16)
-        (2.5, 64, 144),
+        (2.5, 1, 13),  # 1.5 * (8 + 1)
+        (2.5, 16, 36),  # 1.5 * (8 + 16)
+        (2.5, 64, 108),
         (2.5, 300, 212),  # capped by max_num_batched_tokens - decodes
         (1, 16, 1),  # no slowdown allowed: still one token a step, so nothing starves
         (0, 16, 496),  # the rule off
@@ -534,7 +534,7 @@ def test_the_prefill_budget_bounds_a_steps_cost(slowdown: float, decodes: int, b
     sched = make_scheduler(
         max_num_seqs=300, max_num_batched_tokens=512, max_decode_slowdown=slowdown
     )
-    assert sched.step_overhead_tokens == 32
+    assert sched.step_overhead_tokens == 8
     assert sched.prefill_budget(decodes) == budget
 
 
@@ -561,9 +561,9 @@ def test_a_long_prompt_arriving_mid_stream_is_spread_over_bounded_steps() -> Non
         chunks, _ = step(sched, model)
         sizes = tokens_of(chunks)
         assert all(sizes[s.request_id] == 1 for s in streams), "a stream skipped a step"
-        assert sizes["long"] <= 72  # 1.5 * (32 + 16): at most 2.5x a decode-only step
+        assert sizes["long"] <= 36  # 1.5 * (8 + 16): at most 2.5x a decode-only step
         prefill_steps += 1
-    assert prefill_steps == -(-550 // 72)
+    assert prefill_steps == -(-550 // 36)
 
 
 def test_with_the_tightest_bound_a_prompt_still_finishes_behind_endless_decodes() -> None:

@@ -12,6 +12,7 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import jsonschema
 import pytest
 
@@ -105,3 +106,15 @@ async def test_logit_bias_is_checked_and_applied(llm: LLM) -> None:
     )
     assert result.token_ids == [forced] * 5
     await settled(llm)
+
+
+async def test_the_grammar_tokenizer_is_built_at_startup(tiny_model_dir: Path) -> None:
+    """llguidance's view of the vocabulary is built when the LLM opens, before
+    any constrained request, so the first one does not stall the process."""
+    async with open_llm(tiny_model_dir, **ENGINE) as llm:
+        prepared = llm.constraints.prepared
+        assert prepared is not None  # started by open_llm, no request sent
+        await anyio.to_thread.run_sync(prepared.result)
+        assert llm.constraints._tokenizer is not None
+        choice = SamplingParams(max_tokens=20, constraint=tserve.Choice(("yes", "no")))
+        assert (await llm.complete("Is it?", choice)).text in {"yes", "no"}

@@ -30,7 +30,12 @@ Rules:
   outputs), so the matcher stays in step with no rollback.
 * A row's next mask starts in a mask thread as soon as its token is consumed
   (its first as soon as it is compiled), so it overlaps the next forward
-  pass. A mask that is not ready when the step samples leaves that row out:
+  pass. The mask threads are bounded by the cores the forward pass leaves
+  (:func:`mask_threads`: one on two cores with one engine thread), so masks
+  cannot take every core from it; a row whose last mask took longer than the
+  budget computes its next in one slow-lane thread of its own, so a slow
+  grammar queues no other row's masks behind it for more than one mask.
+  A mask that is not ready when the step samples leaves that row out:
   the engine keeps its logits and samples it in a later step; nobody else
   waits. The mask budget (``mask_budget`` s a token) is enforced per row:
   :data:`MASK_MISSES` masks in a row that took longer to compute end the
@@ -83,6 +88,7 @@ __all__ = [
     "GrammarCompiler",
     "Mask",
     "constraint_key",
+    "mask_threads",
 ]
 
 log = logging.getLogger(__name__)
@@ -97,6 +103,19 @@ Compiled = llguidance.LLMatcher | str
 """A compiled grammar's matcher at its start, or why it did not compile."""
 
 _ENCODE: Final = msgspec.msgpack.Encoder().encode
+
+
+def mask_threads(engine_threads: int, cores: int) -> int:
+    """Mask threads beside a forward pass on ``engine_threads`` of ``cores``
+    cores: the cores it leaves, at least one."""
+    return max(1, cores - engine_threads)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def constraint_key(constraint: Constraint) -> bytes:
@@ -247,6 +266,7 @@ class _Row:
     matcher: llguidance.LLMatcher
     mask: concurrent.futures.Future[Mask] | None = None  # None: the grammar is complete
     misses: int = 0  # masks in a row that took longer than the budget
+    slow: bool = False  # its last mask took longer than the budget: the slow lane
 
 
 class Constraints:
@@ -279,11 +299,19 @@ class Constraints:
         # Masks are computed here (llguidance releases the GIL), at the
         # process's priority: a constrained row's pace depends on them (the
         # budget ends a grammar whose masks stay slow). Bound: one queued or
-        # running mask per constrained row; at least two threads, so that one
-        # slow grammar does not queue the others' masks behind it.
+        # running mask per constrained row; mask_threads() threads, the cores
+        # the forward pass leaves, so that masks never take all of them.
+        self.mask_threads = mask_threads(threads, _usable_cores())
         self._mask_threads = concurrent.futures.ThreadPoolExecutor(
-            max(2, threads), thread_name_prefix="tserve-masks"
+            self.mask_threads, thread_name_prefix="tserve-masks"
         )
+        # The masks of rows whose last mask ran over the budget, one at a time,
+        # so that a slow grammar does not queue the others' masks behind it.
+        self._slow_lane = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tserve-masks-slow"
+        )
+        # Masks started in each lane so far (tests and benchmarks read them).
+        self.masks_started = {"fast": 0, "slow": 0}
         pattern = os.environ.get(MASK_FAULT_ENV)
         self._fault = re.compile(pattern) if pattern else None
         self._hold = _MaskHold.from_env()
@@ -381,7 +409,8 @@ class Constraints:
         if not future.done():
             return None
         mask = future.result()
-        row.misses = row.misses + 1 if mask.seconds > self.mask_budget else 0
+        row.slow = mask.seconds > self.mask_budget
+        row.misses = row.misses + 1 if row.slow else 0
         if mask.error is None and row.misses >= MASK_MISSES:
             return Mask(None, self._over_budget())
         return mask
@@ -421,6 +450,7 @@ class Constraints:
     def close(self) -> None:
         """Stop the mask threads and the compiler's (see :meth:`GrammarCompiler.close`)."""
         self._mask_threads.shutdown(wait=False, cancel_futures=True)
+        self._slow_lane.shutdown(wait=False, cancel_futures=True)
         self.compiler.close()
 
     def _over_budget(self) -> str:
@@ -439,7 +469,10 @@ class Constraints:
             row.mask = concurrent.futures.Future()
             row.mask.set_result(Mask(None))
             return
-        row.mask = self._mask_threads.submit(self._compute, request_id, row.matcher)
+        lane = "slow" if row.slow else "fast"
+        self.masks_started[lane] += 1
+        pool = self._slow_lane if row.slow else self._mask_threads
+        row.mask = pool.submit(self._compute, request_id, row.matcher)
 
     def _compute(self, request_id: str, matcher: llguidance.LLMatcher) -> Mask:
         """In a mask thread: one matcher's mask (the GIL released while llguidance works)."""

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 __all__ = ["STEP_OVERHEAD_TOKENS", "check_budget", "prefill_budget"]
 
-STEP_OVERHEAD_TOKENS = 32
+STEP_OVERHEAD_TOKENS = 8
 """A step's fixed cost in prompt tokens' worth of work.
 
-On CPU with SmolLM2-135M and one thread, a step of one decode takes about
-30 ms and each prompt token in a step adds about 1 ms. On a GPU the fixed
-cost is a larger share of a step; a larger value then gives prefill the room
-it costs nothing to take.
+Measured on CPU (the default model, SmolLM2-135M Q8_0 on the native runner,
+one thread; CPU time of the step loop's thread, so the machine's load does
+not enter): a step of one decode costs about 10 ms (8 ms of it the forward
+pass's fixed cost, about 1 ms the step loop's own Python), each prompt token
+in a step adds about 1.2 ms, each decoding row about 1.5 ms. So the fixed
+cost is about 8 prompt tokens' worth, and a step that prefills
+``(max_decode_slowdown - 1) * (8 + D)`` tokens beside D decodes costs about
+``max_decode_slowdown`` times a decode-only step. A larger value than the
+real fixed cost lets a step's prefill cost several times more than the
+bound says (32 let a 48-token chunk beside one decode cost 7 decode steps).
+On a GPU the fixed cost is a larger share of a step; a larger value then
+gives prefill the room it costs nothing to take.
 """
 
 

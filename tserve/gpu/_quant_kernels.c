@@ -242,14 +242,18 @@ void tserve_dequantize(int fmt, const uint8_t *w, int64_t k, const int64_t *rows
  *   Q8_0: 8 fp16 scales, then the quants;
  *   Q4_0: 8 fp16 scales, then the quants;
  *   Q4_1: 8 fp16 scales, 8 fp16 offsets, then the quants;
- *   Q5_0, Q5_1: as Q4_0, Q4_1, then each row's 4 bytes of fifth bits.
- * Scales, offsets and fifth bits are in row order. The quants (each row's 16
+ *   Q5_0, Q5_1: as Q4_0, Q4_1, then the fifth bits, 4 bytes a row.
+ * Scales and offsets are in row order. The quants (each row's 16
  * nibble bytes, or Q8_0's 32 int8) lie in groups of 4 bytes: group g is bytes
  * 4g..4g+3 of rows 0..7, one after another, so that one 32-byte load holds a
  * group of every row, a row per 32-bit lane. Against 4 bytes of x broadcast
  * to every lane, an integer multiply-add leaves each row's sum in its own
  * lane: no reduction across lanes per block, and the sums come out in row
- * order. The same bytes as the file's rows, rearranged. */
+ * order. A Q5 row's 32 fifth bits lie where its nibbles do: byte j of the
+ * row (of 4) holds in bits 2g and 2g + 1 the fifth bits of the bytes that
+ * group g's lane j meets, elements 4g + j (low nibble) and 16 + 4g + j (high),
+ * so that one shift and mask puts a group's bits over its nibbles. The same
+ * bits as the file's rows, rearranged. */
 
 #define GROUP 4                  /* bytes of a row per 32-bit lane */
 #define GROUP_BYTES (GROUP * PANEL) /* one group of every row of a panel */
@@ -271,6 +275,25 @@ static int64_t panel_quants_at(int fmt) { return has_min(fmt) ? 32 : 16; }
 /* Where byte j of row i's quants lies in a packed block's quants. */
 static int64_t panel_quant_at(int i, int j) { return j / GROUP * GROUP_BYTES + GROUP * i + j % GROUP; }
 
+/* Where the fifth bit of element e (of 32) of a Q5 row lies in its 4 bytes of the
+ * packed layout: byte fifth_byte(e), bit fifth_shift(e). */
+static int fifth_byte(int e) { return e % 16 % GROUP; }
+static int fifth_shift(int e) { return 2 * (e % 16 / GROUP) + e / 16; }
+
+/* A row's 32 fifth bits (the file's `qh`, bit e for element e) as its 4 packed bytes. */
+static void pack_fifth_bits(uint32_t qh, uint8_t *out) {
+    memset(out, 0, GROUP);
+    for (int e = 0; e < BLOCK; e++)
+        out[fifth_byte(e)] |= (uint8_t)(((qh >> e) & 1) << fifth_shift(e));
+}
+
+/* The file's `qh` of a row from its 4 packed bytes. */
+static uint32_t unpack_fifth_bits(const uint8_t *in) {
+    uint32_t qh = 0;
+    for (int e = 0; e < BLOCK; e++) qh |= (uint32_t)((in[fifth_byte(e)] >> fifth_shift(e)) & 1) << e;
+    return qh;
+}
+
 /* Bytes of W [n, k] in the packed layout (0: no packed layout for fmt). */
 int64_t tserve_packed_bytes(int fmt, int64_t n, int64_t k) {
     return (n + PANEL - 1) / PANEL * (k / BLOCK) * panel_block_bytes(fmt);
@@ -291,7 +314,11 @@ void tserve_pack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) 
                 if (has_min(fmt)) memcpy(dst + 16 + 2 * i, blk + 2, 2);
                 for (int j = 0; j < width; j += GROUP)
                     memcpy(dst + quants + panel_quant_at(i, j), blk + unit - width + j, GROUP);
-                if (is_q5(fmt)) memcpy(dst + quants + PANEL * 16 + 4 * i, blk + unit - 20, 4);
+                if (is_q5(fmt)) {
+                    uint32_t qh;
+                    memcpy(&qh, blk + unit - 20, sizeof qh);
+                    pack_fifth_bits(qh, dst + quants + PANEL * 16 + GROUP * i);
+                }
             }
         }
 }
@@ -303,7 +330,10 @@ static void file_block(int fmt, const uint8_t *src, int i, uint8_t *blk) {
     if (has_min(fmt)) memcpy(blk + 2, src + 16 + 2 * i, 2);
     for (int j = 0; j < width; j += GROUP)
         memcpy(blk + unit - width + j, src + quants + panel_quant_at(i, j), GROUP);
-    if (is_q5(fmt)) memcpy(blk + unit - 20, src + quants + PANEL * 16 + 4 * i, 4);
+    if (is_q5(fmt)) {
+        uint32_t qh = unpack_fifth_bits(src + quants + PANEL * 16 + GROUP * i);
+        memcpy(blk + unit - 20, &qh, sizeof qh);
+    }
 }
 
 /* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k]. */
@@ -369,7 +399,7 @@ static void panel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, c
                     continue;
                 }
                 uint32_t qh = 0;
-                if (is_q5(fmt)) memcpy(&qh, qs + PANEL * 16 + 4 * c, sizeof qh);
+                if (is_q5(fmt)) qh = unpack_fifth_bits(qs + PANEL * 16 + GROUP * c);
                 for (int j = 0; j < BLOCK / 2; j++) {
                     uint8_t byte = qs[panel_quant_at(c, j)];
                     dot += ((byte & 0x0f) | fifth_bit(qh, j)) * xb[j] +
@@ -555,23 +585,17 @@ AVX2 INLINE void q4_groups(int fmt, const uint8_t *quants, __m256i lo[4], __m256
         hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     }
     if (!is_q5(fmt)) return;
-    /* Byte q of a row's fifth bits holds elements 8q..8q+7: q = 0, 1 the low
-     * nibbles' groups (0, 1 and 2, 3), q = 2, 3 the high ones'; of its bits, the
-     * low four are an even group's bytes 0..3, the high four an odd group's. */
-    __m256i all = _mm256_loadu_si256((const __m256i *)(quants + PANEL * 16));
-    const __m256i even = _mm256_set1_epi32(0x08040201), odd = _mm256_set1_epi32((int)0x80402010u);
+    /* Bits 2g and 2g + 1 of each byte to bit 4 (a 16-bit shift: the mask keeps
+     * each byte's own bit, shifts being at most 4 left and 3 right). */
+    __m256i bits = _mm256_loadu_si256((const __m256i *)(quants + PANEL * 16));
     const __m256i fifth = _mm256_set1_epi8(0x10);
-    const __m256i lane_bytes = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0,
-                                                 0x04040404, 0x08080808, 0x0c0c0c0c);
-    for (int q = 0; q < 4; q++) {
-        __m256i spread = _mm256_shuffle_epi8(all, _mm256_add_epi8(lane_bytes, _mm256_set1_epi8((char)q)));
-        __m256i *out = q < 2 ? lo : hi;
-        int g = 2 * (q % 2);
-        __m256i set_even = _mm256_cmpeq_epi8(_mm256_and_si256(spread, even), even);
-        __m256i set_odd = _mm256_cmpeq_epi8(_mm256_and_si256(spread, odd), odd);
-        out[g] = _mm256_or_si256(out[g], _mm256_and_si256(set_even, fifth));
-        out[g + 1] = _mm256_or_si256(out[g + 1], _mm256_and_si256(set_odd, fifth));
+#define FIFTH_TO_4(from) ((from) < 4 ? _mm256_slli_epi16(bits, 4 - (from))                     \
+                          : (from) > 4 ? _mm256_srli_epi16(bits, (from) - 4) : bits)
+    for (int g = 0; g < 4; g++) {
+        lo[g] = _mm256_or_si256(lo[g], _mm256_and_si256(FIFTH_TO_4(2 * g), fifth));
+        hi[g] = _mm256_or_si256(hi[g], _mm256_and_si256(FIFTH_TO_4(2 * g + 1), fifth));
     }
+#undef FIFTH_TO_4
 }
 
 /* The offsets' term of x row r's block b (Q4_1's and Q5_1's m times the

@@ -239,16 +239,24 @@ void tserve_dequantize(int fmt, const uint8_t *w, int64_t k, const int64_t *rows
  *
  * Panel p holds W rows [PANEL p, PANEL p + PANEL) (rows past N are zeros),
  * block after block along K; one block of a panel is:
- *   Q8_0: 8 fp16 scales (row order), then each row's 32 int8 (row order);
- *   Q4_0: 8 fp16 scales (slot order), then each row's 16 nibble bytes (row order);
- *   Q4_1: 8 fp16 scales, 8 fp16 offsets (slot order), then the 16-byte rows;
- *   Q5_0, Q5_1: as Q4_0, Q4_1, then each row's 4 bytes of fifth bits (row order).
- * Slot order is the order in which the AVX2 kernel's reductions leave the
- * rows' sums (rows 0, 2, 4, 6, 1, 3, 5, 7), so the scales multiply them
- * as they come. The same bytes as the file's rows, rearranged. */
+ *   Q8_0: 8 fp16 scales, then the quants;
+ *   Q4_0: 8 fp16 scales, then the quants;
+ *   Q4_1: 8 fp16 scales, 8 fp16 offsets, then the quants;
+ *   Q5_0, Q5_1: as Q4_0, Q4_1, then the fifth bits, 4 bytes a row.
+ * Scales and offsets are in row order. The quants (each row's 16
+ * nibble bytes, or Q8_0's 32 int8) lie in groups of 4 bytes: group g is bytes
+ * 4g..4g+3 of rows 0..7, one after another, so that one 32-byte load holds a
+ * group of every row, a row per 32-bit lane. Against 4 bytes of x broadcast
+ * to every lane, an integer multiply-add leaves each row's sum in its own
+ * lane: no reduction across lanes per block, and the sums come out in row
+ * order. A Q5 row's 32 fifth bits lie where its nibbles do: byte j of the
+ * row (of 4) holds in bits 2g and 2g + 1 the fifth bits of the bytes that
+ * group g's lane j meets, elements 4g + j (low nibble) and 16 + 4g + j (high),
+ * so that one shift and mask puts a group's bits over its nibbles. The same
+ * bits as the file's rows, rearranged. */
 
-static const int Q4_SLOT[PANEL] = {0, 4, 1, 5, 2, 6, 3, 7}; /* slot of row i */
-static const int ROW_ORDER[PANEL] = {0, 1, 2, 3, 4, 5, 6, 7};  /* Q8_0's: slot i is row i */
+#define GROUP 4                  /* bytes of a row per 32-bit lane */
+#define GROUP_BYTES (GROUP * PANEL) /* one group of every row of a panel */
 
 static int64_t panel_block_bytes(int fmt) {
     switch (fmt) {
@@ -261,10 +269,30 @@ static int64_t panel_block_bytes(int fmt) {
     }
 }
 
-static int scale_slot(int fmt, int i) { return fmt == Q8_0 ? i : Q4_SLOT[i]; }
-
 /* Where a packed block's quants start (after the scales, and the offsets if any). */
 static int64_t panel_quants_at(int fmt) { return has_min(fmt) ? 32 : 16; }
+
+/* Where byte j of row i's quants lies in a packed block's quants. */
+static int64_t panel_quant_at(int i, int j) { return j / GROUP * GROUP_BYTES + GROUP * i + j % GROUP; }
+
+/* Where the fifth bit of element e (of 32) of a Q5 row lies in its 4 bytes of the
+ * packed layout: byte fifth_byte(e), bit fifth_shift(e). */
+static int fifth_byte(int e) { return e % 16 % GROUP; }
+static int fifth_shift(int e) { return 2 * (e % 16 / GROUP) + e / 16; }
+
+/* A row's 32 fifth bits (the file's `qh`, bit e for element e) as its 4 packed bytes. */
+static void pack_fifth_bits(uint32_t qh, uint8_t *out) {
+    memset(out, 0, GROUP);
+    for (int e = 0; e < BLOCK; e++)
+        out[fifth_byte(e)] |= (uint8_t)(((qh >> e) & 1) << fifth_shift(e));
+}
+
+/* The file's `qh` of a row from its 4 packed bytes. */
+static uint32_t unpack_fifth_bits(const uint8_t *in) {
+    uint32_t qh = 0;
+    for (int e = 0; e < BLOCK; e++) qh |= (uint32_t)((in[fifth_byte(e)] >> fifth_shift(e)) & 1) << e;
+    return qh;
+}
 
 /* Bytes of W [n, k] in the packed layout (0: no packed layout for fmt). */
 int64_t tserve_packed_bytes(int fmt, int64_t n, int64_t k) {
@@ -282,11 +310,15 @@ void tserve_pack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) 
             uint8_t *dst = out + (p * nb + b) * pb;
             for (int i = 0; i < PANEL && p * PANEL + i < n; i++) {
                 const uint8_t *blk = w + (p * PANEL + i) * stride + b * unit;
-                int slot = scale_slot(fmt, i);
-                memcpy(dst + 2 * slot, blk, 2);
-                if (has_min(fmt)) memcpy(dst + 16 + 2 * slot, blk + 2, 2);
-                memcpy(dst + quants + width * i, blk + unit - width, (size_t)width);
-                if (is_q5(fmt)) memcpy(dst + quants + PANEL * 16 + 4 * i, blk + unit - 20, 4);
+                memcpy(dst + 2 * i, blk, 2);
+                if (has_min(fmt)) memcpy(dst + 16 + 2 * i, blk + 2, 2);
+                for (int j = 0; j < width; j += GROUP)
+                    memcpy(dst + quants + panel_quant_at(i, j), blk + unit - width + j, GROUP);
+                if (is_q5(fmt)) {
+                    uint32_t qh;
+                    memcpy(&qh, blk + unit - 20, sizeof qh);
+                    pack_fifth_bits(qh, dst + quants + PANEL * 16 + GROUP * i);
+                }
             }
         }
 }
@@ -294,11 +326,14 @@ void tserve_pack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) 
 /* One block of packed row `i` of its panel back in the file's block layout. */
 static void file_block(int fmt, const uint8_t *src, int i, uint8_t *blk) {
     int64_t unit = unit_bytes(fmt), width = fmt == Q8_0 ? 32 : 16, quants = panel_quants_at(fmt);
-    int slot = scale_slot(fmt, i);
-    memcpy(blk, src + 2 * slot, 2);
-    if (has_min(fmt)) memcpy(blk + 2, src + 16 + 2 * slot, 2);
-    memcpy(blk + unit - width, src + quants + width * i, (size_t)width);
-    if (is_q5(fmt)) memcpy(blk + unit - 20, src + quants + PANEL * 16 + 4 * i, 4);
+    memcpy(blk, src + 2 * i, 2);
+    if (has_min(fmt)) memcpy(blk + 2, src + 16 + 2 * i, 2);
+    for (int j = 0; j < width; j += GROUP)
+        memcpy(blk + unit - width + j, src + quants + panel_quant_at(i, j), GROUP);
+    if (is_q5(fmt)) {
+        uint32_t qh = unpack_fifth_bits(src + quants + PANEL * 16 + GROUP * i);
+        memcpy(blk + unit - 20, &qh, sizeof qh);
+    }
 }
 
 /* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k]. */
@@ -353,25 +388,24 @@ static void panel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, c
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) {
             float total = 0.0f;
-            int slot = scale_slot(fmt, c);
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *src = panel + b * pb;
+                const uint8_t *src = panel + b * pb, *qs = src + quants;
                 const int8_t *xb = x + r * k + b * BLOCK;
-                float dw = half_to_float(load_u16(src + 2 * slot)), dx = xd[r * nb + b];
+                float dw = half_to_float(load_u16(src + 2 * c)), dx = xd[r * nb + b];
                 int32_t dot = 0;
                 if (fmt == Q8_0) {
-                    const int8_t *qs = (const int8_t *)(src + 16 + 32 * c);
-                    for (int j = 0; j < BLOCK; j++) dot += qs[j] * xb[j];
+                    for (int j = 0; j < BLOCK; j++) dot += (int8_t)qs[panel_quant_at(c, j)] * xb[j];
                     total += dw * dx * (float)dot;
                     continue;
                 }
-                const uint8_t *qs = src + quants + 16 * c;
                 uint32_t qh = 0;
-                if (is_q5(fmt)) memcpy(&qh, src + quants + PANEL * 16 + 4 * c, sizeof qh);
-                for (int j = 0; j < BLOCK / 2; j++)
-                    dot += ((qs[j] & 0x0f) | fifth_bit(qh, j)) * xb[j] +
-                           ((qs[j] >> 4) | fifth_bit(qh, j + BLOCK / 2)) * xb[j + BLOCK / 2];
-                float mw = has_min(fmt) ? half_to_float(load_u16(src + 16 + 2 * slot))
+                if (is_q5(fmt)) qh = unpack_fifth_bits(qs + PANEL * 16 + GROUP * c);
+                for (int j = 0; j < BLOCK / 2; j++) {
+                    uint8_t byte = qs[panel_quant_at(c, j)];
+                    dot += ((byte & 0x0f) | fifth_bit(qh, j)) * xb[j] +
+                           ((byte >> 4) | fifth_bit(qh, j + BLOCK / 2)) * xb[j + BLOCK / 2];
+                }
+                float mw = has_min(fmt) ? half_to_float(load_u16(src + 16 + 2 * c))
                                         : -zero_point(fmt) * dw;
                 total += dw * dx * (float)dot + mw * xs[r * nb + b];
             }
@@ -512,15 +546,26 @@ AVX2_ROW(F16)
 AVX2_ROW(BF16)
 AVX2_ROW(F32)
 
-/* A panel's sums as the scales' slots want them: lanes in slot order. */
-AVX2 INLINE void store_panel(__m256 sums, const int *slot, float *y, int cols) {
+/* A panel's sums (lanes in row order) into y's first `cols` columns. */
+AVX2 INLINE void store_panel(__m256 sums, float *y, int cols) {
+    if (cols == PANEL) {
+        _mm256_storeu_ps(y, sums);
+        return;
+    }
     float lanes[PANEL];
     _mm256_storeu_ps(lanes, sums);
-    for (int c = 0; c < cols; c++) y[c] = lanes[slot[c]];
+    for (int c = 0; c < cols; c++) y[c] = lanes[c];
+}
+
+/* The 4 bytes of x at `p` in every 32-bit lane (one load). */
+AVX2 INLINE __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
 }
 
 /* A Q4_0/Q4_1/Q5_0/Q5_1 panel block's scales and offsets (Q4_1's and Q5_1's m,
- * Q4_0's -8 d, Q5_0's -16 d), in slot order. */
+ * Q4_0's -8 d, Q5_0's -16 d), in row order. */
 AVX2 INLINE __m256 q4_scales(int fmt, const uint8_t *src, __m256 *offsets) {
     __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
     *offsets = has_min(fmt) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
@@ -528,30 +573,55 @@ AVX2 INLINE __m256 q4_scales(int fmt, const uint8_t *src, __m256 *offsets) {
     return dw;
 }
 
-/* The fifth bits of a Q5 panel block's rows 2p and 2p + 1 (their 8 bytes at
- * `qh`), as panel_q4_avx2 lays out their nibbles: row 2p in the low lane, 2p + 1
- * in the high; *lo for elements 0..15, *hi for 16..31; bytes 0x10 where set. */
-AVX2 INLINE void fifth_bits_pair(const uint8_t *qh, __m256i *lo, __m256i *hi) {
-    __m256i both = _mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *)qh));
-    *lo = bits_to_fifth(_mm256_shuffle_epi8(
-        both, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 4, 4, 4, 4, 4, 4,
-                               4, 4, 5, 5, 5, 5, 5, 5, 5, 5)));
-    *hi = bits_to_fifth(_mm256_shuffle_epi8(
-        both, _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 6, 6, 6, 6, 6, 6,
-                               6, 6, 7, 7, 7, 7, 7, 7, 7, 7)));
+/* A Q4/Q5 panel block's quants as 32 bytes per group, a row per 32-bit lane:
+ * lo[g] elements 4g..4g+3 of each row (the low nibbles), hi[g] elements
+ * 16 + 4g.. (the high ones); Q5: each with its fifth bit (the rows' 4 bytes of
+ * fifth bits after the quants, a row per lane once loaded). */
+AVX2 INLINE void q4_groups(int fmt, const uint8_t *quants, __m256i lo[4], __m256i hi[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int g = 0; g < 4; g++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(quants + GROUP_BYTES * g));
+        lo[g] = _mm256_and_si256(v, low);
+        hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    if (!is_q5(fmt)) return;
+    /* Bits 2g and 2g + 1 of each byte to bit 4 (a 16-bit shift: the mask keeps
+     * each byte's own bit, shifts being at most 4 left and 3 right). */
+    __m256i bits = _mm256_loadu_si256((const __m256i *)(quants + PANEL * 16));
+    const __m256i fifth = _mm256_set1_epi8(0x10);
+#define FIFTH_TO_4(from) ((from) < 4 ? _mm256_slli_epi16(bits, 4 - (from))                     \
+                          : (from) > 4 ? _mm256_srli_epi16(bits, (from) - 4) : bits)
+    for (int g = 0; g < 4; g++) {
+        lo[g] = _mm256_or_si256(lo[g], _mm256_and_si256(FIFTH_TO_4(2 * g), fifth));
+        hi[g] = _mm256_or_si256(hi[g], _mm256_and_si256(FIFTH_TO_4(2 * g + 1), fifth));
+    }
+#undef FIFTH_TO_4
 }
 
-/* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x. Per block and pair
- * of W rows: one 32-byte load holds both rows' nibbles; masked, they are
- * elements 0..15 of each (the x block's first half broadcast to both lanes),
- * shifted, elements 16..31 (Q5: each with its fifth bit, 0..31); maddubs, then
- * madd with ones, leave 4 int32 per row; three hadds leave one sum per row, in
- * slot order. */
+/* The offsets' term of x row r's block b (Q4_1's and Q5_1's m times the
+ * block's sum of x): up to two rows into an accumulator of its own, so that a
+ * row's two multiply-adds per block do not wait on each other; from three
+ * rows on into the products' (the tile has enough chains, and its
+ * accumulators stay in registers). */
+#define OFFSET_TERM(r)                                                                        \
+    do {                                                                                      \
+        __m256 x_sum = _mm256_set1_ps(xs[(r) * nb + b]);                                      \
+        if (rows <= 2)                                                                        \
+            acc_m[r] = _mm256_fmadd_ps(mw, x_sum, acc_m[r]);                                  \
+        else                                                                                  \
+            acc[r] = _mm256_fmadd_ps(mw, x_sum, acc[r]);                                      \
+    } while (0)
+
+/* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x. Per block: four
+ * 32-byte loads hold the eight rows' nibbles (q4_groups); per x row, each group
+ * meets its 4 bytes of x broadcast to every lane (maddubs), the int16 sums add
+ * up (each at most 2 * 15 * 127, Q5 2 * 31 * 127: eight of them fit, Q5 four),
+ * and one madd with ones leaves each row's block sum in its lane. */
 AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int rows,
                                const int8_t *x, const float *xd, const float *xs, float *y,
                                int64_t y_stride, int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE_ROWS], acc_m[TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -559,41 +629,32 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int row
         prefetch_ahead(src, pb);
         __m256 mw, dw = q4_scales(fmt, src, &mw);
         __m256i lo[4], hi[4];
-        for (int p = 0; p < 4; p++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(src + quants + 32 * p));
-            lo[p] = _mm256_and_si256(v, low);
-            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            if (is_q5(fmt)) {
-                __m256i high_lo, high_hi;
-                fifth_bits_pair(src + quants + PANEL * 16 + 8 * p, &high_lo, &high_hi);
-                lo[p] = _mm256_or_si256(lo[p], high_lo);
-                hi[p] = _mm256_or_si256(hi[p], high_hi);
-            }
-        }
+        q4_groups(fmt, src + quants, lo, hi);
         for (int r = 0; r < rows; r++) {
             const int8_t *xb = x + r * k + b * BLOCK;
-            __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
-            __m256i xz = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
-            __m256i s[4];
-            for (int p = 0; p < 4; p++) {
-                __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xa),
-                                                 _mm256_maddubs_epi16(hi[p], xz));
-                s[p] = _mm256_madd_epi16(pairs, ones);
-            }
-            __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]),
-                                             _mm256_hadd_epi32(s[2], s[3]));
+            __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], broadcast4(xb)),
+                                         _mm256_maddubs_epi16(lo[1], broadcast4(xb + 4)));
+            __m256i c = _mm256_add_epi16(_mm256_maddubs_epi16(hi[0], broadcast4(xb + 16)),
+                                         _mm256_maddubs_epi16(hi[1], broadcast4(xb + 20)));
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(lo[2], broadcast4(xb + 8)));
+            c = _mm256_add_epi16(c, _mm256_maddubs_epi16(hi[2], broadcast4(xb + 24)));
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(lo[3], broadcast4(xb + 12)));
+            c = _mm256_add_epi16(c, _mm256_maddubs_epi16(hi[3], broadcast4(xb + 28)));
+            __m256i sums = is_q5(fmt) ? _mm256_add_epi32(_mm256_madd_epi16(a, ones),
+                                                         _mm256_madd_epi16(c, ones))
+                                      : _mm256_madd_epi16(_mm256_add_epi16(a, c), ones);
             __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-            acc_m[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r * nb + b]), acc_m[r]);
+            OFFSET_TERM(r);
         }
     }
     for (int r = 0; r < rows; r++)
-        store_panel(_mm256_add_ps(acc[r], acc_m[r]), Q4_SLOT, y + r * y_stride, cols);
+        store_panel(_mm256_add_ps(acc[r], acc_m[r]), y + r * y_stride, cols);
 }
 
-/* A Q8_0 panel against `rows` int8 rows of x: per W row, |w| times x with w's sign
- * (maddubs takes one unsigned operand), madd with ones; six hadds and a swap of
- * lanes leave one sum per row, in row order. */
+/* A Q8_0 panel against `rows` int8 rows of x: per group, |w| times x with w's
+ * sign (maddubs takes one unsigned operand; a pair is at most 2 * 128 * 127, so
+ * each goes to int32 by a madd with ones at once), each row's sum in its lane. */
 AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const int8_t *x,
                                const float *xd, float *y, int64_t y_stride, int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
@@ -604,26 +665,23 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const 
         const uint8_t *src = panel + b * pb;
         prefetch_ahead(src, pb);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+        const __m256i *w = (const __m256i *)(src + 16);
+        __m256i magnitude[8];
+        for (int g = 0; g < 8; g++) magnitude[g] = _mm256_abs_epi8(_mm256_loadu_si256(w + g));
         for (int r = 0; r < rows; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + b * BLOCK));
-            __m256i s[PANEL];
-            for (int c = 0; c < PANEL; c++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(src + 16 + 32 * c));
-                __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
-                                                     _mm256_sign_epi8(xv, w));
-                s[c] = _mm256_madd_epi16(pairs, ones);
+            const int8_t *xb = x + r * k + b * BLOCK;
+            __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int g = 0; g < 8; g++) {
+                __m256i signed_x = _mm256_sign_epi8(broadcast4(xb + 4 * g), _mm256_loadu_si256(w + g));
+                __m256i pairs = _mm256_maddubs_epi16(magnitude[g], signed_x);
+                s[g % 2] = _mm256_add_epi32(s[g % 2], _mm256_madd_epi16(pairs, ones));
             }
-            __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]),
-                                           _mm256_hadd_epi32(s[2], s[3]));
-            __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]),
-                                           _mm256_hadd_epi32(s[6], s[7]));
-            __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
-                                            _mm256_permute2x128_si256(h0, h1, 0x31));
             __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[0], s[1])), scale,
+                                     acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) store_panel(acc[r], ROW_ORDER, y + r * y_stride, cols);
+    for (int r = 0; r < rows; r++) store_panel(acc[r], y + r * y_stride, cols);
 }
 
 /* panel_<SUFFIX>_<FMT>: the int8 panel kernel of one format and instruction set
@@ -652,168 +710,80 @@ PANEL_KERNEL(AVX2, avx2, Q8_0)
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
  *
- * The packed panels of the block formats with 512-bit registers: one register
- * holds four W rows' quants of a block, one per 128-bit lane, and vpdpbusd
- * (u8 x s8, four products summed into each int32) leaves four partial sums per
- * row and lane. Those are scaled and summed in fp32 lane by lane, and each
- * lane's four only meet at the end of K: the same products as the AVX2
- * kernels', the sums in another order. */
+ * The packed panels of the block formats with vpdpbusd (u8 x s8, four
+ * products summed into each int32) on 256-bit registers (AVX-512 VL): the
+ * AVX2 kernels' loop, each maddubs and madd pair one instruction, the sums in
+ * four independent chains. The same products as the AVX2 kernels', exact in
+ * integers. */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-/* Eight fp32 values (`index` picks which for each row) spread over the two
- * registers' lanes: rows 0..3 in the first, 4..7 in the second, each value
- * in all four places of its row's lane. */
-AVX512 INLINE void spread_rows(__m256 values, const int index[PANEL], __m512 out[2]) {
-    __m512 wide = _mm512_castps256_ps512(values);
-    for (int p = 0; p < 2; p++) {
-        const int *i = index + 4 * p;
-        __m512i lanes = _mm512_setr_epi32(i[0], i[0], i[0], i[0], i[1], i[1], i[1], i[1], i[2],
-                                          i[2], i[2], i[2], i[3], i[3], i[3], i[3]);
-        out[p] = _mm512_permutexvar_ps(lanes, wide);
-    }
-}
-
-/* The per-row totals of two registers laid out as spread_rows leaves them. */
-AVX512 INLINE void row_totals(__m512 first, __m512 second, float out[PANEL]) {
-    __m512 pairs = _mm512_add_ps(_mm512_shuffle_ps(first, second, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(first, second, _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1)));
-    float lanes[16];
-    _mm512_storeu_ps(lanes, sums); /* lane j: row j, row 4 + j, row j, row 4 + j */
-    for (int j = 0; j < 4; j++) {
-        out[j] = lanes[4 * j];
-        out[4 + j] = lanes[4 * j + 1];
-    }
-}
-
-/* Bytes whose bit `select` byte holds is set in `all` shuffled by `index`: 0x10, else 0. */
-AVX512 INLINE __m512i fifth_bits_of(__m512i all, const int32_t *index) {
-    const __m512i select = _mm512_set1_epi64(0x8040201008040201LL);
-    __m512i spread = _mm512_shuffle_epi8(all, _mm512_loadu_si512((const void *)index));
-    return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(spread, select), _mm512_set1_epi8(0x10));
-}
-
-/* Byte v four times: a 32-bit word of a shuffle's index. */
-#define BYTE4(v) ((int32_t)((v) * 0x01010101u))
-/* Lane L's index for half h: bytes 0..7 from qh byte 4 L + 2 h, 8..15 from the next. */
-#define QUAD_LANE(L, h)                                                                       \
-    BYTE4(4 * (L) + 2 * (h)), BYTE4(4 * (L) + 2 * (h)), BYTE4(4 * (L) + 2 * (h) + 1),         \
-        BYTE4(4 * (L) + 2 * (h) + 1)
-static const int32_t QUAD_INDEX[2][16] = {
-    {QUAD_LANE(0, 0), QUAD_LANE(1, 0), QUAD_LANE(2, 0), QUAD_LANE(3, 0)},
-    {QUAD_LANE(0, 1), QUAD_LANE(1, 1), QUAD_LANE(2, 1), QUAD_LANE(3, 1)},
-};
-
-/* Q5's fifth bits of a panel block's rows 4p .. 4p + 3 (their 16 bytes at `qh`),
- * one row per 128-bit lane as panel_q4_vnni lays out their nibbles: *lo for
- * elements 0..15, *hi for 16..31; bytes 0x10 where set. */
-AVX512 INLINE void fifth_bits_quad(const uint8_t *qh, __m512i *lo, __m512i *hi) {
-    __m512i all = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)qh));
-    *lo = fifth_bits_of(all, QUAD_INDEX[0]);
-    *hi = fifth_bits_of(all, QUAD_INDEX[1]);
-}
-
-/* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x: per block, two
- * 64-byte loads hold the eight rows' nibbles; masked, they meet the x block's
- * first half (broadcast to every lane), shifted, its second half (Q5: each
- * with its fifth bit). The offsets' term (Q4_1's and Q5_1's m, Q4_0's -8 d,
- * Q5_0's -16 d) is one fp32 product per row and block, as in AVX2. */
+/* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x (panel_q4_avx2's
+ * layout and scales). */
 AVX512 INLINE void panel_q4_vnni(int fmt, const uint8_t *panel, int64_t k, int rows,
                                  const int8_t *x, const float *xd, const float *xs, float *y,
                                  int64_t y_stride, int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512 acc[TILE_ROWS][2];
-    __m256 acc_m[TILE_ROWS];
-    for (int r = 0; r < rows; r++) {
-        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        acc_m[r] = _mm256_setzero_ps();
-    }
+    __m256 acc[TILE_ROWS], acc_m[TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
         prefetch_ahead(src, pb);
-        __m256 mw;
-        __m512 dw[2];
-        spread_rows(q4_scales(fmt, src, &mw), Q4_SLOT, dw);
-        __m512i lo[2], hi[2];
-        for (int p = 0; p < 2; p++) {
-            __m512i v = _mm512_loadu_si512((const void *)(src + quants + 64 * p));
-            lo[p] = _mm512_and_si512(v, low);
-            hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            if (is_q5(fmt)) {
-                __m512i high_lo, high_hi;
-                fifth_bits_quad(src + quants + PANEL * 16 + 16 * p, &high_lo, &high_hi);
-                lo[p] = _mm512_or_si512(lo[p], high_lo);
-                hi[p] = _mm512_or_si512(hi[p], high_hi);
-            }
-        }
+        __m256 mw, dw = q4_scales(fmt, src, &mw);
+        __m256i lo[4], hi[4];
+        q4_groups(fmt, src + quants, lo, hi);
         for (int r = 0; r < rows; r++) {
             const int8_t *xb = x + r * k + b * BLOCK;
-            __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xb));
-            __m512i xz = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xb + 16)));
-            __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
-            for (int p = 0; p < 2; p++) {
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[p], xa);
-                dot = _mm512_dpbusd_epi32(dot, hi[p], xz);
-                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[p], dx),
-                                            acc[r][p]);
+            __m256i d[4];
+            for (int g = 0; g < 2; g++) {
+                d[g] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[g], broadcast4(xb + 4 * g));
+                d[2 + g] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi[g],
+                                               broadcast4(xb + 16 + 4 * g));
             }
-            acc_m[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r * nb + b]), acc_m[r]);
+            for (int g = 2; g < 4; g++) {
+                d[g - 2] = _mm256_dpbusd_epi32(d[g - 2], lo[g], broadcast4(xb + 4 * g));
+                d[g] = _mm256_dpbusd_epi32(d[g], hi[g], broadcast4(xb + 16 + 4 * g));
+            }
+            __m256i sums = _mm256_add_epi32(_mm256_add_epi32(d[0], d[1]),
+                                            _mm256_add_epi32(d[2], d[3]));
+            __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+            OFFSET_TERM(r);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float totals[PANEL], offsets[PANEL];
-        row_totals(acc[r][0], acc[r][1], totals);
-        _mm256_storeu_ps(offsets, acc_m[r]);
-        for (int c = 0; c < cols; c++) y[r * y_stride + c] = totals[c] + offsets[Q4_SLOT[c]];
-    }
+    for (int r = 0; r < rows; r++)
+        store_panel(_mm256_add_ps(acc[r], acc_m[r]), y + r * y_stride, cols);
 }
 
-/* A Q8_0 panel against `rows` int8 rows of x. vpdpbusd wants one unsigned
- * operand: x + 128 (its sign bit flipped), each int32 starting from -128 times
- * its four weights' sum (one vpdpbusd per block), so the sums are x . w exactly.
- * A register holds two rows (two lanes each); pairs of registers fold into
- * spread_rows' layout before their scales. */
+/* A Q8_0 panel against `rows` int8 rows of x: per group, |w| times x with w's
+ * sign, as in AVX2, one vpdpbusd each. */
 AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, const int8_t *x,
                                  const float *xd, float *y, int64_t y_stride, int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[TILE_ROWS][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m256 acc[TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
         prefetch_ahead(src, pb);
-        __m512 dw[2];
-        spread_rows(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)), ROW_ORDER, dw);
-        __m512i w[4], start[4];
-        for (int q = 0; q < 4; q++) {
-            w[q] = _mm512_loadu_si512((const void *)(src + 16 + 64 * q));
-            __m512i offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, w[q]);
-            start[q] = _mm512_sub_epi32(_mm512_setzero_si512(), offset);
-        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+        const __m256i *w = (const __m256i *)(src + 16);
+        __m256i magnitude[8];
+        for (int g = 0; g < 8; g++) magnitude[g] = _mm256_abs_epi8(_mm256_loadu_si256(w + g));
         for (int r = 0; r < rows; r++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)(x + r * k + b * BLOCK));
-            __m512i xv = _mm512_xor_si512(_mm512_broadcast_i64x4(xq), flip);
-            __m512i dot[4];
-            for (int q = 0; q < 4; q++) dot[q] = _mm512_dpbusd_epi32(start[q], xv, w[q]);
-            __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
-            for (int p = 0; p < 2; p++) { /* rows 4p..4p+3, one per lane */
-                __m512i a = dot[2 * p], c = dot[2 * p + 1];
-                __m512i rowwise =
-                    _mm512_add_epi32(_mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1)));
-                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rowwise),
-                                            _mm512_mul_ps(dw[p], dx), acc[r][p]);
+            const int8_t *xb = x + r * k + b * BLOCK;
+            __m256i d[4];
+            for (int g = 0; g < 8; g++) {
+                __m256i signed_x = _mm256_sign_epi8(broadcast4(xb + 4 * g), _mm256_loadu_si256(w + g));
+                d[g % 4] = _mm256_dpbusd_epi32(g < 4 ? _mm256_setzero_si256() : d[g % 4],
+                                               magnitude[g], signed_x);
             }
+            __m256i sums = _mm256_add_epi32(_mm256_add_epi32(d[0], d[1]),
+                                            _mm256_add_epi32(d[2], d[3]));
+            __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float totals[PANEL];
-        row_totals(acc[r][0], acc[r][1], totals);
-        for (int c = 0; c < cols; c++) y[r * y_stride + c] = totals[c];
-    }
+    for (int r = 0; r < rows; r++) store_panel(acc[r], y + r * y_stride, cols);
 }
 
 #define vnni_PANEL_TILE(R) PANEL_TILE(vnni, R)

@@ -334,10 +334,14 @@ def run_side_by_side(
     model_dir: Path,
     work: Workload,
     result_dir: Path = REPO_ROOT / "results",
+    *,
+    notes: Sequence[str] = (),
+    extra: dict[str, Any] | None = None,
 ) -> int:
     """Alternate ``work.rounds`` rounds of ours and peer on ``model_dir`` (its path
     the model's name, its tokenizer the prompts'); print and write the table
-    (:func:`write_results`). Blocks for the whole run (minutes)."""
+    (:func:`write_results`, with ``notes`` and ``extra``). Blocks for the whole
+    run (minutes)."""
     rounds = run_rounds(label, [ours, peer], str(model_dir), model_dir, work, result_dir)
-    write_results(label, rounds, result_dir=result_dir)
+    write_results(label, rounds, notes=notes, extra=extra, result_dir=result_dir)
     return 0

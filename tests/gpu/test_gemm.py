@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tserve.gpu.forward._gemm import (
+    _MAX_REPEATS,
+    _REPEATS,
     TUNED_ROWS,
     Plan,
     TunedLinear,
@@ -70,6 +72,35 @@ def test_measure_returns_a_library_per_row_count() -> None:
     assert plan.rows == TUNED_ROWS
     assert len(plan.libraries) == len(TUNED_ROWS)
     assert set(plan.libraries) <= set(LIBRARIES)
+
+
+class _Clock:
+    """A timer that advances by ``tick`` on every read, and counts the reads."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick, self.reads = 0.0, tick, 0
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        self.reads += 1
+        return self.now
+
+
+@needs_panels
+def test_measure_keeps_the_panels_where_they_tie_with_the_fastest() -> None:
+    """Every run takes as long (one tick), so each library ties: the warm
+    measurement underrates the panels, which the tie goes to."""
+    clock = _Clock(1.0)
+    plan = measure(torch.nn.Linear(64, 64), (1, 4), clock, LIBRARIES)
+    assert plan.libraries == ("panels", "panels")
+    assert clock.reads == 2 * len(LIBRARIES) * _REPEATS * 2  # a tick is over the budget
+
+
+def test_measure_runs_small_products_more_often() -> None:
+    """Runs far below the time budget repeat up to the most runs allowed."""
+    clock = _Clock(1e-6)
+    measure(torch.nn.Linear(64, 64), (1,), clock, LIBRARIES)
+    assert clock.reads == len(LIBRARIES) * _MAX_REPEATS * 2
 
 
 @pytest.mark.parametrize("cpu_gemm", ["auto", "onednn", pytest.param("panels", marks=needs_panels)])

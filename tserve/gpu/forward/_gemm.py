@@ -30,8 +30,12 @@ Which one wins depends on the CPU, the BLAS and the row count, so it is
 measured once per weight shape when the runner is built, at each row count
 of :data:`TUNED_ROWS`; above the last one that one's choice holds. That
 measurement repeats one weight, warm in the caches as it is not in a real
-pass, so it underrates ``panels``, whose gain is in reading memory; here it
-still picks ``panels`` from 4 rows up on every SmolLM2 shape.
+pass, so it underrates ``panels``, whose gain is in reading memory: ``panels``
+is kept where it measured within :data:`PANELS_MARGIN` of the fastest. Each
+time is the fastest of at least :data:`_REPEATS` runs (more for small
+products, up to :data:`_BUDGET_S` of runs each), by the thread's CPU time
+when torch runs on one thread (what other processes on a shared machine
+take does not count), else by the wall clock.
 
 The libraries give the same products up to float rounding (the summation
 order inside each differs), the same kind of difference that batching
@@ -75,7 +79,12 @@ weight; ``panels``: tserve's few-rows kernel over a panel-packed copy."""
 TUNED_ROWS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """Row counts measured; a count between two uses the lower one's choice."""
 
-_REPEATS: Final = 2  # timed runs per (rows, library) after one warm-up; the fastest counts
+_REPEATS: Final = 2  # timed runs per (rows, library) after one warm-up, at least; fastest counts
+_MAX_REPEATS: Final = 12
+_BUDGET_S: Final = 0.002  # further runs while a (rows, library)'s runs took less than this
+
+PANELS_MARGIN: Final = 0.05
+"""``panels`` is chosen where it measured at most this much slower than the fastest."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +195,7 @@ def tune_linears(
     model: torch.nn.Module,
     cpu_gemm: CpuGemm = "auto",
     *,
-    timer: Callable[[], float] = time.perf_counter,
+    timer: Callable[[], float] | None = None,
 ) -> dict[str, Plan]:
     """Replace every CPU ``nn.Linear`` of ``model`` with a :class:`TunedLinear`.
 
@@ -212,6 +221,8 @@ def tune_linears(
         return {}
     if len(libraries) == 1:
         return {}
+    if timer is None:
+        timer = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     by_shape: dict[tuple[object, ...], Plan] = {}
     plans: dict[str, Plan] = {}
     for name, linear in linears:
@@ -233,7 +244,8 @@ def measure(
     timer: Callable[[], float],
     libraries: Sequence[Library],
 ) -> Plan:
-    """The fastest of ``libraries`` for ``linear`` at each row count (fastest of a few runs)."""
+    """The fastest of ``libraries`` for ``linear`` at each row count (fastest of a
+    few runs; ``panels`` where within :data:`PANELS_MARGIN` of it)."""
     weights = _Weights(linear, libraries)
     chosen: list[Library] = []
     with torch.inference_mode():
@@ -243,9 +255,15 @@ def measure(
             for library in libraries:
                 weights.product(library, x)  # warm-up
                 seconds[library] = float("inf")
-                for _ in range(_REPEATS):
+                spent, runs = 0.0, 0
+                while runs < _REPEATS or (spent < _BUDGET_S and runs < _MAX_REPEATS):
                     start = timer()
                     weights.product(library, x)
-                    seconds[library] = min(seconds[library], timer() - start)
-            chosen.append(min(seconds, key=seconds.__getitem__))
+                    took = timer() - start
+                    seconds[library] = min(seconds[library], took)
+                    spent, runs = spent + took, runs + 1
+            fastest = min(seconds, key=seconds.__getitem__)
+            if seconds.get("panels", float("inf")) <= seconds[fastest] * (1 + PANELS_MARGIN):
+                fastest = "panels"
+            chosen.append(fastest)
     return Plan(tuple(rows), tuple(chosen))

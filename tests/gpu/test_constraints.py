@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.gpu.cores import small_core
-from tests.gpu.test_engine_core import PEER, _drive, _Run
+from tests.gpu.test_engine_core import PEER, _collect, _drive, _Result, _Run
 from tserve.gpu.engine._engine_core import EngineCore
 from tserve.gpu.sampling._constraints import (
     MASK_FAULT_ENV,
@@ -168,15 +168,23 @@ def test_a_rejected_token_ends_only_that_request(
 
 
 def test_abort_mid_grammar_frees_the_matcher(core: EngineCore) -> None:
-    long = Regex("[a-z]{300}")
-    run = _drive(
-        core,
-        {0: [_request("long", long, max_tokens=400), _request("other", Regex(PATTERN), prompt=1)]},
-        aborts={5: ["long"]},
-    )
-    assert run.results["long"].finish is FinishReason.ABORT
-    assert 0 < len(run.results["long"].tokens) < 300
-    _assert_valid(core, run, "other", Regex(PATTERN))
+    """Aborted once it has sampled under its grammar (a step count would race the
+    compile and the mask threads: a row whose mask is late samples in a later step)."""
+    core.add(_request("long", Regex("[a-z]{300}"), max_tokens=400), PEER)
+    core.add(_request("other", Regex(PATTERN), prompt=1), PEER)
+    results: dict[str, _Result] = {}
+    for step in range(2000):  # a hang guard, not a pace
+        _collect(results, core.step(), step)
+        if "long" in results and results["long"].tokens:
+            break
+    core.abort(["long"])
+    while core.has_work:
+        step += 1
+        assert step < 4000, "the engine did not finish (hang guard)"
+        _collect(results, core.step(), step)
+    assert results["long"].finish is FinishReason.ABORT
+    assert 0 < len(results["long"].tokens) < 300
+    _assert_valid(core, _Run(results, step, 0), "other", Regex(PATTERN))
     _idle(core)
 
 

@@ -575,8 +575,8 @@ AVX2 INLINE __m256 q4_scales(int fmt, const uint8_t *src, __m256 *offsets) {
 
 /* A Q4/Q5 panel block's quants as 32 bytes per group, a row per 32-bit lane:
  * lo[g] elements 4g..4g+3 of each row (the low nibbles), hi[g] elements
- * 16 + 4g.. (the high ones); Q5: each with its fifth bit (the rows' 4 bytes of
- * fifth bits after the quants, a row per lane once loaded). */
+ * 16 + 4g.. (the high ones); Q5: each with its fifth bit (the packed fifth
+ * bits after the quants, a row per lane as loaded). */
 AVX2 INLINE void q4_groups(int fmt, const uint8_t *quants, __m256i lo[4], __m256i hi[4]) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (int g = 0; g < 4; g++) {

@@ -46,8 +46,8 @@ import zmq
 
 from benchmarks._results import REPO_ROOT, result_stem, write_json
 from tserve import protocol as p
+from tserve._gc import serving_gc
 from tserve.mux import Mailbox, Mux
-from tserve.nursery._gc import serving_gc
 
 
 def _request_ids(readers: int) -> list[str]:

@@ -26,9 +26,9 @@ _UNDER_THE_MUX = {"protocol", "sampling", "validity", "_host", "_curve", "_error
 """What the mux may import; the packages above it (nursery, web) may import it too."""
 LAYERS: dict[str, set[str]] = {
     "web": {"nursery", "mux", "grammar", *_UNDER_THE_MUX},
-    "nursery": {"mux", "grammar", "_model_json", *_UNDER_THE_MUX},
+    "nursery": {"mux", "grammar", "_model_json", "_gc", *_UNDER_THE_MUX},
     "mux": _UNDER_THE_MUX,
-    "gpu": {"protocol", "sampling", "validity", "grammar", "_host", "_model_json", "_curve"},
+    "gpu": {"protocol", "sampling", "validity", "grammar", "_host", "_model_json", "_curve", "_gc"},
     "bench": {"_host"},
     "protocol": {"engine_config", "sampling"},
     "engine_config": set(),
@@ -39,6 +39,7 @@ LAYERS: dict[str, set[str]] = {
     "_model_json": set(),
     "_curve": {"_errors"},
     "_errors": set(),
+    "_gc": set(),
 }
 
 

@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator
 
 import trio
 
+from tserve._gc import serving_gc
 from tserve._models_dir import ModelsDir
 from tserve.nursery import LLM, ClientSettings, EngineDeadError, attach_llm
-from tserve.nursery._gc import serving_gc
 from tserve.nursery._keeper import DEFAULT_FIT_TIMEOUT
 from tserve.nursery._open import EngineOwner
 from tserve.nursery._open_registry import open_registry

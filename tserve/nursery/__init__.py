@@ -44,7 +44,6 @@ Modules, each with one job (imports run down this list, never up)::
     _watch.py           process watchers: an engine's exit becomes engine death,
                         the embedding engine's death the generation engine's
     _engine_process.py  starting and stopping an engine process
-    _gc.py              cyclic-GC settings while serving
     _results.py         what a caller gets: Delta, Usage, Completion
     _errors.py          the error types (LLMError and its subclasses)
 """

@@ -27,12 +27,12 @@ import anyio
 import msgspec
 
 from tserve._curve import client_keys, require_keys
+from tserve._gc import serving_gc
 from tserve.mux import Link
 from tserve.nursery._admission import Overload
 from tserve.nursery._client import ClientSettings, EngineClient
 from tserve.nursery._embedder import Embedder, embedding_config
 from tserve.nursery._engine_process import EngineRef, start_engine
-from tserve.nursery._gc import serving_gc
 from tserve.nursery._llm import LLM
 from tserve.nursery._session import EngineSession, engine_session
 from tserve.nursery._tokenizer import load_chat_tokenizer, load_encoder_tokenizer

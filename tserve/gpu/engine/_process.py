@@ -53,6 +53,7 @@ from typing import Final
 import zmq
 
 from tserve._curve import ServerKeys
+from tserve._gc import serving_gc
 from tserve.gpu.engine._bind import bind_engine_socket
 from tserve.gpu.engine._core import Core, tokenizer_bundle
 from tserve.gpu.engine._lifeline import Lifeline, ParentLifeline, SignalLifeline, Stopped
@@ -135,7 +136,8 @@ def run_engine(
                 return 0
             trim_heap()
             try:
-                return _serve(core, sock, outbox, tick, lifeline)
+                with serving_gc():  # the loaded model's heap frozen, gen-0 collections rarer
+                    return _serve(core, sock, outbox, tick, lifeline)
             finally:
                 core.close()
     except Stopped:  # a stop that landed just after loading finished

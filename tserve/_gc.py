@@ -1,8 +1,10 @@
-"""Cyclic-GC settings for a serving process.
+"""Cyclic-GC settings for a serving process: an API process once it has
+started, an engine once its model has loaded. Imports nothing of tserve.
 
-A serving API process holds a large, long-lived heap after startup (the
-tokenizer, the web app, the mux) and then allocates many short-lived,
-acyclic containers per engine step (token-id lists of every delta). With
+Both hold a large, long-lived heap by then (the tokenizer, the web app, the
+mux; the model's modules, the scheduler, the grammar compiler) and then
+allocate many short-lived, acyclic containers per engine step (token-id
+lists of every delta, a step's sequences and outputs). With
 CPython's defaults, each full collection walks the whole startup heap, and
 gen-0 collections fire every 700 allocations in the middle of decoding a
 frame, promoting its lists into older generations. Both costs scale with

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from tserve.nursery._gc import GEN0_THRESHOLD, serving_gc
+from tserve._gc import GEN0_THRESHOLD, serving_gc
 
 
 def test_serving_gc_freezes_and_restores() -> None:

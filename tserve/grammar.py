@@ -35,6 +35,7 @@ while it works), so callers run them off their event loop or step loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from typing import Any, Final
@@ -253,9 +254,16 @@ def llg_tokenizer(
     ``vocab_size``: the model's (its logits' width), when it is larger than
     the tokenizer's (padding rows, never allowed by a grammar).
     ``eos_token_ids``: the model's EOS ids (default: llguidance's guess).
-    Blocking: a fraction of a second for a 50k vocabulary. Raises ValueError
-    for a tokenizer llguidance cannot read.
+    Blocking, and holding the GIL throughout: a fraction of a second for a
+    50k vocabulary; built once where the model's ``vocab_size`` is at least
+    the tokenizer's (twice otherwise). Raises ValueError for a tokenizer
+    llguidance cannot read.
     """
+    if vocab_size is not None:
+        eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        # Too small for the tokenizer (or unreadable): the general path below.
+        with contextlib.suppress(ValueError, RuntimeError):
+            return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
     try:
         base = llguidance.LLTokenizer(tokenizer_json)
         n_vocab = vocab_size if vocab_size is not None and vocab_size > base.vocab_size else None

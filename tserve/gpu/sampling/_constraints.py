@@ -110,8 +110,11 @@ class GrammarCompiler:
     """Constraints to matchers, compiled in one worker thread. Not thread-safe:
     one owner (the step loop) calls it; only the compile runs in the thread.
 
-    The llguidance tokenizer is built in the same thread first (a fraction of
-    a second for a 50k vocabulary), so neither start-up nor a step waits for it.
+    The llguidance tokenizer is built in the same thread, before the first
+    compile: building it holds the GIL (a fraction of a second for a 50k
+    vocabulary, seconds on a busy machine), so an engine that serves no
+    constrained request never builds it, and its start, its ready reply and
+    its first steps never wait for it. The first constrained request does.
 
     The compile thread runs at a lower priority (``lower_thread_priority``)
     and holds the GIL only between llguidance's calls, which release it: a
@@ -136,12 +139,11 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="tserve-grammar", initializer=lower_thread_priority
         )
-        self._tokenizer = self._pool.submit(
-            llg_tokenizer, tokenizer_json, vocab_size=vocab_size, eos_token_ids=eos_token_ids
-        )
-        # What building it freed (its parse: tens of MB for a 50k vocabulary) goes
-        # back to the kernel, as the engine's own load garbage does (_heap.py).
-        self._pool.submit(trim_heap)
+        # The tokenizer's build, once asked for (_built); its text until then.
+        self._tokenizer: concurrent.futures.Future[llguidance.LLTokenizer] | None = None
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos_order = tuple(eos_token_ids)
         # The grammar texts. Bound: one at a time, for the one compile running.
         self._texts = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="tserve-grammar-text"
@@ -158,7 +160,22 @@ class GrammarCompiler:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's tokenizer. Blocks until it is built; raises ValueError if it cannot be."""
-        return self._tokenizer.result()
+        return self._built().result()
+
+    def _built(self) -> concurrent.futures.Future[llguidance.LLTokenizer]:
+        """The tokenizer's build in the worker thread, queued on the first call."""
+        if self._tokenizer is None:
+            self._tokenizer = self._pool.submit(
+                llg_tokenizer,
+                self._tokenizer_json,
+                vocab_size=self._vocab_size,
+                eos_token_ids=self._eos_order,
+            )
+            self._tokenizer_json = ""
+            # What building it freed (its parse: tens of MB for a 50k vocabulary) goes
+            # back to the kernel, as the engine's own load garbage does (_heap.py).
+            self._pool.submit(trim_heap)
+        return self._tokenizer
 
     def start(self, key: bytes, constraint: Constraint) -> None:
         """Queue the compile of ``constraint`` (``key``: its :func:`constraint_key`)
@@ -166,6 +183,7 @@ class GrammarCompiler:
         if key in self._cache:
             self._cache.move_to_end(key)
         elif key not in self._running:
+            self._built()
             self._running[key] = self._pool.submit(self._compile, constraint)
 
     def result(self, key: bytes, constraint: Constraint) -> Compiled | None:

@@ -38,12 +38,13 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Sequence
-from typing import Any, Final
-
-import llguidance
+from typing import TYPE_CHECKING, Any, Final
 
 from tserve.sampling import Choice, Constraint, JsonSchema, LarkGrammar, Regex
 from tserve.validity import Problem
+
+if TYPE_CHECKING:  # imported where used: an engine that constrains nothing never needs it
+    import llguidance
 
 __all__ = [
     "ANY_JSON_OBJECT",
@@ -133,6 +134,8 @@ def grammar_text(constraint: Constraint) -> str:
     :func:`constraint_problem`), except ValueError for a JsonSchema whose
     schema is not a JSON object. Equal constraints give equal texts.
     """
+    import llguidance
+
     if isinstance(constraint, JsonSchema):
         schema = _schema_with_options(constraint.schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema)
@@ -179,6 +182,8 @@ def text_problem(
 ) -> Problem | None:
     """:func:`constraint_problem` for ``constraint`` whose grammar text is ``text``
     (:func:`checked_text`'s). Blocking: llguidance's work, which releases the GIL."""
+    import llguidance
+
     if tokenizer is None:
         message = llguidance.LLMatcher.validate_grammar(text)
         return Problem("constraint", f"{_kind(constraint)}: {message.strip()}") if message else None
@@ -259,6 +264,8 @@ def llg_tokenizer(
     the tokenizer's (twice otherwise). Raises ValueError for a tokenizer
     llguidance cannot read.
     """
+    import llguidance
+
     if vocab_size is not None:
         eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
         # Too small for the tokenizer (or unreadable): the general path below.

@@ -62,9 +62,8 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final, TypeAlias
 
-import llguidance
 import msgspec
 import numpy as np
 import numpy.typing as npt
@@ -74,6 +73,9 @@ from tserve.gpu.kernels._heap import trim_heap
 from tserve.gpu.scheduling._sequence import Sequence as Seq
 from tserve.grammar import first_line, grammar_text, llg_tokenizer, start_problem
 from tserve.sampling import Constraint
+
+if TYPE_CHECKING:  # imported where used: an engine that constrains nothing never needs it
+    import llguidance
 
 __all__ = [
     "MASK_FAULT_ENV",
@@ -93,7 +95,7 @@ MASK_HOLD_ENV: Final = "TSERVE_TEST_FAULT_MASK_HOLD"
 MASK_MISSES: Final = 8
 """Masks in a row over the budget before a grammar is ended."""
 
-Compiled = llguidance.LLMatcher | str
+Compiled: TypeAlias = "llguidance.LLMatcher | str"
 """A compiled grammar's matcher at its start, or why it did not compile."""
 
 _ENCODE: Final = msgspec.msgpack.Encoder().encode
@@ -227,6 +229,8 @@ class GrammarCompiler:
             text = self._texts.submit(grammar_text, constraint).result()
         except (ValueError, RecursionError) as exc:
             return f"the constraint is invalid: {exc}"
+        import llguidance
+
         try:
             matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
             if matcher.is_error():

@@ -261,7 +261,7 @@ def llg_tokenizer(
     ``eos_token_ids``: the model's EOS ids (default: llguidance's guess).
     Blocking, and holding the GIL throughout: a fraction of a second for a
     50k vocabulary; built once where the model's ``vocab_size`` is at least
-    the tokenizer's (twice otherwise). Raises ValueError for a tokenizer
+    the tokenizer's (three times otherwise). Raises ValueError for a tokenizer
     llguidance cannot read.
     """
     import llguidance

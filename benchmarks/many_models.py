@@ -17,8 +17,9 @@ phase starts its server fresh:
    a second one's warm. Then **mixed**: ``--streams`` streams to each of
    the three models at once (``--max-tokens`` each), counting errors: a
    status other than 200, an error event, or a stream without ``[DONE]``.
-2. **switch** (tserve with ``--models-memory`` 1.5 x the largest engine RSS
-   that phase 1 measured, so one model fits and two do not;
+2. **switch** (tserve with ``--models-memory`` 1.5 x the most that its
+   budget counted for one model in phase 1, read from the model's
+   ``resident_bytes`` after its cold request, so one model fits and two do not;
    ``llama-server --models-max 1``): requests alternate between two models,
    ``2 x --rounds`` of them after the first; each one's TTFT includes
    unloading the other model and loading its own. Then the same mixed
@@ -69,7 +70,7 @@ from benchmarks.compare import OFFLINE  # noqa: E402
 
 MODELS = ("smol-a", "smol-b", "smol-c")
 PROMPT_TOKENS = 16
-BUDGET_FACTOR = 1.5  # x the largest engine RSS: one model fits, two do not
+BUDGET_FACTOR = 1.5  # x what the budget counts for one model: one fits, two do not
 
 
 def model_folder(gguf: Path, folder: Path) -> list[Path]:
@@ -163,12 +164,17 @@ def unload(url: str, model: str, timeout: float = 120.0) -> None:
 
 
 def cold_warm(url: str, rounds: int, rng: random.Random) -> dict[str, list[float]]:
-    """Per round and model: unload, one cold TTFT (load included), one warm TTFT."""
-    found: dict[str, list[float]] = {"cold": [], "warm": []}
+    """Per round and model: unload, one cold TTFT (load included), one warm TTFT;
+    and after the cold one, the bytes its card's ``resident_bytes`` counts
+    (tserve's: what its memory budget counts for the model; none for llama)."""
+    found: dict[str, list[float]] = {"cold": [], "warm": [], "resident_bytes": []}
     for _ in range(rounds):
         for model in MODELS:
             unload(url, model)
             found["cold"].append(ttft(url, model, _prompt(rng)))
+            card = httpx.get(f"{url}/v1/models/{model}", timeout=30)
+            if card.status_code == 200 and "resident_bytes" in card.json():
+                found["resident_bytes"].append(card.json()["resident_bytes"])
             found["warm"].append(ttft(url, model, _prompt(rng)))
     return found
 
@@ -380,9 +386,14 @@ def run_tserve(folder: Path, out: Path, s: Settings, rng: random.Random) -> dict
     one = phase(peer, out / "tserve-cold-warm.log", first)
     found: dict[str, Any] = {"cold_warm": one}
     single = max(one[key]["peak_per_process_mib"][0] for key in ("before_mixed_memory", "memory"))
-    budget = int(BUDGET_FACTOR * single * 2**20)
+    counted = max(one["resident_bytes"], default=single * 2**20)
+    budget = int(BUDGET_FACTOR * counted)
     flags = ("--models-memory", str(budget), "--model-fit-timeout", "60", "--keep-alive", "10m")
-    print(f"tserve: largest engine RSS {single:.0f} MiB; --models-memory {budget}", flush=True)
+    print(
+        f"tserve: largest engine RSS {single:.0f} MiB, {counted / 2**20:.0f} MiB counted "
+        f"after its first answer; --models-memory {budget}",
+        flush=True,
+    )
     budgeted = tserve_peer("tserve " + " ".join(flags), folder, *flags)
     try:
         switch = phase(budgeted, out / "tserve-switch.log", second)

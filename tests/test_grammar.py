@@ -224,3 +224,28 @@ def test_grammars_that_can_write_something_pass(
     tokenizer: llguidance.LLTokenizer, constraint: Constraint
 ) -> None:
     assert constraint_problem(constraint, tokenizer) is None
+
+
+@pytest.mark.parametrize(
+    ("vocab_size", "eos", "want_size", "want_eos"),
+    [
+        (None, [2], 512, 2),
+        (512, [2], 512, 2),  # the model's vocabulary is the tokenizer's: built once
+        (520, [2], 520, 2),  # padding rows past the tokenizer's
+        (500, [2], 512, 2),  # smaller than the tokenizer's: the tokenizer's size
+        (512, [600], 512, None),  # an EOS id past the vocabulary is left out
+    ],
+)
+def test_llguidance_s_tokenizer_is_as_wide_as_the_model_s_logits(
+    tiny_model_dir: Path,
+    vocab_size: int | None,
+    eos: list[int],
+    want_size: int,
+    want_eos: int | None,
+) -> None:
+    built = llg_tokenizer(
+        (tiny_model_dir / "tokenizer.json").read_text(), vocab_size=vocab_size, eos_token_ids=eos
+    )
+    assert built.vocab_size == want_size
+    if want_eos is not None:
+        assert built.eos_token == want_eos

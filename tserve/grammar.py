@@ -35,14 +35,16 @@ while it works), so callers run them off their event loop or step loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
-from typing import Any, Final
-
-import llguidance
+from typing import TYPE_CHECKING, Any, Final
 
 from tserve.sampling import Choice, Constraint, JsonSchema, LarkGrammar, Regex
 from tserve.validity import Problem
+
+if TYPE_CHECKING:  # imported where used: an engine that constrains nothing never needs it
+    import llguidance
 
 __all__ = [
     "ANY_JSON_OBJECT",
@@ -132,6 +134,8 @@ def grammar_text(constraint: Constraint) -> str:
     :func:`constraint_problem`), except ValueError for a JsonSchema whose
     schema is not a JSON object. Equal constraints give equal texts.
     """
+    import llguidance
+
     if isinstance(constraint, JsonSchema):
         schema = _schema_with_options(constraint.schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema)
@@ -178,6 +182,8 @@ def text_problem(
 ) -> Problem | None:
     """:func:`constraint_problem` for ``constraint`` whose grammar text is ``text``
     (:func:`checked_text`'s). Blocking: llguidance's work, which releases the GIL."""
+    import llguidance
+
     if tokenizer is None:
         message = llguidance.LLMatcher.validate_grammar(text)
         return Problem("constraint", f"{_kind(constraint)}: {message.strip()}") if message else None
@@ -253,9 +259,18 @@ def llg_tokenizer(
     ``vocab_size``: the model's (its logits' width), when it is larger than
     the tokenizer's (padding rows, never allowed by a grammar).
     ``eos_token_ids``: the model's EOS ids (default: llguidance's guess).
-    Blocking: a fraction of a second for a 50k vocabulary. Raises ValueError
-    for a tokenizer llguidance cannot read.
+    Blocking, and holding the GIL throughout: a fraction of a second for a
+    50k vocabulary; built once where the model's ``vocab_size`` is at least
+    the tokenizer's (three times otherwise). Raises ValueError for a tokenizer
+    llguidance cannot read.
     """
+    import llguidance
+
+    if vocab_size is not None:
+        eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        # Too small for the tokenizer (or unreadable): the general path below.
+        with contextlib.suppress(ValueError, RuntimeError):
+            return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
     try:
         base = llguidance.LLTokenizer(tokenizer_json)
         n_vocab = vocab_size if vocab_size is not None and vocab_size > base.vocab_size else None

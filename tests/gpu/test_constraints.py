@@ -565,3 +565,25 @@ def test_masks_run_on_the_cores_the_forward_pass_leaves(tiny_model_dir: Path) ->
             [t for o in outputs["c"] for t in o.token_ids]
         )
         core.close()
+
+
+def test_the_llguidance_tokenizer_is_built_for_the_first_constrained_request_only(
+    tiny_model_dir: Path,
+) -> None:
+    """Building it holds the GIL: an engine serving plain requests never builds it."""
+    compiler = GrammarCompiler(
+        (tiny_model_dir / "tokenizer.json").read_text(),
+        vocab_size=512,
+        eos_token_ids=[2],
+        cache_size=2,
+    )
+    assert compiler._tokenizer is None
+    regex = Regex("a+")
+    compiler.start(constraint_key(regex), regex)
+    assert compiler._tokenizer is not None
+    while (matcher := compiler.result(constraint_key(regex), regex)) is None:
+        compiler.wait(1.0)
+    assert not isinstance(matcher, str)
+    assert matcher.consume_token(compiler.tokenizer.tokenize_str("a")[0])
+    assert compiler.tokenizer.vocab_size == 512 and compiler.tokenizer.eos_token == 2
+    compiler.close()

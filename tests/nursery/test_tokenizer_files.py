@@ -15,7 +15,11 @@ import pytest
 from tests.nursery.tokenizer_pair import Pair
 from tserve.gpu.models._directory import default_embedding_model_dir
 from tserve.nursery._chat_template import ChatTemplateError
-from tserve.nursery._model_tokenizer import load_encoder_pipeline, load_model_tokenizer
+from tserve.nursery._model_tokenizer import (
+    cached_model_tokenizer,
+    load_encoder_pipeline,
+    load_model_tokenizer,
+)
 from tserve.nursery._tokenizer_files import TokenizerFilesError, read_tokenizer_files
 
 HI = [{"role": "user", "content": "hi"}]
@@ -147,3 +151,19 @@ def test_an_encoder_without_tokenizer_json_builds_bert_wordpiece(tmp_path: Path)
     (bert / "vocab.txt").unlink()
     with pytest.raises(TokenizerFilesError, match="no tokenizer"):
         load_encoder_pipeline(bert)
+
+
+def test_a_tokenizer_is_built_once_while_its_files_stay_as_they_were(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    directory = _model(tmp_path / "m", tiny_model_dir, {"chat_template": TEMPLATE})
+    first = cached_model_tokenizer(directory)
+    assert cached_model_tokenizer(directory) is first  # the next load of the model
+    assert first.render_chat(HI) == "<user>hi"
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": TEMPLATE.replace("<", "<<")})  # another size
+    )
+    rewritten = cached_model_tokenizer(directory)
+    assert rewritten is not first and rewritten.render_chat(HI) == "<<user>hi"
+    (directory / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert cached_model_tokenizer(directory).render_chat(HI) == "hi!"  # a new file counts

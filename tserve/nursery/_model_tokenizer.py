@@ -23,12 +23,17 @@ applies to some Mistral tokenizers. For those the ids can differ.
 Every call is CPU work: blocking, never a checkpoint. A long text is
 encoded with the GIL released (see :meth:`ModelTokenizer.encode`), and
 nothing here holds per-call state, so threads may share one ModelTokenizer.
+:func:`cached_model_tokenizer` keeps the last few built, for a model's next
+load (a model unloaded and loaded again, a switch between models).
 """
 
 from __future__ import annotations
 
+import collections
+import os
+import threading
 from pathlib import Path
-from typing import Unpack
+from typing import Final, Unpack
 
 from tokenizers import (
     AddedToken,
@@ -50,7 +55,13 @@ from tserve.nursery._tokenizer_files import (
     read_tokenizer_files,
 )
 
-__all__ = ["ModelTokenizer", "load_encoder_pipeline", "load_model_tokenizer"]
+__all__ = [
+    "CACHED_TOKENIZERS",
+    "ModelTokenizer",
+    "cached_model_tokenizer",
+    "load_encoder_pipeline",
+    "load_model_tokenizer",
+]
 
 # Texts at least this long are encoded with the GIL released. Why: the
 # binding's one-text call holds the GIL throughout (4 MB of text: 6 s here,
@@ -150,6 +161,49 @@ class ModelTokenizer:
     def encode_chat(self, messages: object, **options: Unpack[ChatOptions]) -> list[int]:
         """Prompt ids of a chat: :meth:`render_chat`, then :meth:`encode`."""
         return self.encode(self.render_chat(messages, **options))
+
+
+CACHED_TOKENIZERS: Final = 8
+"""How many built tokenizers :func:`cached_model_tokenizer` keeps, least recently used dropped."""
+
+_cached: collections.OrderedDict[tuple[object, ...], ModelTokenizer] = collections.OrderedDict()
+_cached_lock = threading.Lock()
+
+
+def cached_model_tokenizer(directory: str | Path) -> ModelTokenizer:
+    """:func:`load_model_tokenizer`'s tokenizer of ``directory``, built once
+    while the directory's files stay as they were: keyed by its path and the
+    name, inode, size and modification time of each file in it and in its
+    ``additional_chat_templates``, so that a file rewritten is read afresh.
+    At most :data:`CACHED_TOKENIZERS` are kept (tens of MB each for a large
+    vocabulary). Blocking (a worker thread); thread-safe, and two threads
+    that miss at once both build it."""
+    key = _identity(Path(directory))
+    with _cached_lock:
+        found = _cached.get(key)
+        if found is not None:
+            _cached.move_to_end(key)
+            return found
+    tokenizer = load_model_tokenizer(directory)
+    with _cached_lock:
+        _cached[key] = tokenizer
+        while len(_cached) > CACHED_TOKENIZERS:
+            _cached.popitem(last=False)
+    return tokenizer
+
+
+def _identity(root: Path) -> tuple[object, ...]:
+    """``root`` and its files' (and chat templates') names, inodes, sizes and times."""
+    files: list[tuple[str, int, int, int]] = []
+    for folder in (root, root / "additional_chat_templates"):
+        if not folder.is_dir():
+            continue
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_file():
+                    stat = entry.stat()
+                    files.append((entry.path, stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    return (str(root.resolve()), tuple(sorted(files)))
 
 
 def load_model_tokenizer(directory: str | Path) -> ModelTokenizer:

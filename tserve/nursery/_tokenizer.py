@@ -183,10 +183,12 @@ def _chat_chars(messages: list[Message], tools: Tools = None) -> int:
 
 
 def load_chat_tokenizer(path: str) -> ChatTokenizer:
-    """The generation model's tokenizer from its directory. Blocking (a worker thread)."""
-    from tserve.nursery._model_tokenizer import load_model_tokenizer
+    """The generation model's tokenizer from its directory. Blocking (a worker
+    thread); built once while the directory's files stay as they were
+    (:func:`~tserve.nursery._model_tokenizer.cached_model_tokenizer`)."""
+    from tserve.nursery._model_tokenizer import cached_model_tokenizer
 
-    return ChatTokenizer(load_model_tokenizer(path))
+    return ChatTokenizer(cached_model_tokenizer(path))
 
 
 def load_encoder_tokenizer(path: str) -> EncoderTokenizer:

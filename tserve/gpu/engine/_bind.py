@@ -27,11 +27,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from tserve._curve import ServerKeys, is_network_address
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 __all__ = ["RCVHWM", "SNDHWM", "bind_engine_socket"]
 
@@ -91,6 +94,9 @@ def bind_engine_socket(
             sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(heartbeat_interval * 500)))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, round(heartbeat_interval * 1000)))
         if keys is not None:
+            # Imported here: it imports asyncio, which an engine without keys never needs.
+            from zmq.auth.thread import ThreadAuthenticator
+
             auth = ThreadAuthenticator(context, log=logging.getLogger("tserve.engine.zap"))
             auth.start()
             auth.configure_curve_callback(domain="*", credentials_provider=_KnownKeys(keys))

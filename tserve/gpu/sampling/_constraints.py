@@ -67,9 +67,8 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final, TypeAlias
 
-import llguidance
 import msgspec
 import numpy as np
 import numpy.typing as npt
@@ -79,6 +78,9 @@ from tserve.gpu.kernels._heap import trim_heap
 from tserve.gpu.scheduling._sequence import Sequence as Seq
 from tserve.grammar import first_line, grammar_text, llg_tokenizer, start_problem
 from tserve.sampling import Constraint
+
+if TYPE_CHECKING:  # imported where used: an engine that constrains nothing never needs it
+    import llguidance
 
 __all__ = [
     "MASK_FAULT_ENV",
@@ -99,7 +101,7 @@ MASK_HOLD_ENV: Final = "TSERVE_TEST_FAULT_MASK_HOLD"
 MASK_MISSES: Final = 8
 """Masks in a row over the budget before a grammar is ended."""
 
-Compiled = llguidance.LLMatcher | str
+Compiled: TypeAlias = "llguidance.LLMatcher | str"
 """A compiled grammar's matcher at its start, or why it did not compile."""
 
 _ENCODE: Final = msgspec.msgpack.Encoder().encode
@@ -129,8 +131,11 @@ class GrammarCompiler:
     """Constraints to matchers, compiled in one worker thread. Not thread-safe:
     one owner (the step loop) calls it; only the compile runs in the thread.
 
-    The llguidance tokenizer is built in the same thread first (a fraction of
-    a second for a 50k vocabulary), so neither start-up nor a step waits for it.
+    The llguidance tokenizer is built in the same thread, before the first
+    compile: building it holds the GIL (a fraction of a second for a 50k
+    vocabulary, seconds on a busy machine), so an engine that serves no
+    constrained request never builds it, and its start, its ready reply and
+    its first steps never wait for it. The first constrained request does.
 
     The compile thread runs at a lower priority (``lower_thread_priority``)
     and holds the GIL only between llguidance's calls, which release it: a
@@ -155,12 +160,11 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="tserve-grammar", initializer=lower_thread_priority
         )
-        self._tokenizer = self._pool.submit(
-            llg_tokenizer, tokenizer_json, vocab_size=vocab_size, eos_token_ids=eos_token_ids
-        )
-        # What building it freed (its parse: tens of MB for a 50k vocabulary) goes
-        # back to the kernel, as the engine's own load garbage does (_heap.py).
-        self._pool.submit(trim_heap)
+        # The tokenizer's build, once asked for (_built); its text until then.
+        self._tokenizer: concurrent.futures.Future[llguidance.LLTokenizer] | None = None
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos_order = tuple(eos_token_ids)
         # The grammar texts. Bound: one at a time, for the one compile running.
         self._texts = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="tserve-grammar-text"
@@ -177,7 +181,22 @@ class GrammarCompiler:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's tokenizer. Blocks until it is built; raises ValueError if it cannot be."""
-        return self._tokenizer.result()
+        return self._built().result()
+
+    def _built(self) -> concurrent.futures.Future[llguidance.LLTokenizer]:
+        """The tokenizer's build in the worker thread, queued on the first call."""
+        if self._tokenizer is None:
+            self._tokenizer = self._pool.submit(
+                llg_tokenizer,
+                self._tokenizer_json,
+                vocab_size=self._vocab_size,
+                eos_token_ids=self._eos_order,
+            )
+            self._tokenizer_json = ""
+            # What building it freed (its parse: tens of MB for a 50k vocabulary) goes
+            # back to the kernel, as the engine's own load garbage does (_heap.py).
+            self._pool.submit(trim_heap)
+        return self._tokenizer
 
     def start(self, key: bytes, constraint: Constraint) -> None:
         """Queue the compile of ``constraint`` (``key``: its :func:`constraint_key`)
@@ -185,6 +204,7 @@ class GrammarCompiler:
         if key in self._cache:
             self._cache.move_to_end(key)
         elif key not in self._running:
+            self._built()
             self._running[key] = self._pool.submit(self._compile, constraint)
 
     def result(self, key: bytes, constraint: Constraint) -> Compiled | None:
@@ -228,6 +248,8 @@ class GrammarCompiler:
             text = self._texts.submit(grammar_text, constraint).result()
         except (ValueError, RecursionError) as exc:
             return f"the constraint is invalid: {exc}"
+        import llguidance
+
         try:
             matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
             if matcher.is_error():

@@ -242,6 +242,11 @@ async def test_open_models_loads_each_model_on_first_use(
             async with reg.use("a") as a, reg.use("b") as b:
                 assert reg.state("a") is ModelState.LOADED
                 texts = [(await llm.complete("hello", PARAMS)).text for llm in (a, b)]
+                # A model loaded beside others leaves llguidance's tokenizer (its
+                # build holds the API process's GIL) to its first constrained request.
+                assert (a.constraints.prepared, b.constraints.prepared) == (None, None)
+                choice = SamplingParams(max_tokens=8, constraint=tserve.Choice(("yes", "no")))
+                assert (await a.complete("Is it?", choice)).text in {"yes", "no"}
             assert texts[0] != texts[1]
             with pytest.raises(tserve.ModelNotServed, match="a, b"):
                 async with reg.use("c"):

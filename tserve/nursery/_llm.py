@@ -74,7 +74,6 @@ class LLM(EngineClient):
         self.constraints = ConstraintCheck(
             tokens.tokenizer.tokenizer.to_str, lambda: self.ready.vocab_size
         )
-        self.constraints.prepare()
         self._seam = RequestSeam(
             self._mux,
             tokens.decode,

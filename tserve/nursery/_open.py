@@ -175,17 +175,32 @@ class EngineOwner:
 
     @contextlib.asynccontextmanager
     async def open_llm(
-        self, config: EngineConfig, embedding_model: str | None = None, *, freeze_gc: bool = False
+        self,
+        config: EngineConfig,
+        embedding_model: str | None = None,
+        *,
+        freeze_gc: bool = False,
+        prepare_grammars: bool = True,
     ) -> AsyncIterator[LLM]:
         """:func:`open_llm` for ``config`` (its rules), with these settings; ``freeze_gc``
-        is the serving GC settings of ``_gc.py``, for a process that serves one model."""
+        is the serving GC settings of ``_gc.py``, for a process that serves one model.
+        ``prepare_grammars`` builds llguidance's tokenizer as the LLM opens
+        (:meth:`ConstraintCheck.prepare`); a model loaded on demand beside others
+        leaves it to its first constrained request, since the build holds the
+        GIL, and so every model's streams, for a third of a second or more."""
         settings, grace, level = self.settings, self.shutdown_grace, self.log_level
         options = msgspec.structs.asdict(config)
         async with (
             start_engine(config, log_level=level, stop_grace=grace) as engine,
             _embedder_for(embedding_model, options, settings, grace, level) as emb,
             _connect_llm(
-                engine, config.model, settings, emb, owned=True, freeze_gc=freeze_gc
+                engine,
+                config.model,
+                settings,
+                emb,
+                owned=True,
+                freeze_gc=freeze_gc,
+                prepare_grammars=prepare_grammars,
             ) as llm,
         ):
             yield llm
@@ -237,7 +252,7 @@ async def attach_llm(
     engine = EngineRef(address, engine_pid, link)
     what = f"the engine at {address}"
     async with _connect_llm(
-        engine, what, settings, embedder, owned=False, freeze_gc=freeze_gc
+        engine, what, settings, embedder, owned=False, freeze_gc=freeze_gc, prepare_grammars=True
     ) as llm:
         yield llm
 
@@ -321,9 +336,11 @@ async def _connect_llm(
     *,
     owned: bool,
     freeze_gc: bool,
+    prepare_grammars: bool,
 ) -> AsyncIterator[LLM]:
     """:func:`_connect` for an LLM that serves embeddings with ``embedder``,
-    with the serving GC settings (``_gc.py``) when ``freeze_gc``. The two
+    with the serving GC settings (``_gc.py``) when ``freeze_gc``, its grammar
+    tokenizer's build started at once when ``prepare_grammars``. The two
     engines are one LLM: either's death is the other's (``dying_with``, both
     ways), so every call of the LLM, generation or embedding, fails with it."""
     connect = _connect(
@@ -331,6 +348,8 @@ async def _connect_llm(
     )
     async with connect as llm:
         llm.embedder = embedder
+        if prepare_grammars:
+            llm.constraints.prepare()
         with (
             contextlib.nullcontext()
             if embedder is None

@@ -238,7 +238,7 @@ class ModelRegistry:
             with load.scope:
                 try:
                     opened = self._owner.open_llm(
-                        spec.config, spec.embedding_model, freeze_gc=False
+                        spec.config, spec.embedding_model, freeze_gc=False, prepare_grammars=False
                     )
                     async with opened as llm:
                         model.load_seconds = time.monotonic() - started

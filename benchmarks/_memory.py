@@ -1,10 +1,12 @@
-"""A process's memory as Linux counts it (``/proc/PID/status``), and finding its children."""
+"""A process's memory and CPU time as Linux counts them (``/proc/PID/status``,
+``/proc/PID/stat``), and finding its children."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-__all__ = ["children", "engine_child", "process_memory"]
+__all__ = ["children", "engine_child", "process_memory", "tree_cpu_seconds"]
 
 _FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
@@ -48,3 +50,16 @@ def engine_child(pid: int) -> int:
         if b"tserve.gpu" in command:
             return child
     raise LookupError(f"process {pid} has no tserve engine child")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) that ``pid`` and its descendants have used
+    so far, children that exited and were waited for included. A process that
+    exits meanwhile is left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    own = sum(int(v) for v in fields[11:15]) / tick  # utime, stime, cutime, cstime
+    return own + sum(tree_cpu_seconds(child) for child in children(pid))

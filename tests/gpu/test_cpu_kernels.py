@@ -190,6 +190,20 @@ def test_the_kernels_are_the_library_the_install_built_beside_the_package() -> N
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bound_linear_is_the_product(kernels: CpuKernels, bias: bool) -> None:
+    """Over a step's [1, T, K] rows and over a strided view (copied first)."""
+    if not kernels.linear_available:
+        pytest.skip("no AVX2 here")
+    torch.manual_seed(7)
+    weight, b = torch.randn(70, 48), torch.randn(70) if bias else None
+    product = kernels.bound_linear(kernels.pack_linear(weight), b, 70)
+    for x in (torch.randn(1, 5, 48), torch.randn(48, 9).t()):
+        out = product(x)
+        assert out.shape == (*x.shape[:-1], 70)
+        torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("rows", "n", "k"),
     [

@@ -116,9 +116,11 @@ class _Weights:
         self.onednn = _pack(linear.weight) if "onednn" in libraries else None
         self.kernels = cpu_kernels() if "panels" in libraries else None
         self.panels = None
+        self._panels: Callable[[torch.Tensor], torch.Tensor] | None = None
         if self.kernels is not None:
             with torch.inference_mode():
                 self.panels = self.kernels.pack_linear(linear.weight)
+            self._panels = self.kernels.bound_linear(self.panels, self.bias, self.out_features)
 
     def product(self, library: Library, x: torch.Tensor) -> torch.Tensor:
         if library == "onednn":
@@ -128,8 +130,8 @@ class _Weights:
             )
             return out
         if library == "panels":
-            assert self.kernels is not None and self.panels is not None
-            return self.kernels.linear(x, self.panels, self.bias, self.out_features)
+            assert self._panels is not None, "a layer that uses the panels keeps packed ones"
+            return self._panels(x)
         return F.linear(x, self.weight, self.bias)
 
 

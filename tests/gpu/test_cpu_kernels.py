@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from tserve.gpu.forward._step_ops import rotate
 from tserve.gpu.kernels import _cpu_kernels
 from tserve.gpu.kernels._cpu_kernels import CpuKernels, cpu_kernels
+from tserve.gpu.kernels._library import isa_cap, kernel_library
 from tserve.gpu.kernels._quant_abi import Isa
 
 KERNELS = cpu_kernels()
@@ -23,27 +25,44 @@ def kernels() -> CpuKernels:
     return KERNELS
 
 
+@pytest.fixture(params=[0, 1, 2], ids=["portable", "avx2", "avx512"])
+def glue(kernels: CpuKernels, request: pytest.FixtureRequest) -> Iterator[CpuKernels]:
+    """The kernels with their fused fp32 loops capped at one variant (those this
+    CPU runs), as ``TSERVE_MAX_ISA`` caps them; the cap restored after."""
+    library = kernel_library()
+    assert library is not None
+    library.tserve_set_isa_cap(isa_cap())
+    if library.tserve_glue_isa() < request.param:
+        pytest.skip("this CPU has no such variant")
+    library.tserve_set_isa_cap(request.param)
+    try:
+        assert library.tserve_glue_isa() == request.param
+        yield kernels
+    finally:
+        library.tserve_set_isa_cap(isa_cap())
+
+
 @pytest.mark.parametrize("dim", [16, 64, 96, 100, 576])
-def test_add_rms_norm_adds_in_place_and_normalizes(kernels: CpuKernels, dim: int) -> None:
+def test_add_rms_norm_adds_in_place_and_normalizes(glue: CpuKernels, dim: int) -> None:
     torch.manual_seed(dim)
     residual, hidden, weight = torch.randn(5, dim) * 20, torch.randn(5, dim), torch.randn(dim)
     expected_sum = residual + hidden
-    out = kernels.add_rms_norm(residual, hidden, weight, 1e-5)
+    out = glue.add_rms_norm(residual, hidden, weight, 1e-5)
     assert torch.equal(residual, expected_sum)  # the sum, exactly, where the residual was
     torch.testing.assert_close(out, F.rms_norm(expected_sum, (dim,), weight, 1e-5))
     untouched = residual.clone()
-    out = kernels.add_rms_norm(residual, None, weight, 1e-6)  # no add: the first layer
+    out = glue.add_rms_norm(residual, None, weight, 1e-6)  # no add: the first layer
     assert torch.equal(residual, untouched)
     torch.testing.assert_close(out, F.rms_norm(untouched, (dim,), weight, 1e-6))
 
 
 @pytest.mark.parametrize("inter", [96, 1536, 37])
-def test_silu_mul_is_the_mlp_activation(kernels: CpuKernels, inter: int) -> None:
+def test_silu_mul_is_the_mlp_activation(glue: CpuKernels, inter: int) -> None:
     torch.manual_seed(inter)
     gate_up = torch.randn(6, 2 * inter) * 8  # well into both tails of silu
     gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up)
+    torch.testing.assert_close(glue.silu_mul(gate_up), F.silu(gate) * up)
 
 
 KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -52,7 +71,7 @@ KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 24)])
 def test_rope_store_rotates_q_and_k_and_fills_the_pool(
-    kernels: CpuKernels, heads: int, kv_heads: int, dim: int, kv_dtype: torch.dtype
+    glue: CpuKernels, heads: int, kv_heads: int, dim: int, kv_dtype: torch.dtype
 ) -> None:
     torch.manual_seed(heads)
     tokens, slots_total = 7, 40
@@ -66,7 +85,7 @@ def test_rope_store_rotates_q_and_k_and_fills_the_pool(
     rotated = rotate(heads3[:, : heads + kv_heads], cos[positions, None], sin[positions, None])
     values = heads3[:, heads + kv_heads :].clone()
 
-    kernels.rope_store(qkv, heads, kv_heads, positions, cos, sin, slots, k_pool, v_pool)
+    glue.rope_store(qkv, heads, kv_heads, positions, cos, sin, slots, k_pool, v_pool)
 
     torch.testing.assert_close(heads3[:, : heads + kv_heads], rotated)
     # The keys: rotated in fp32 (to its rounding), then rounded to the pool's dtype.
@@ -80,7 +99,7 @@ def test_rope_store_rotates_q_and_k_and_fills_the_pool(
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_rope_store_rounds_to_the_pools_dtype_as_torch_does(
-    kernels: CpuKernels, kv_dtype: torch.dtype
+    glue: CpuKernels, kv_dtype: torch.dtype
 ) -> None:
     """Ties to even, values past the format's range, subnormals, signed zero and
     infinities: the edges of a float cast, in the V heads (stored unrotated)."""
@@ -111,16 +130,14 @@ def test_rope_store_rounds_to_the_pools_dtype_as_torch_does(
     k_pool = torch.zeros(1, 4, dim, dtype=kv_dtype)
     v_pool = torch.zeros(1, 4, dim, dtype=kv_dtype)
     table = torch.zeros(1, dim // 2)
-    kernels.rope_store(
-        qkv, 1, 1, torch.tensor([0]), table, table, torch.tensor([2]), k_pool, v_pool
-    )
+    glue.rope_store(qkv, 1, 1, torch.tensor([0]), table, table, torch.tensor([2]), k_pool, v_pool)
     stored, expected = v_pool[0, 2], edges.to(kv_dtype)
     assert torch.equal(stored.view(torch.int16), expected.view(torch.int16)), (stored, expected)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_paged_decode_widens_the_pools_values_exactly(
-    kernels: CpuKernels, kv_dtype: torch.dtype
+    glue: CpuKernels, kv_dtype: torch.dtype
 ) -> None:
     """One key: its value row comes out as it is, widened: subnormals, the
     largest values, infinities and the smallest normal included."""
@@ -136,14 +153,14 @@ def test_paged_decode_widens_the_pools_values_exactly(
     q = torch.ones(1, 3 * dim)
     tables, lens = torch.tensor([[0]]), torch.tensor([2])  # keys at slots 0 and 1
     k_pool[0, 0] = -(2**10)  # slot 0's score is so low that its weight is exactly 0
-    out = kernels.paged_decode(q, 1, k_pool, v_pool, tables, lens, 2, 4, 1.0)
+    out = glue.paged_decode(q, 1, k_pool, v_pool, tables, lens, 2, 4, 1.0)
     assert torch.equal(out[0, 0], values.float()), (out[0, 0], values.float())
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 40)])
 def test_paged_decode_matches_attention_over_gathered_keys(
-    kernels: CpuKernels, heads: int, kv_heads: int, dim: int, kv_dtype: torch.dtype
+    glue: CpuKernels, heads: int, kv_heads: int, dim: int, kv_dtype: torch.dtype
 ) -> None:
     """Over a pool of any KV dtype: the keys and values it holds, widened to fp32."""
     torch.manual_seed(dim)
@@ -156,7 +173,7 @@ def test_paged_decode_matches_attention_over_gathered_keys(
     q = torch.randn(len(lens), (heads + 2 * kv_heads) * dim)  # rows of a qkv product
     scale = 1 / math.sqrt(dim)
 
-    out = kernels.paged_decode(
+    out = glue.paged_decode(
         q, heads, k_pool, v_pool, tables, lens, int(lens.max()), block_size, scale
     )
 

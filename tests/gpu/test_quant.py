@@ -64,13 +64,19 @@ def test_the_best_variant_is_the_one_the_cpu_flags_allow(kernels: QuantKernels) 
 
 @pytest.mark.parametrize(("cap", "isa"), [("avx2", 1), ("portable", 0)])
 def test_max_isa_caps_the_variant_that_runs(kernels: QuantKernels, cap: str, isa: int) -> None:
-    """``TSERVE_MAX_ISA``, read when the kernels load (a fresh interpreter here)."""
-    code = "from tserve.gpu.kernels._quant_abi import quant_library as q; print(q().best_isa)"
+    """``TSERVE_MAX_ISA``, read when the kernels load (a fresh interpreter here),
+    caps the products and the fused fp32 loops of ``_cpu_kernels.c`` alike."""
+    code = (
+        "from tserve.gpu.kernels._quant_abi import quant_library as q;"
+        "print(q().best_isa, q().library.tserve_glue_isa())"
+    )
     env = {**os.environ, "TSERVE_MAX_ISA": cap}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
-    assert int(done.stdout) == min(isa, kernels.best_isa)
+    products, glue = map(int, done.stdout.split())
+    assert products == min(isa, kernels.best_isa)
+    assert glue <= isa and (glue == isa or kernels.best_isa < isa)
 
 
 def _k(fmt: str, blocks: int) -> int:

@@ -18,15 +18,15 @@
 #include <string.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
-/* Each exported loop is compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2,
- * FMA, F16C) and plain x86-64, the loader picking one from the CPU's flags
- * (an ifunc) when the library loads. Reading fp16 K/V widens 8 values an
- * instruction with F16C, else in portable integer code (from_f16); writing
- * one token's K/V rounds value by value (F16C's, or libgcc's, conversion). */
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
+/* Each exported loop's body is compiled for x86-64-v4 (AVX-512), x86-64-v3
+ * (AVX2, FMA, F16C) and plain x86-64 (GLUE_ENTRY, at the end of this file),
+ * and each call runs the best this CPU has, capped by tserve_set_isa_cap
+ * (TSERVE_MAX_ISA), so a capped run is what a CPU without the rest would
+ * run. Reading fp16 K/V widens 8 values an instruction with F16C, else in
+ * portable integer code (from_f16); writing one token's K/V rounds value by
+ * value (F16C's, or libgcc's, conversion). */
 #endif
+#define GLUE static inline __attribute__((always_inline))
 
 #define LANES 16
 
@@ -158,7 +158,7 @@ static inline __attribute__((always_inline)) void exp_nonpositive(float *x, int6
 
 /* out[r, i] = silu(gate) * up for gate_up rows [gate (inter) | up (inter)]:
  * silu(g) = g / (1 + e^-g), written with e = exp(-|g|) so exp sees only x <= 0. */
-CLONES void tserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out,
+GLUE void silu_mul_body(const float *gate_up, int64_t rows, int64_t inter, float *out,
                      float *scratch) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
@@ -175,7 +175,7 @@ CLONES void tserve_silu_mul(const float *gate_up, int64_t rows, int64_t inter, f
 /* out[r, i] = gelu_tanh(gate) * up for gate_up rows [gate (inter) | up (inter)]:
  * gelu_tanh(g) = g (1 + tanh u) / 2 = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3),
  * written with e = exp(-2|u|) so exp sees only x <= 0. */
-CLONES void tserve_gelu_tanh_mul(const float *gate_up, int64_t rows, int64_t inter, float *out,
+GLUE void gelu_tanh_mul_body(const float *gate_up, int64_t rows, int64_t inter, float *out,
                                  float *scratch) {
     const float c = 0.7978845608028654f;
     for (int64_t r = 0; r < rows; r++) {
@@ -195,7 +195,7 @@ CLONES void tserve_gelu_tanh_mul(const float *gate_up, int64_t rows, int64_t int
 }
 
 /* residual += hidden (when add), then out = RMSNorm(residual) * weight, row by row. */
-CLONES void tserve_add_rms_norm(float *residual, const float *hidden, const float *weight, float *out,
+GLUE void add_rms_norm_body(float *residual, const float *hidden, const float *weight, float *out,
                          int64_t rows, int64_t dim, float eps, int add) {
     for (int64_t r = 0; r < rows; r++) {
         float *res = residual + r * dim;
@@ -239,7 +239,7 @@ static inline __attribute__((always_inline)) void rope_store(
     }
 }
 
-CLONES void tserve_rope_store(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
+GLUE void rope_store_body(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
                               int64_t kv_heads, int64_t head_dim, const int64_t *positions,
                               const float *cos_table, const float *sin_table,
                               const int64_t *slots, void *k_pool, void *v_pool,
@@ -314,7 +314,7 @@ static inline __attribute__((always_inline)) void paged_decode(
     }
 }
 
-CLONES void tserve_paged_decode(const float *q, int64_t q_stride, const void *k_pool,
+GLUE void paged_decode_body(const float *q, int64_t q_stride, const void *k_pool,
                                 const void *v_pool, int64_t num_slots, const int64_t *tables,
                                 int64_t width, const int64_t *lens, int64_t block_size,
                                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -519,3 +519,71 @@ void tserve_linear(int isa, const float *x, int64_t m_dim, int64_t k_dim, const 
     (void)isa, (void)x, (void)m_dim, (void)k_dim, (void)packed, (void)bias, (void)n_dim, (void)y;
 #endif
 }
+
+/* The exported glue loops: each body above compiled once per ISA, the call
+ * dispatched by glue_isa(). ISA codes as _quant_common.h's ISA_*: 2 here is
+ * x86-64-v4 (AVX-512 F/BW/CD/DQ/VL, VNNI not needed). */
+static int isa_cap = ISA_AVX512_VNNI; /* tserve_set_isa_cap's; set once, before any call */
+
+void tserve_set_isa_cap(int cap) { isa_cap = cap; }
+
+#if defined(__x86_64__)
+static int glue_best;
+
+__attribute__((constructor)) static void glue_detect(void) {
+    __builtin_cpu_init();
+    int v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    int v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vl");
+    glue_best = v4 ? ISA_AVX512_VNNI : v3 ? ISA_AVX2 : ISA_PORTABLE;
+}
+
+static inline int glue_isa(void) { return glue_best < isa_cap ? glue_best : isa_cap; }
+
+#define GLUE_ENTRY(name, params, args)                                                        \
+    __attribute__((target("arch=x86-64-v4"))) static void name##_v4 params { name##_body args; } \
+    __attribute__((target("arch=x86-64-v3"))) static void name##_v3 params { name##_body args; } \
+    static void name##_v1 params { name##_body args; }                                        \
+    void tserve_##name params {                                                               \
+        switch (glue_isa()) {                                                                 \
+        case ISA_AVX512_VNNI: name##_v4 args; break;                                          \
+        case ISA_AVX2: name##_v3 args; break;                                                 \
+        default: name##_v1 args; break;                                                       \
+        }                                                                                     \
+    }
+#else
+static inline int glue_isa(void) { return ISA_PORTABLE; }
+
+#define GLUE_ENTRY(name, params, args)                                                        \
+    void tserve_##name params { name##_body args; }
+#endif
+
+/* The variant the glue loops run now (the tests' view of the cap). */
+int tserve_glue_isa(void) { return glue_isa(); }
+
+GLUE_ENTRY(silu_mul,
+           (const float *gate_up, int64_t rows, int64_t inter, float *out, float *scratch),
+           (gate_up, rows, inter, out, scratch))
+GLUE_ENTRY(gelu_tanh_mul,
+           (const float *gate_up, int64_t rows, int64_t inter, float *out, float *scratch),
+           (gate_up, rows, inter, out, scratch))
+GLUE_ENTRY(add_rms_norm,
+           (float *residual, const float *hidden, const float *weight, float *out, int64_t rows,
+            int64_t dim, float eps, int add),
+           (residual, hidden, weight, out, rows, dim, eps, add))
+GLUE_ENTRY(rope_store,
+           (float *qkv, int64_t tokens, int64_t row_stride, int64_t heads, int64_t kv_heads,
+            int64_t head_dim, const int64_t *positions, const float *cos_table,
+            const float *sin_table, const int64_t *slots, void *k_pool, void *v_pool,
+            int64_t num_slots, int kv_type),
+           (qkv, tokens, row_stride, heads, kv_heads, head_dim, positions, cos_table, sin_table,
+            slots, k_pool, v_pool, num_slots, kv_type))
+GLUE_ENTRY(paged_decode,
+           (const float *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+            int64_t num_slots, const int64_t *tables, int64_t width, const int64_t *lens,
+            int64_t block_size, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+            float scale, int64_t window, float softcap, float *out, float *scores, int kv_type),
+           (q, q_stride, k_pool, v_pool, num_slots, tables, width, lens, block_size, batch, heads,
+            kv_heads, head_dim, scale, window, softcap, out, scores, kv_type))

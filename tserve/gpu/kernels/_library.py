@@ -21,13 +21,31 @@ import ctypes
 import functools
 import importlib.util
 import logging
+import os
 from typing import Any, Final
 
-__all__ = ["KV_CODES", "declare", "kernel_library", "set_threads"]
+__all__ = ["KV_CODES", "MAX_ISA_ENV", "declare", "isa_cap", "kernel_library", "set_threads"]
 
 log = logging.getLogger(__name__)
 
 _LIBRARY: Final = "tserve.gpu.kernels._kernels"  # setup.py's extension
+
+MAX_ISA_ENV: Final = "TSERVE_MAX_ISA"
+"""An environment variable that caps every kernel's instruction set at a
+variant ("portable", "avx2"; "avx512", the default, caps nothing), as a CPU
+without the rest would run; read once, when the library loads (benchmarks;
+the tests pass an ``isa`` instead)."""
+_ISA_CAPS: Final = {"portable": 0, "avx2": 1, "avx512": 2}
+
+
+def isa_cap() -> int:
+    """:data:`MAX_ISA_ENV`'s cap as an ISA code (``_quant_common.h``'s ISA_*);
+    ValueError naming the variable for an unknown name."""
+    cap = os.environ.get(MAX_ISA_ENV, "avx512")
+    if cap not in _ISA_CAPS:
+        raise ValueError(f"{MAX_ISA_ENV}={cap!r}: one of {', '.join(_ISA_CAPS)}")
+    return _ISA_CAPS[cap]
+
 
 KV_CODES: Final = {"fp32": 0, "fp16": 1, "bf16": 2}
 """The KV pool element types the kernels read and write, by ``--kv-cache-dtype``
@@ -52,10 +70,14 @@ def kernel_library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        return ctypes.CDLL(spec.origin)
+        library = ctypes.CDLL(spec.origin)
     except OSError as exc:
         log.warning("tserve's compiled CPU kernels do not load (%s); running on torch alone", exc)
         return None
+    # The fused fp32 loops (_cpu_kernels.c) pick their variant per call under
+    # this cap; the products take theirs as an argument (QuantLibrary.best_isa).
+    declare(library.tserve_set_isa_cap, ctypes.c_int)(isa_cap())
+    return library
 
 
 def set_threads(library: ctypes.CDLL, threads: int) -> None:

@@ -22,12 +22,11 @@ import ctypes
 import dataclasses
 import functools
 import logging
-import os
 from typing import Final, Literal
 
 import numpy as np
 
-from tserve.gpu.kernels._library import declare, kernel_library
+from tserve.gpu.kernels._library import MAX_ISA_ENV, declare, isa_cap, kernel_library
 
 __all__ = [
     "BLOCK_FORMATS",
@@ -97,13 +96,6 @@ Isa = Literal[0, 1, 2]
 formats' products (int8 and fp32), the K-quants' int8 products, the fp32 panel
 kernel (``_cpu_kernels.c``) and the fused step's attention, AVX2 for the rest."""
 
-MAX_ISA_ENV: Final = "TSERVE_MAX_ISA"
-"""An environment variable that caps :attr:`QuantLibrary.best_isa` at a variant
-("portable", "avx2"), as a CPU without the rest would run; read once, when
-the kernels load (benchmarks; the tests pass an ``isa`` instead)."""
-_ISA_CAPS: Final = {"portable": 0, "avx2": 1, "avx512": 2}
-
-
 def format_spec(fmt: int) -> _Format:
     """The table's entry for GGML format id ``fmt`` (KeyError: no kernel)."""
     return _FORMAT_TABLE[fmt]
@@ -136,10 +128,7 @@ class QuantLibrary:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
         library.tserve_quant_isa.restype = _INT
-        cap = os.environ.get(MAX_ISA_ENV, "avx512")
-        if cap not in _ISA_CAPS:
-            raise ValueError(f"{MAX_ISA_ENV}={cap!r}: one of {', '.join(_ISA_CAPS)}")
-        best = min(library.tserve_quant_isa(), _ISA_CAPS[cap])
+        best = min(library.tserve_quant_isa(), isa_cap())
         self.best_isa: Isa = best if best in (1, 2) else 0
         i64, ptr, c_int = _I64, _PTR, _INT
         self.linear = declare(library.tserve_qlinear, c_int, c_int, ptr, i64, i64, ptr, i64, ptr)

@@ -812,7 +812,10 @@ AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, cons
     for (int r = 0; r < rows; r++) {
         float totals[PANEL];
         row_totals(acc[r][0], acc[r][1], totals);
-        for (int c = 0; c < cols; c++) y[r * y_stride + c] = totals[c];
+        if (cols == PANEL) /* a whole panel: one store, not a call of memcpy per panel */
+            _mm256_storeu_ps(y + r * y_stride, _mm256_loadu_ps(totals));
+        else
+            for (int c = 0; c < cols; c++) y[r * y_stride + c] = totals[c];
     }
 }
 

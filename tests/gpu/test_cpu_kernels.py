@@ -158,7 +158,9 @@ def test_paged_decode_widens_the_pools_values_exactly(
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 40)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (6, 2, 40), (4, 1, 256), (10, 1, 72)]
+)
 def test_paged_decode_matches_attention_over_gathered_keys(
     glue: CpuKernels, heads: int, kv_heads: int, dim: int, kv_dtype: torch.dtype
 ) -> None:

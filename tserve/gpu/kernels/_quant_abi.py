@@ -96,6 +96,7 @@ Isa = Literal[0, 1, 2]
 formats' products (int8 and fp32), the K-quants' int8 products, the fp32 panel
 kernel (``_cpu_kernels.c``) and the fused step's attention, AVX2 for the rest."""
 
+
 def format_spec(fmt: int) -> _Format:
     """The table's entry for GGML format id ``fmt`` (KeyError: no kernel)."""
     return _FORMAT_TABLE[fmt]

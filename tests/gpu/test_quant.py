@@ -92,7 +92,12 @@ def test_every_variant_is_the_product_with_the_dequantized_weight(
     assert_every_variant_is_the_product(kernels, fmt, rows, n, k)
 
 
-_PACKED_SHAPES = [*_SHAPES, (4, 8, 32), (9, 17, 2048)]  # a whole panel; many panels of long rows
+_PACKED_SHAPES = [
+    *_SHAPES,
+    (4, 8, 32),
+    (9, 17, 2048),
+    (15, 24, 64),
+]  # a whole panel; many panels of long rows; a 7-row tile
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])

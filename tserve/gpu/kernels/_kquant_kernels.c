@@ -53,23 +53,6 @@
 #define Q6_K 14
 #define QK 256 /* weights per super-block */
 #define GROUPS 8 /* groups of 32 per super-block */
-/* Rows of x in a tile of the int8 kernels: a W row's super-block is decoded
- * once per tile (its scales, its quants), which for 4 rows took as long as
- * the products themselves. */
-#define INT8_TILE_ROWS 8
-
-/* CALL(R) for a tile of `rows` rows (1..INT8_TILE_ROWS), R a constant in each branch. */
-#define BY_INT8_TILE_ROWS(rows, CALL)                                                         \
-    switch (rows) {                                                                           \
-    case 8: CALL(8); break;                                                                   \
-    case 7: CALL(7); break;                                                                   \
-    case 6: CALL(6); break;                                                                   \
-    case 5: CALL(5); break;                                                                   \
-    case 4: CALL(4); break;                                                                   \
-    case 3: CALL(3); break;                                                                   \
-    case 2: CALL(2); break;                                                                   \
-    default: CALL(1); break;                                                                  \
-    }
 #define SCRATCH_ALIGN 64 /* bytes */
 
 static int64_t super_bytes(int fmt) {

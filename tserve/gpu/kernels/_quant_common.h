@@ -44,6 +44,25 @@
     default: CALL(1); break;                                                                  \
     }
 
+/* Rows of x in a tile of the int8 kernels that have 32 vector registers (AVX-512
+ * VNNI; the K-quants' on every x86-64 variant): a W panel's or super-block's
+ * quants are unpacked once per tile, which for 4 rows cost about as much as
+ * the products themselves. */
+#define INT8_TILE_ROWS 8
+
+/* CALL(R) for a tile of `rows` rows (1..INT8_TILE_ROWS), R a constant in each branch. */
+#define BY_INT8_TILE_ROWS(rows, CALL)                                                         \
+    switch (rows) {                                                                           \
+    case 8: CALL(8); break;                                                                   \
+    case 7: CALL(7); break;                                                                   \
+    case 6: CALL(6); break;                                                                   \
+    case 5: CALL(5); break;                                                                   \
+    case 4: CALL(4); break;                                                                   \
+    case 3: CALL(3); break;                                                                   \
+    case 2: CALL(2); break;                                                                   \
+    default: CALL(1); break;                                                                  \
+    }
+
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
     uint32_t bits;

@@ -3,8 +3,8 @@
  * y[M, N] = x[M, K] W^T, W one row per output feature in one of GGML's
  * formats (codes are GGML's type ids). Every weight byte is read once per
  * call whatever M is: a few hundred bytes of W stay in L1 while tiles of up
- * to TILE_ROWS rows of x run over them in turn, CHUNK_ROWS rows of x at a
- * time.
+ * to TILE_ROWS rows of x (INT8_TILE_ROWS for the AVX-512 VNNI panels, which
+ * have 32 registers) run over them in turn, CHUNK_ROWS rows of x at a time.
  *
  * Two activation paths:
  *
@@ -691,30 +691,31 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const 
     (FORMAT == Q8_0 ? panel_q8_##SUFFIX(panel, k, R, x, xd, y, y_stride, cols)                \
                     : panel_q4_##SUFFIX(FORMAT, panel, k, R, x, xd, xs, y, y_stride, cols))
 
-#define PANEL_KERNEL(TARGET, SUFFIX, FMT)                                                     \
+#define PANEL_KERNEL(TARGET, SUFFIX, FMT, BY_ROWS)                                            \
     TARGET static void panel_##SUFFIX##_##FMT(const uint8_t *panel, int64_t k, int rows,      \
                                               const int8_t *x, const float *xd,               \
                                               const float *xs, float *y, int64_t y_stride,    \
                                               int cols) {                                     \
         enum { FORMAT = FMT };                                                                \
         (void)xs;                                                                             \
-        BY_TILE_ROWS(rows, SUFFIX##_PANEL_TILE)                                               \
+        BY_ROWS(rows, SUFFIX##_PANEL_TILE)                                                    \
     }
 
 #define avx2_PANEL_TILE(R) PANEL_TILE(avx2, R)
-PANEL_KERNEL(AVX2, avx2, Q4_0)
-PANEL_KERNEL(AVX2, avx2, Q4_1)
-PANEL_KERNEL(AVX2, avx2, Q5_0)
-PANEL_KERNEL(AVX2, avx2, Q5_1)
-PANEL_KERNEL(AVX2, avx2, Q8_0)
+PANEL_KERNEL(AVX2, avx2, Q4_0, BY_TILE_ROWS)
+PANEL_KERNEL(AVX2, avx2, Q4_1, BY_TILE_ROWS)
+PANEL_KERNEL(AVX2, avx2, Q5_0, BY_TILE_ROWS)
+PANEL_KERNEL(AVX2, avx2, Q5_1, BY_TILE_ROWS)
+PANEL_KERNEL(AVX2, avx2, Q8_0, BY_TILE_ROWS)
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
  *
  * The packed panels of the block formats with vpdpbusd (u8 x s8, four
  * products summed into each int32) on 256-bit registers (AVX-512 VL): the
  * AVX2 kernels' loop, each maddubs and madd pair one instruction, the sums in
- * four independent chains. The same products as the AVX2 kernels', exact in
- * integers. */
+ * four independent chains, and tiles of INT8_TILE_ROWS rows of x (the
+ * quants unpacked once per tile). The same products as the AVX2 kernels',
+ * exact in integers. */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
@@ -724,7 +725,7 @@ AVX512 INLINE void panel_q4_vnni(int fmt, const uint8_t *panel, int64_t k, int r
                                  const int8_t *x, const float *xd, const float *xs, float *y,
                                  int64_t y_stride, int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
-    __m256 acc[TILE_ROWS], acc_m[TILE_ROWS];
+    __m256 acc[INT8_TILE_ROWS], acc_m[INT8_TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
@@ -755,30 +756,39 @@ AVX512 INLINE void panel_q4_vnni(int fmt, const uint8_t *panel, int64_t k, int r
         store_panel(_mm256_add_ps(acc[r], acc_m[r]), y + r * y_stride, cols);
 }
 
-/* A Q8_0 panel against `rows` int8 rows of x: per group, |w| times x with w's
- * sign, as in AVX2, one vpdpbusd each. */
+/* A Q8_0 panel against `rows` rows of x given as x + 128, unsigned (the caller's
+ * copy, tserve_qlinear_int8): vpdpbusd multiplies them by w as it is, signed,
+ * and sum (x + 128) w - 128 sum w = sum x w, exact in int32; sum w comes once
+ * per panel block and tile (a vpdpbusd of ones per group). Per x row and
+ * block: 8 vpdpbusd and 7 other vector operations, against 8 more for the
+ * sign trick of AVX2 (|w| times x with w's sign). */
 AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, const int8_t *x,
                                  const float *xd, float *y, int64_t y_stride, int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
-    __m256 acc[TILE_ROWS];
+    const uint8_t *xu = (const uint8_t *)x;
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc[INT8_TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
         prefetch_ahead(src, pb);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-        const __m256i *w = (const __m256i *)(src + 16);
-        __m256i magnitude[8];
-        for (int g = 0; g < 8; g++) magnitude[g] = _mm256_abs_epi8(_mm256_loadu_si256(w + g));
+        __m256i w[8], w_sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int g = 0; g < 8; g++) {
+            w[g] = _mm256_loadu_si256((const __m256i *)(src + 16) + g);
+            w_sum[g % 2] = _mm256_dpbusd_epi32(w_sum[g % 2], ones, w[g]);
+        }
+        __m256i bias = _mm256_slli_epi32(_mm256_add_epi32(w_sum[0], w_sum[1]), 7);
         for (int r = 0; r < rows; r++) {
-            const int8_t *xb = x + r * k + b * BLOCK;
+            const uint8_t *xb = xu + r * k + b * BLOCK;
             __m256i d[4];
             for (int g = 0; g < 8; g++) {
-                __m256i signed_x = _mm256_sign_epi8(broadcast4(xb + 4 * g), _mm256_loadu_si256(w + g));
-                d[g % 4] = _mm256_dpbusd_epi32(g < 4 ? _mm256_setzero_si256() : d[g % 4],
-                                               magnitude[g], signed_x);
+                __m256i xg = broadcast4((const int8_t *)xb + 4 * g);
+                d[g % 4] = _mm256_dpbusd_epi32(g < 4 ? _mm256_setzero_si256() : d[g % 4], xg, w[g]);
             }
-            __m256i sums = _mm256_add_epi32(_mm256_add_epi32(d[0], d[1]),
-                                            _mm256_add_epi32(d[2], d[3]));
+            __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(_mm256_add_epi32(d[0], d[1]),
+                                                             _mm256_add_epi32(d[2], d[3])),
+                                            bias);
             __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
         }
@@ -787,11 +797,11 @@ AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, cons
 }
 
 #define vnni_PANEL_TILE(R) PANEL_TILE(vnni, R)
-PANEL_KERNEL(AVX512, vnni, Q4_0)
-PANEL_KERNEL(AVX512, vnni, Q4_1)
-PANEL_KERNEL(AVX512, vnni, Q5_0)
-PANEL_KERNEL(AVX512, vnni, Q5_1)
-PANEL_KERNEL(AVX512, vnni, Q8_0)
+PANEL_KERNEL(AVX512, vnni, Q4_0, BY_INT8_TILE_ROWS)
+PANEL_KERNEL(AVX512, vnni, Q4_1, BY_INT8_TILE_ROWS)
+PANEL_KERNEL(AVX512, vnni, Q5_0, BY_INT8_TILE_ROWS)
+PANEL_KERNEL(AVX512, vnni, Q5_1, BY_INT8_TILE_ROWS)
+PANEL_KERNEL(AVX512, vnni, Q8_0, BY_INT8_TILE_ROWS)
 
 /* ------------------------------------------------------------------ AVX-512, fp32 activations
  *
@@ -948,26 +958,34 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
                         const float *x, int64_t m, float *y) {
     int64_t nb = k / BLOCK, panels = (n + PANEL - 1) / PANEL;
     int64_t panel_bytes = nb * panel_block_bytes(fmt);
-    float *scales = malloc((size_t)(2 * m * nb) * sizeof(float) + (size_t)(m * k));
+    panel_fn fast = fast_panel(isa, fmt);
+    int wide = fast && isa == ISA_AVX512_VNNI; /* 32 registers: tiles of INT8_TILE_ROWS */
+    int unsigned_x = wide && fmt == Q8_0;      /* panel_q8_vnni takes x + 128 */
+    int64_t tile = wide ? INT8_TILE_ROWS : TILE_ROWS;
+    float *scales =
+        malloc((size_t)(2 * m * nb) * sizeof(float) + (size_t)(m * k) * (unsigned_x ? 2 : 1));
     if (!scales) return -1;
     float *xd = scales, *xs = scales + m * nb;
-    int8_t *xq = (int8_t *)(scales + 2 * m * nb);
-    panel_fn fast = fast_panel(isa, fmt);
+    int8_t *xq = (int8_t *)(scales + 2 * m * nb), *xin = unsigned_x ? xq + m * k : xq;
     int threads = threads_for(n * nb * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
+        {
             tserve_quantize_q8(isa, x + r * k, 1, k, xq + r * k, xd + r * nb, xs + r * nb);
+            if (unsigned_x)
+                for (int64_t j = 0; j < k; j++) xin[r * k + j] = (int8_t)(xq[r * k + j] ^ 0x80);
+        }
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
 #pragma omp for schedule(dynamic, SHARE_ROWS / PANEL) nowait /* chunks write apart */
             for (int64_t p = 0; p < panels; p++) {
                 const uint8_t *panel = packed + p * panel_bytes;
                 int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
-                for (int64_t r = m0; r < m1; r += TILE_ROWS) {
-                    int rows = m1 - r < TILE_ROWS ? (int)(m1 - r) : TILE_ROWS;
-                    const int8_t *xr = xq + r * k;
+                for (int64_t r = m0; r < m1; r += tile) {
+                    int rows = m1 - r < tile ? (int)(m1 - r) : (int)tile;
+                    const int8_t *xr = (fast ? xin : xq) + r * k;
                     const float *dr = xd + r * nb, *sr = xs + r * nb;
                     float *yr = y + r * n + p * PANEL;
                     if (fast)

@@ -19,6 +19,8 @@ from tserve.grammar import (
     grammar_text,
     lark_json,
     llg_tokenizer,
+    matcher,
+    start_problem,
 )
 from tserve.protocol import Choice, Constraint, JsonSchema, LarkGrammar, Regex
 
@@ -224,6 +226,20 @@ def test_grammars_that_can_write_something_pass(
     tokenizer: llguidance.LLTokenizer, constraint: Constraint
 ) -> None:
     assert constraint_problem(constraint, tokenizer) is None
+
+
+def test_a_lexer_past_its_fuel_is_refused_and_one_within_it_compiles(
+    tokenizer: llguidance.LLTokenizer,
+) -> None:
+    """LEXER_FUEL bounds what building a regex's lexer costs: llguidance's own
+    default (5x more) builds this one, slowly; tserve refuses it."""
+    blow_up = Regex("((a{50}){50}){50}")
+    default = llguidance.LLMatcher(tokenizer, grammar_text(blow_up), log_level=0)
+    assert start_problem(default, tokenizer) is None
+    problem = constraint_problem(blow_up, tokenizer)
+    assert problem is not None and "too many expressions constructed" in problem.message
+    assert constraint_problem(Regex("((a{40}){40}){40}"), tokenizer) is None
+    assert not matcher(tokenizer, grammar_text(blow_up)).is_error()  # it fails as it lexes
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ __all__ = [
     "ANY_JSON_OBJECT",
     "FORCED_WALK",
     "JSON_OPTIONS",
+    "LEXER_FUEL",
     "NUMBER_BOUND",
     "bounded_schema",
     "checked_text",
@@ -58,6 +59,7 @@ __all__ = [
     "grammar_text",
     "lark_json",
     "llg_tokenizer",
+    "matcher",
     "start_problem",
     "text_problem",
 ]
@@ -67,6 +69,15 @@ NUMBER_BOUND: Final = 10**18
 
 JSON_OPTIONS: Final[dict[str, Any]] = {"whitespace_flexible": False}
 """llguidance's JSON options: compact separators, no whitespace between tokens."""
+
+LEXER_FUEL: Final = 200_000
+"""llguidance's ``initial_lexer_fuel`` for every grammar tserve compiles (its own
+default is 1,000,000): the work building a grammar's lexer may take before the
+grammar is refused as too complex ("too many expressions constructed"). A
+regex blow-up such as ``((a{100}){100}){100}`` then costs a check 0.1 s of CPU
+instead of 0.9 s (SmolLM2's vocabulary, one core); a 512-tool schema, a
+2,000-value enum or ``((a{40}){40}){40}`` still compile, ``((a{50}){50}){50}``
+no longer does."""
 
 _VALUE_REF: Final = {"$ref": "#/$defs/value"}
 ANY_JSON_OBJECT: Final[dict[str, Any]] = {
@@ -187,11 +198,21 @@ def text_problem(
     if tokenizer is None:
         message = llguidance.LLMatcher.validate_grammar(text)
         return Problem("constraint", f"{_kind(constraint)}: {message.strip()}") if message else None
-    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)  # one compile: it validates too
-    if matcher.is_error():
-        return Problem("constraint", f"{_kind(constraint)}: {matcher.get_error().strip()}")
-    problem = start_problem(matcher, tokenizer)
+    compiled = matcher(tokenizer, text)  # one compile: it validates too
+    if compiled.is_error():
+        return Problem("constraint", f"{_kind(constraint)}: {compiled.get_error().strip()}")
+    problem = start_problem(compiled, tokenizer)
     return None if problem is None else Problem("constraint", f"{_kind(constraint)}: {problem}")
+
+
+def matcher(tokenizer: llguidance.LLTokenizer, text: str) -> llguidance.LLMatcher:
+    """llguidance's matcher of grammar ``text`` (:func:`grammar_text`'s) under
+    :data:`LEXER_FUEL`; a grammar it cannot build is a matcher in its error
+    state. Blocking: llguidance's compile, which releases the GIL."""
+    import llguidance
+
+    limits = llguidance.LLParserLimits(initial_lexer_fuel=LEXER_FUEL)
+    return llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
 
 
 FORCED_WALK: Final = 8

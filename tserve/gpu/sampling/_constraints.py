@@ -77,6 +77,7 @@ from tserve._host import lower_thread_priority
 from tserve.gpu.kernels._heap import trim_heap
 from tserve.gpu.scheduling._sequence import Sequence as Seq
 from tserve.grammar import first_line, grammar_text, llg_tokenizer, start_problem
+from tserve.grammar import matcher as new_matcher
 from tserve.sampling import Constraint
 
 if TYPE_CHECKING:  # imported where used: an engine that constrains nothing never needs it
@@ -248,10 +249,8 @@ class GrammarCompiler:
             text = self._texts.submit(grammar_text, constraint).result()
         except (ValueError, RecursionError) as exc:
             return f"the constraint is invalid: {exc}"
-        import llguidance
-
         try:
-            matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            matcher = new_matcher(self.tokenizer, text)
             if matcher.is_error():
                 return f"the grammar does not compile: {matcher.get_error().strip()}"
             problem = start_problem(matcher.deep_copy(), self.tokenizer)

@@ -1,6 +1,6 @@
 """This process and its neighbours on the host: the fd limit, whether a pid
-lives, the priority of background threads, and the log format every tserve
-process writes to stderr.
+lives, the priority of background threads, the process group of a child
+process, and the log format every tserve process writes to stderr.
 
 A stdlib-only leaf: the engine process, the API processes and the benchmark
 client all import it.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import signal
 import sys
 import threading
 
@@ -18,6 +19,7 @@ __all__ = [
     "BACKGROUND_NICENESS",
     "configure_logging",
     "lower_thread_priority",
+    "own_process_group",
     "pid_alive",
     "raise_fd_limit",
 ]
@@ -43,6 +45,26 @@ def lower_thread_priority() -> None:
         )
     except OSError as exc:  # a sandbox may forbid it: the thread keeps its priority
         log.debug("could not lower a thread's priority: %s", exc)
+
+
+def own_process_group() -> None:
+    """Move this process, a child its parent stops itself (an engine, an API
+    worker), into a process group of its own within its parent's session.
+
+    The terminal's Ctrl-C and Ctrl-Z go to the foreground group, the parent's,
+    and never to the child. A session of its own (``setsid``) would do that
+    too, but under autogroup scheduling, which most desktop Linux kernels
+    enable, the CPU is shared between sessions first and by nice value only
+    within one: a grammar check thread the API process runs niced then took
+    as much of a busy CPU as the engine's step loop in another session.
+    A background group's write to the terminal stops it under ``stty tostop``
+    (SIGTTOU), so the child ignores that signal. Call it first thing: until
+    then the child is in its parent's group. Nothing where the OS has no
+    process groups."""
+    if not hasattr(os, "setpgid"):
+        return
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
 
 
 def raise_fd_limit() -> int:

@@ -184,10 +184,14 @@ def test_sigterm_drains_streams_then_exits_zero(
 ) -> None:
     """SIGTERM or Ctrl-C drains; a signal to the whole process group (a terminal's
     Ctrl-C, a supervisor's stop) does not reach the engine, which lives in a
-    session of its own, so the streams still finish. The signal comes while
-    the engine is stopped, so all three streams are in flight when it does."""
+    process group of its own (in the server's session, where the scheduler
+    weighs its threads' nice values against the API process's), so the
+    streams still finish. The signal comes while the engine is stopped, so
+    all three streams are in flight when it does."""
     server = start_server("--max-num-seqs", "1", "--shutdown-timeout", "60")
     engine = server.engine_pid
+    assert os.getsid(engine) == os.getsid(server.process.pid)
+    assert os.getpgid(engine) == engine != os.getpgid(server.process.pid)
     with server.engine_stopped():
         threads, out = start_streams(server, 3, LONG)
         if to_group:

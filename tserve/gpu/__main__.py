@@ -16,11 +16,12 @@ import sys
 
 import msgspec
 
-from tserve._host import configure_logging
+from tserve._host import configure_logging, own_process_group
 from tserve.protocol import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process_group()  # Ctrl-C at the terminal reaches the API process alone
     parser = argparse.ArgumentParser(prog="python -m tserve.gpu", description=__doc__)
     parser.add_argument("address", help="ZMQ address to bind the engine's ROUTER to")
     parser.add_argument("config", help="EngineConfig as JSON")

@@ -135,7 +135,8 @@ async def start_engine(
             stdin=subprocess.DEVNULL,
             stdout=None,
             stderr=None,
-            start_new_session=True,  # signals to our process group pass it by
+            # The engine moves to a process group of its own (own_process_group):
+            # signals to ours pass it by, and it stays in our session.
         )
         engine = EngineProcess(process, address)
         try:

@@ -30,7 +30,7 @@ import msgspec
 import trio
 from prometheus_client.exposition import generate_latest
 
-from tserve._host import configure_logging
+from tserve._host import configure_logging, own_process_group
 from tserve.web._browser import BrowserGuard
 from tserve.web._metrics import SHARED_DIR_ENV, engine_registry, request_registry
 from tserve.web._metrics_http import Rendering, serve_metrics
@@ -100,6 +100,7 @@ async def _serve(spec: MetricsSpec, shared_dir: str, listener: socket.socket) ->
 
 def main() -> int:
     """Entry point: the spec on stdin; the exit status of the module docstring."""
+    own_process_group()  # signals reach it through forward() only
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=MetricsSpec)
     configure_logging(spec.log_level)
     shared_dir = os.environ.get(SHARED_DIR_ENV)

@@ -20,7 +20,7 @@ import sys
 import msgspec
 import trio
 
-from tserve._host import configure_logging
+from tserve._host import configure_logging, own_process_group
 from tserve.web._workers import READY, WorkerSpec
 
 __all__ = ["main"]
@@ -76,6 +76,7 @@ async def _serve_worker(spec: WorkerSpec) -> int:
 
 def main() -> int:
     """Entry point of a worker: the spec on stdin; exit status as ``python -m tserve``'s."""
+    own_process_group()  # signals reach workers through forward() only
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
     configure_logging(spec.log_level)
     if os.getppid() != spec.parent_pid:

@@ -153,7 +153,8 @@ class Workers:
             [sys.executable, "-m", module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            start_new_session=True,  # signals reach workers through forward() only
+            # A worker moves to a process group of its own (own_process_group), in
+            # our session: signals reach workers through forward() only.
         )
         self._processes.append(process)
         assert process.stdin is not None

@@ -15,6 +15,7 @@ from tserve import protocol as p
 MESSAGES: list[p.Message] = [
     p.Hello(pid=123),
     p.Hello(pid=124, tokenizer=True),
+    p.Hello(pid=125, grammars=True),
     p.EngineInput(),
     p.EngineInput(
         adds=[
@@ -205,7 +206,9 @@ def test_engine_config_task_is_checked_on_decode() -> None:
 
 def test_a_hello_from_before_the_tokenizer_flag_still_decodes() -> None:
     hello = p.decode(bytes([p.Kind.HELLO]) + msgspec.msgpack.encode([7]))
-    assert hello == p.Hello(7, tokenizer=False)
+    assert hello == p.Hello(7, tokenizer=False, grammars=False)
+    hello = p.decode(bytes([p.Kind.HELLO]) + msgspec.msgpack.encode([7, True]))
+    assert hello == p.Hello(7, tokenizer=True, grammars=False)  # before the grammars flag
 
 
 @pytest.mark.parametrize(

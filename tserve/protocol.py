@@ -145,12 +145,16 @@ class Hello(msgspec.Struct, array_like=True, frozen=True):
     """The first message of an API process.
 
     The engine answers with EngineReady, and then with a
-    :class:`TokenizerBundle` if ``tokenizer`` (trailing and defaulted, so
-    older frames decode).
+    :class:`TokenizerBundle` if ``tokenizer``. With ``grammars`` the engine
+    first builds what structured outputs need (llguidance's view of the
+    vocabulary, which holds its GIL for a fraction of a second to seconds),
+    so that no constrained request stalls its steps later. Both trailing and
+    defaulted, so older frames decode.
     """
 
     pid: int
     tokenizer: bool = False
+    grammars: bool = False
 
 
 class EngineInput(msgspec.Struct, array_like=True, frozen=True):

@@ -396,6 +396,20 @@ def test_prefix_cache_hits_and_chunked_prefill_keep_grammars_in_step(
     _idle(cached_core)
 
 
+def test_grammars_are_prepared_before_any_constrained_request(core: EngineCore) -> None:
+    """Hello(grammars=True): the engine builds llguidance's tokenizer before it is
+    ready, so no constrained request later stalls every row while it builds."""
+    compiler = core.constraints.compiler
+    assert not compiler.tokenizer_built  # never built by an engine that serves no grammar
+    core.prepare_grammars()
+    assert compiler.tokenizer_built
+    core.prepare_grammars()  # idempotent
+    digits = Regex("[0-9]{3}")
+    run = _drive(core, {0: [_request("prepared", digits)]})
+    assert len(_assert_valid(core, run, "prepared", digits)) == 3
+    _idle(core)
+
+
 def test_close_stops_the_grammar_threads(core: EngineCore) -> None:
     """The engine calls close() on its way out; the compile and mask threads end."""
     before = set(threading.enumerate())  # other tests' cores keep theirs

@@ -94,6 +94,7 @@ class Mux:
         hwm: int = 1000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         link: Link | None = None,
+        grammars: bool = False,
     ) -> None:
         if heartbeat_timeout <= 0 or ready_timeout <= 0 or hwm < 1:
             raise ValueError("heartbeat_timeout, ready_timeout and hwm must be positive")
@@ -102,6 +103,7 @@ class Mux:
         self._hwm = hwm
         self._context = context
         self._link = link
+        self._grammars = grammars  # Hello asks the engine to prepare grammars
         # With a link: the model's tokenizer files, from the handshake, until taken.
         self.tokenizer_bundle: TokenizerBundle | None = None
         self.stats = MuxStats()
@@ -268,7 +270,7 @@ class Mux:
         """Send Hello, wait for EngineReady (and, over a link, the tokenizer's
         files right after it). False when the engine died instead."""
         bundle = self._link is not None
-        await channel.send(encode(Hello(os.getpid(), tokenizer=bundle)))
+        await channel.send(encode(Hello(os.getpid(), tokenizer=bundle, grammars=self._grammars)))
         self.stats.frames_sent += 1
         ready: EngineReady | None = None
         with anyio.move_on_after(self._ready_timeout):

@@ -184,8 +184,9 @@ class EngineOwner:
     ) -> AsyncIterator[LLM]:
         """:func:`open_llm` for ``config`` (its rules), with these settings; ``freeze_gc``
         is the serving GC settings of ``_gc.py``, for a process that serves one model.
-        ``prepare_grammars`` builds llguidance's tokenizer as the LLM opens
-        (:meth:`ConstraintCheck.prepare`); a model loaded on demand beside others
+        ``prepare_grammars`` builds llguidance's tokenizer as the LLM opens, in
+        this process (:meth:`ConstraintCheck.prepare`) and in the engine before
+        it answers ready (``Hello(grammars=True)``); a model loaded on demand beside others
         leaves it to its first constrained request, since the build holds the
         GIL, and so every model's streams, for a third of a second or more."""
         settings, grace, level = self.settings, self.shutdown_grace, self.log_level
@@ -305,12 +306,14 @@ async def _connect(
     *,
     owned: bool = False,
     embedder: Embedder | None = None,
+    grammars: bool = False,
 ) -> AsyncIterator[_Client]:
     """The client ``make`` builds over ``engine``'s session (see
     :func:`~tserve.nursery._session.engine_session`), its tokenizer loaded
     by ``load`` in a worker thread (from the model directory, or from the
     files the engine sent). Leaving the block sends Shutdown iff ``owned``.
-    The death of ``embedder``'s engine is this engine's death."""
+    The death of ``embedder``'s engine is this engine's death. ``grammars``:
+    the engine prepares structured outputs before it is ready."""
     async with engine_session(
         engine,
         owned=owned,
@@ -318,6 +321,7 @@ async def _connect(
         startup_timeout=settings.startup_timeout,
         heartbeat_timeout=settings.heartbeat_timeout,
         depends_on=None if embedder is None else embedder.session,
+        grammars=grammars,
     ) as session:
         bundle, session.mux.tokenizer_bundle = session.mux.tokenizer_bundle, None  # MBs
         if bundle is None:
@@ -339,12 +343,20 @@ async def _connect_llm(
     prepare_grammars: bool,
 ) -> AsyncIterator[LLM]:
     """:func:`_connect` for an LLM that serves embeddings with ``embedder``,
-    with the serving GC settings (``_gc.py``) when ``freeze_gc``, its grammar
-    tokenizer's build started at once when ``prepare_grammars``. The two
+    with the serving GC settings (``_gc.py``) when ``freeze_gc``; with
+    ``prepare_grammars`` the engine builds its grammar tokenizer before it
+    is ready, and this process starts building its own at once. The two
     engines are one LLM: either's death is the other's (``dying_with``, both
     ways), so every call of the LLM, generation or embedding, fails with it."""
     connect = _connect(
-        engine, what, settings, load_chat_tokenizer, LLM, owned=owned, embedder=embedder
+        engine,
+        what,
+        settings,
+        load_chat_tokenizer,
+        LLM,
+        owned=owned,
+        embedder=embedder,
+        grammars=prepare_grammars,
     )
     async with connect as llm:
         llm.embedder = embedder

@@ -48,6 +48,7 @@ async def engine_session(
     startup_timeout: float,
     heartbeat_timeout: float,
     depends_on: EngineSession | None = None,
+    grammars: bool = False,
 ) -> AsyncIterator[EngineSession]:
     """Run a mux to ``engine`` and a watcher of its process for the block.
 
@@ -60,6 +61,8 @@ async def engine_session(
     propagates unchanged. ``depends_on`` (the embedding engine's session,
     for a generation engine that serves with one) is watched too: its
     engine's death is this engine's death, in the same tick (``dying_with``).
+    ``grammars``: the engine prepares structured outputs before it answers
+    ready (:class:`~tserve.protocol.Hello`).
     """
     body_error: BaseException | None = None
     try:
@@ -68,6 +71,7 @@ async def engine_session(
                 heartbeat_timeout=heartbeat_timeout,
                 ready_timeout=startup_timeout,
                 link=engine.link,
+                grammars=grammars,
             )
             session = EngineSession(engine, mux, anyio.Event())
             dependency = None if depends_on is None else depends_on.mux

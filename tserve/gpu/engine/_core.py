@@ -128,6 +128,11 @@ class Core(Protocol):
     def ready_info(self) -> EngineReady:
         """What an API process learns in answer to its Hello."""
 
+    def prepare_grammars(self) -> None:
+        """Build what structured outputs need now, not at the first constrained
+        request (``Hello(grammars=True)``). Blocks while it builds; idempotent;
+        a core that serves no grammars does nothing."""
+
     def close(self) -> None:
         """Stop the core's own threads (the engine is exiting); does not block."""
 
@@ -236,6 +241,9 @@ class CoreBookkeeping(abc.ABC, Generic[R]):
             kv_block_size=self._kv_block_size(),
             sampling_defaults=self.sampling_defaults,
         )
+
+    def prepare_grammars(self) -> None:
+        """Nothing: a core serves no grammars unless it says otherwise (EngineCore)."""
 
     def _kv_tokens_total(self) -> int:
         """The KV budget in tokens; none unless a core keeps a KV cache."""

@@ -358,6 +358,10 @@ class EngineCore(CoreBookkeeping[Sequence]):
         seq.error_param = param
         self._held.pop(seq.request_id, None)
 
+    def prepare_grammars(self) -> None:
+        """Build llguidance's tokenizer now (GrammarCompiler.prepare). Blocks."""
+        self.constraints.compiler.prepare()
+
     def close(self) -> None:
         """Stop the grammar compile and mask threads: queued compiles are dropped;
         the interpreter's exit waits for the one compile in flight, if any."""

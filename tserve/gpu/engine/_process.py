@@ -257,8 +257,10 @@ def _apply(core: Core, outbox: Outbox, peer: bytes, frame: bytes, shared: bool) 
             for request in adds:
                 core.add(request, peer)
             core.abort(aborts, peer)
-        case Hello(tokenizer=tokenizer):
+        case Hello(tokenizer=tokenizer, grammars=grammars):
             outbox.add_peer(peer)
+            if grammars:
+                core.prepare_grammars()  # blocks, once: before this peer is ready
             ready = core.ready_info()
             outbox.send(peer, ready)
             if tokenizer and not outbox.send(peer, tokenizer_bundle(Path(ready.model_path))):

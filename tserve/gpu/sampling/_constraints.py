@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -136,7 +137,9 @@ class GrammarCompiler:
     compile: building it holds the GIL (a fraction of a second for a 50k
     vocabulary, seconds on a busy machine), so an engine that serves no
     constrained request never builds it, and its start, its ready reply and
-    its first steps never wait for it. The first constrained request does.
+    its first steps never wait for it. The first constrained request does,
+    unless :meth:`prepare` built it before (an API process that serves this
+    model alone asks for that in its Hello, before it serves anyone).
 
     The compile thread runs at a lower priority (``lower_thread_priority``)
     and holds the GIL only between llguidance's calls, which release it: a
@@ -183,6 +186,17 @@ class GrammarCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's tokenizer. Blocks until it is built; raises ValueError if it cannot be."""
         return self._built().result()
+
+    @property
+    def tokenizer_built(self) -> bool:
+        """Whether llguidance's tokenizer is built (or failed to be). Never blocks."""
+        return self._tokenizer is not None and self._tokenizer.done()
+
+    def prepare(self) -> None:
+        """Build the tokenizer now. Blocks until it is built; one that cannot be
+        is left for the first compile to report. Idempotent."""
+        with contextlib.suppress(ValueError):
+            self._built().result()
 
     def _built(self) -> concurrent.futures.Future[llguidance.LLTokenizer]:
         """The tokenizer's build in the worker thread, queued on the first call."""

@@ -59,11 +59,13 @@ def own_process_group() -> None:
     as much of a busy CPU as the engine's step loop in another session.
     A background group's write to the terminal stops it under ``stty tostop``
     (SIGTTOU), so the child ignores that signal. Call it first thing: until
-    then the child is in its parent's group. Nothing where the OS has no
-    process groups."""
+    then the child is in its parent's group. A process that leads its group
+    already (a session leader always does) stays as it is. Nothing where the
+    OS has no process groups."""
     if not hasattr(os, "setpgid"):
         return
-    os.setpgid(0, 0)
+    if os.getpgid(0) != os.getpid():
+        os.setpgid(0, 0)
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
 
 

@@ -21,13 +21,12 @@ import pytest
 from tests.gpu.cores import small_core
 from tests.gpu.test_engine_core import PEER, _collect, _drive, _Result, _Run
 from tserve.gpu.engine._engine_core import EngineCore
+from tserve.gpu.sampling._compiler import GrammarCompiler, constraint_key
 from tserve.gpu.sampling._constraints import (
     MASK_FAULT_ENV,
     MASK_HOLD_ENV,
     MASK_MISSES,
-    GrammarCompiler,
     _unpack,
-    constraint_key,
     mask_threads,
 )
 from tserve.protocol import (

@@ -45,7 +45,8 @@ import numpy as np
 from tserve.gpu.engine._core import CoreBookkeeping, PeerOutput
 from tserve.gpu.forward._load import Progress, load_engine_model
 from tserve.gpu.models._sampling_defaults import read_sampling_defaults
-from tserve.gpu.sampling._constraints import Constraints, GrammarCompiler, Mask
+from tserve.gpu.sampling._compiler import GrammarCompiler
+from tserve.gpu.sampling._constraints import Constraints, Mask
 from tserve.gpu.sampling._sampler import Sampler
 from tserve.gpu.scheduling._kv import BlockManager, kv_budget_blocks, kv_token_bytes
 from tserve.gpu.scheduling._kv_groups import KVGroups

@@ -2,6 +2,8 @@
 
 * ``_sampler.py`` — each request's next token from its logits, one request
   failing alone.
-* ``_constraints.py`` — structured outputs: grammars compiled off the step
-  loop (bounded cache), each constrained row's mask, its matcher.
+* ``_compiler.py`` — structured outputs' grammars, compiled off the step loop
+  in one thread (a bounded cache, failures cached with their errors).
+* ``_constraints.py`` — each constrained request's matcher and masks: which
+  requests are ready, each row's mask in the mask threads, each token fed.
 """

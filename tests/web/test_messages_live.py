@@ -130,6 +130,11 @@ def test_a_stop_sequence_ends_the_message_and_is_named(server: Server) -> None:
     "choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}], ids=["any", "tool"]
 )
 def test_forced_tool_use_then_a_tool_result_round_trip(server: Server, choice: Any) -> None:
+    """One forced call (``disable_parallel_tool_use``): its arguments are bounded by
+    the schema, so the sampled tiny model ends with ``tool_use`` well within
+    ``max_tokens``; with parallel calls allowed it may call again until
+    ``max_tokens``, which a loaded full run once saw."""
+    choice = {**choice, "disable_parallel_tool_use": True}
     client = anthropic_client(server)
     question: Any = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.messages.create(

@@ -168,41 +168,6 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return sum;
 }
 
-/* LANES floats as one GCC vector: one register in the x86-64-v4 clone, two or
- * four in the others (the same arithmetic lane by lane, FMAs contracted as
- * the scalar loops' are). */
-typedef float lanes_f32 __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline __attribute__((always_inline)) void load_lanes(lanes_f32 *v, const float *src) {
-    memcpy(v, src, sizeof *v);
-}
-
-/* dot() of four pairs at once: four independent add chains (one alone waits
- * on the FMA's latency), each in dot()'s order, so out[c] is bit for bit
- * dot(a[c], b[c], n). */
-static inline __attribute__((always_inline)) void dot4(const float *const a[4],
-                                                       const float *const b[4], int64_t n,
-                                                       float out[4]) {
-    lanes_f32 acc[4] = {{0}};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int c = 0; c < 4; c++) {
-            lanes_f32 x, y;
-            load_lanes(&x, a[c] + i);
-            load_lanes(&y, b[c] + i);
-            acc[c] += x * y;
-        }
-    for (int c = 0; c < 4; c++) {
-        float lane[LANES];
-        memcpy(lane, &acc[c], sizeof lane);
-        for (int width = LANES / 2; width > 0; width /= 2)
-            for (int j = 0; j < width; j++) lane[j] += lane[j + width];
-        float sum = lane[0];
-        for (int64_t t = i; t < n; t++) sum += a[c][t] * b[c][t];
-        out[c] = sum;
-    }
-}
-
 /* exp for x <= 0 (softmax after subtracting the max), vectorizable:
  * 2^k * p(r) with r in [-ln2/2, ln2/2], p a degree-6 polynomial
  * (relative error below 2e-7, as close as fp32 holds); x below -87 gives 0. */
@@ -324,82 +289,160 @@ GLUE void rope_store_body(float *qkv, int64_t tokens, int64_t row_stride, int64_
 #undef ROPE_STORE
 }
 
-/* scores[j * len + p] = (q head j . key p) * scale for the `group` query heads
- * at q (head_dim apart) and keys first .. len - 1 of the KV head whose rows
- * start at pool row head_row, in slots by `table`. The (key, head) pairs go
- * four at a time through dot4 (bit for bit dot()); a key row of another type
- * than fp32 is widened once, into one of `widened`'s four rows. */
-static inline __attribute__((always_inline)) void score_keys(
-    const float *q, const void *k_pool, int64_t head_row, const int64_t *table,
-    int64_t block_size, int64_t first, int64_t len, int64_t group, int64_t head_dim,
-    float scale, int kv_type, float *widened, float *scores) {
-    const float *a[4], *k[4], *row = 0;
-    int64_t index[4];
-    int pending = 0, buffer = 0;
-    for (int64_t p = first; p < len; p++) {
-        int64_t slot = table[p / block_size] * block_size + p % block_size;
-        /* Consecutive keys take widened's rows in turn: the at most four keys
-         * of the pending pairs are in four different rows. */
-        buffer = (buffer + 1) % 4;
-        row = kv_row(k_pool, head_row + slot, head_dim, kv_type, widened + buffer * head_dim);
-        for (int64_t j = 0; j < group; j++) {
-            a[pending] = q + j * head_dim;
-            k[pending] = row;
-            index[pending++] = j * len + p;
-            if (pending == 4) {
-                float sums[4];
-                dot4(a, k, head_dim, sums);
-                for (int c = 0; c < 4; c++) scores[index[c]] = sums[c] * scale;
-                pending = 0;
+/* Decode attention works in vectors of 8 floats (one ymm register in the
+ * x86-64-v3 and v4 clones, two xmm in the portable one): register tiles
+ * sized for AVX2's 16 registers. */
+typedef float f32x8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float f32x4 __attribute__((vector_size(4 * sizeof(float))));
+
+/* 8 floats at any float's alignment: a plain (unaligned) vector load. */
+typedef float f32x8_any __attribute__((vector_size(8 * sizeof(float)), aligned(sizeof(float))));
+#define LOAD8(dst, src) ((dst) = *(const f32x8_any *)(src))
+
+/* The lane sums of a, b, c and d as one vector of four, by two rounds of
+ * interleaving adds and one of halves (10 shuffles and adds, not 4 x 6). */
+static inline __attribute__((always_inline)) f32x4 sum4(f32x8 a, f32x8 b, f32x8 c, f32x8 d) {
+    f32x8 ab = __builtin_shufflevector(a, b, 0, 8, 1, 9, 4, 12, 5, 13) +
+               __builtin_shufflevector(a, b, 2, 10, 3, 11, 6, 14, 7, 15);
+    f32x8 cd = __builtin_shufflevector(c, d, 0, 8, 1, 9, 4, 12, 5, 13) +
+               __builtin_shufflevector(c, d, 2, 10, 3, 11, 6, 14, 7, 15);
+    f32x8 all = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) +
+                __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(all, all, 0, 1, 2, 3) +
+           __builtin_shufflevector(all, all, 4, 5, 6, 7);
+}
+
+/* Where key or value p of a sequence lies: its pool row, stepping through the
+ * block table one position at a time (no division per key). */
+typedef struct {
+    const int64_t *table;
+    int64_t block_size, head_row, block, offset;
+} slot_walk;
+
+static inline __attribute__((always_inline)) slot_walk walk_from(const int64_t *table,
+                                                                 int64_t block_size,
+                                                                 int64_t head_row, int64_t p) {
+    return (slot_walk){table, block_size, head_row, p / block_size, p % block_size};
+}
+
+static inline __attribute__((always_inline)) int64_t walk_next(slot_walk *w) {
+    int64_t row = w->head_row + w->table[w->block] * w->block_size + w->offset;
+    if (++w->offset == w->block_size) w->offset = 0, w->block++;
+    return row;
+}
+
+/* scores[j * len + p] = (q_j . k_p) * scale for NH (1..3) query heads at q
+ * (head_dim apart) and keys p = first .. len - 1: NK keys at a time, NH x NK
+ * sums of 8 lanes in registers over head_dim (a multiple of 8), reduced four
+ * at a time by sum4. A key row of another type than fp32 is widened once
+ * into one of `widened`'s NK rows and serves all NH heads. */
+static inline __attribute__((always_inline)) void score_heads(
+    int nh, const float *q, const void *k_pool, slot_walk walk, int64_t first, int64_t len,
+    int64_t head_dim, float scale, int kv_type, float *widened, float *scores) {
+    enum { NK = 4 };
+    for (int64_t p = first; p < len; p += NK) {
+        int nk = len - p < NK ? (int)(len - p) : NK;
+        const float *k[NK];
+        k[0] = kv_row(k_pool, walk_next(&walk), head_dim, kv_type, widened);
+        for (int c = 1; c < NK; c++) /* past the last key: the first again, its sums unused */
+            k[c] = c < nk ? kv_row(k_pool, walk_next(&walk), head_dim, kv_type,
+                                   widened + c * head_dim)
+                          : k[0];
+        f32x8 acc[3][NK];
+        for (int j = 0; j < nh; j++)
+            for (int c = 0; c < NK; c++) acc[j][c] = (f32x8){0};
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            f32x8 keys[NK], qj;
+            for (int c = 0; c < NK; c++) LOAD8(keys[c], k[c] + d);
+            for (int j = 0; j < nh; j++) {
+                LOAD8(qj, q + j * head_dim + d);
+                for (int c = 0; c < NK; c++) acc[j][c] += qj * keys[c];
             }
         }
+        for (int j = 0; j < nh; j++) {
+            f32x4 sums = sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+            for (int c = 0; c < nk; c++) scores[j * len + p + c] = sums[c] * scale;
+        }
     }
-    for (int64_t c = 0; c < pending; c++) scores[index[c]] = dot(a[c], k[c], head_dim) * scale;
 }
 
 /* o[j * head_dim + d] = sum over keys p = first .. len - 1, in that order, of
- * w[j * len + p] v_p[d], for NJ (a constant, 1..4) heads: by chunks of up to
- * four vectors of dims held in registers over all the keys. Each sum adds
- * its terms as adding w v into a zeroed o key by key would, bit for bit. */
-static inline __attribute__((always_inline)) void weigh_values(
-    int nj, const float *w, int64_t len, int64_t first, const void *v_pool, int64_t head_row,
-    const int64_t *table, int64_t block_size, int64_t head_dim, int kv_type, float *tmp,
-    float *o) {
-    int64_t d0 = 0;
-    for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES) {
-        lanes_f32 acc[4][4] = {{{0}}};
+ * w[j * len + p] v_p[d], for NH (1..3) heads: ND vectors of 8 dims at a time
+ * (ND = 8, 6, 4 for 1, 2, 3 heads: NH x ND sums, ND values and NH weights in
+ * 16 registers) summed over all the keys; head_dim a multiple of 8. */
+static inline __attribute__((always_inline)) void weigh_heads(
+    int nh, const float *w, int64_t len, int64_t first, const void *v_pool, slot_walk start,
+    int64_t head_dim, int kv_type, float *tmp, float *o) {
+    enum { MAX_ND = 8 };
+    const int nd_max = nh == 1 ? 8 : nh == 2 ? 6 : 4;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * nd_max) {
+        int nd = (head_dim - d0) / 8 < nd_max ? (int)((head_dim - d0) / 8) : nd_max;
+        f32x8 acc[3][MAX_ND];
+        for (int j = 0; j < nh; j++)
+            for (int c = 0; c < nd_max; c++) acc[j][c] = (f32x8){0};
+        slot_walk walk = start;
         for (int64_t p = first; p < len; p++) {
-            int64_t slot = table[p / block_size] * block_size + p % block_size;
-            const float *v =
-                kv_part(v_pool, head_row + slot, head_dim, d0, 4 * LANES, kv_type, tmp);
-            lanes_f32 x[4];
-            for (int c = 0; c < 4; c++) load_lanes(x + c, v + c * LANES);
-            for (int j = 0; j < nj; j++) {
-                lanes_f32 weight = (lanes_f32){0} + w[j * len + p];
-                for (int c = 0; c < 4; c++) acc[j][c] += weight * x[c];
+            const float *v = kv_part(v_pool, walk_next(&walk), head_dim, d0, 8 * nd, kv_type, tmp);
+            f32x8 weight[3];
+            for (int j = 0; j < nh; j++) weight[j] = (f32x8){0} + w[j * len + p];
+            for (int c = 0; c < nd_max; c++) {
+                if (c >= nd) break;
+                f32x8 x;
+                LOAD8(x, v + 8 * c);
+                for (int j = 0; j < nh; j++) acc[j][c] += weight[j] * x;
             }
         }
-        for (int j = 0; j < nj; j++) memcpy(o + j * head_dim + d0, acc[j], sizeof acc[j]);
+        for (int j = 0; j < nh; j++)
+            for (int c = 0; c < nd; c++) memcpy(o + j * head_dim + d0 + 8 * c, &acc[j][c], 32);
     }
-    for (; d0 + LANES <= head_dim; d0 += LANES) {
-        lanes_f32 acc[4] = {{0}};
-        for (int64_t p = first; p < len; p++) {
-            int64_t slot = table[p / block_size] * block_size + p % block_size;
-            lanes_f32 x;
-            load_lanes(&x, kv_part(v_pool, head_row + slot, head_dim, d0, LANES, kv_type, tmp));
-            for (int j = 0; j < nj; j++) acc[j] += ((lanes_f32){0} + w[j * len + p]) * x;
-        }
-        for (int j = 0; j < nj; j++) memcpy(o + j * head_dim + d0, &acc[j], sizeof acc[j]);
-    }
-    if (d0 == head_dim) return;
-    for (int j = 0; j < nj; j++)
-        memset(o + j * head_dim + d0, 0, (size_t)(head_dim - d0) * sizeof(float));
+}
+
+/* The same sums one value at a time, for a head_dim that is not a multiple of 8. */
+static void score_scalar(const float *q, const void *k_pool, slot_walk walk, int64_t first,
+                         int64_t len, int64_t group, int64_t head_dim, float scale,
+                         int kv_type, float *widened, float *scores) {
     for (int64_t p = first; p < len; p++) {
-        int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float *v = kv_row(v_pool, head_row + slot, head_dim, kv_type, tmp);
-        for (int j = 0; j < nj; j++)
-            for (int64_t d = d0; d < head_dim; d++) o[j * head_dim + d] += w[j * len + p] * v[d];
+        const float *k = kv_row(k_pool, walk_next(&walk), head_dim, kv_type, widened);
+        for (int64_t j = 0; j < group; j++)
+            scores[j * len + p] = dot(q + j * head_dim, k, head_dim) * scale;
     }
+}
+
+static void weigh_scalar(const float *w, int64_t len, int64_t first, const void *v_pool,
+                         slot_walk walk, int64_t group, int64_t head_dim, int kv_type,
+                         float *tmp, float *o) {
+    memset(o, 0, (size_t)(group * head_dim) * sizeof(float));
+    for (int64_t p = first; p < len; p++) {
+        const float *v = kv_row(v_pool, walk_next(&walk), head_dim, kv_type, tmp);
+        for (int64_t j = 0; j < group; j++)
+            for (int64_t d = 0; d < head_dim; d++) o[j * head_dim + d] += w[j * len + p] * v[d];
+    }
+}
+
+/* row[0 .. n) = exp(row - max row) / sum, the max and the sum in 8 lanes. */
+static inline __attribute__((always_inline)) void softmax_row(float *row, int64_t n) {
+    int64_t i = 0;
+    float top = row[0], tops[8];
+    if (n >= 8) {
+        memcpy(tops, row, sizeof tops);
+        for (i = 8; i + 8 <= n; i += 8)
+            for (int l = 0; l < 8; l++) tops[l] = row[i + l] > tops[l] ? row[i + l] : tops[l];
+        for (int l = 0; l < 8; l++) top = tops[l] > top ? tops[l] : top;
+    }
+    for (; i < n; i++) top = row[i] > top ? row[i] : top;
+    for (i = 0; i < n; i++) row[i] -= top;
+    exp_nonpositive(row, n);
+    f32x8 lanes = {0};
+    for (i = 0; i + 8 <= n; i += 8) {
+        f32x8 x;
+        LOAD8(x, row + i);
+        lanes += x;
+    }
+    float total = 0;
+    for (int l = 0; l < 8; l++) total += lanes[l];
+    for (; i < n; i++) total += row[i];
+    float inv = 1.0f / total;
+    for (i = 0; i < n; i++) row[i] *= inv;
 }
 
 /* Attention of one query per sequence over its keys in the paged pool, read
@@ -412,12 +455,14 @@ static inline __attribute__((always_inline)) void weigh_values(
  * kv_heads). `scores` is scratch of (heads / kv_heads) * max(lens) floats.
  * The pools are of `kv_type`; a key row of another type than fp32 is widened
  * once into a stack buffer and serves every query head of its group (a value
- * row, chunk by chunk). The scores go four (key, head) pairs at a time
- * (score_keys) and P V by chunks of dims summed in registers over all keys
- * (weigh_values), each value in the order of one key at a time, so the bits
- * are those of a loop over keys. At Gemma 3's shape (4 query heads on one KV
- * head of 256 dims, 200 keys) a call through the Python wrapper took 25 us on
- * one AVX-512 core, against 35 us one pair and one key at a time. */
+ * row, chunk by chunk). A KV head's query heads go up to three at a time:
+ * scores four keys at a time (score_heads), P V by register tiles of dims
+ * over all keys (weigh_heads), each sum in a fixed order (a value's over the
+ * keys one at a time), whatever the batch. At SmolLM2's shape (9 heads on 3
+ * KV heads of 64 dims, 64 sequences of 64 to 96 fp32 keys) a call took
+ * 0.63 ms of one core with AVX2 and 0.56 ms with AVX-512 (then reading the
+ * 7.8 MB of K and V is most of it), against 3.1 and 0.84 ms for one key and
+ * four (head, key) pairs at a time in 16-float vectors. */
 static inline __attribute__((always_inline)) void paged_decode(
     const float *q, int64_t q_stride, const void *k_pool, const void *v_pool, int64_t num_slots,
     const int64_t *tables, int64_t width, const int64_t *lens, int64_t block_size,
@@ -425,44 +470,50 @@ static inline __attribute__((always_inline)) void paged_decode(
     int64_t window, float softcap, float *out, float *scores, int kv_type) {
     int64_t group = heads / kv_heads;
     float widened[4 * head_dim];
-#define V_ARGS v_pool, head_row, table, block_size, head_dim, kv_type, widened, oj
+    int vectors = head_dim % 8 == 0;
     for (int64_t b = 0; b < batch; b++) {
         int64_t len = lens[b], first = window && len > window ? len - window : 0;
-        const int64_t *table = tables + b * width;
         for (int64_t g = 0; g < kv_heads; g++) {
-            int64_t head_row = g * num_slots;
+            slot_walk walk = walk_from(tables + b * width, block_size, g * num_slots, first);
             const float *qg = q + b * q_stride + g * group * head_dim;
-            score_keys(qg, k_pool, head_row, table, block_size, first, len, group, head_dim,
-                       scale, kv_type, widened, scores);
-            if (softcap > 0.0f)
-                for (int64_t j = 0; j < group; j++)
-                    for (int64_t p = first; p < len; p++)
-                        scores[j * len + p] = softcap * tanhf(scores[j * len + p] / softcap);
-            for (int64_t j = 0; j < group; j++) {
-                float *row = scores + j * len;
-                float top = row[first];
-                for (int64_t p = first + 1; p < len; p++) top = row[p] > top ? row[p] : top;
-                for (int64_t p = first; p < len; p++) row[p] -= top;
-                exp_nonpositive(row + first, len - first);
-                float total = 0;
-                for (int64_t p = first; p < len; p++) total += row[p];
-                float inv = 1.0f / total;
-                for (int64_t p = first; p < len; p++) row[p] *= inv;
-            }
             float *o = out + (b * heads + g * group) * head_dim;
-            for (int64_t j = 0; j < group; j += 4) {
+            if (!vectors)
+                score_scalar(qg, k_pool, walk, first, len, group, head_dim, scale, kv_type,
+                             widened, scores);
+            for (int64_t j = 0; vectors && j < group; j += 3) {
+                const float *qj = qg + j * head_dim;
+                float *s = scores + j * len;
+#define S_ARGS qj, k_pool, walk, first, len, head_dim, scale, kv_type, widened, s
+                switch (group - j < 3 ? group - j : 3) { /* heads as constants: registers */
+                case 1: score_heads(1, S_ARGS); break;
+                case 2: score_heads(2, S_ARGS); break;
+                default: score_heads(3, S_ARGS); break;
+                }
+#undef S_ARGS
+            }
+            for (int64_t j = 0; j < group; j++) {
+                float *row = scores + j * len + first;
+                if (softcap > 0.0f)
+                    for (int64_t p = 0; p < len - first; p++)
+                        row[p] = softcap * tanhf(row[p] / softcap);
+                softmax_row(row, len - first);
+            }
+            if (!vectors)
+                weigh_scalar(scores, len, first, v_pool, walk, group, head_dim, kv_type, widened,
+                             o);
+            for (int64_t j = 0; vectors && j < group; j += 3) {
                 const float *w = scores + j * len;
                 float *oj = o + j * head_dim;
-                switch (group - j < 4 ? group - j : 4) { /* heads as constants: registers */
-                case 1: weigh_values(1, w, len, first, V_ARGS); break;
-                case 2: weigh_values(2, w, len, first, V_ARGS); break;
-                case 3: weigh_values(3, w, len, first, V_ARGS); break;
-                default: weigh_values(4, w, len, first, V_ARGS); break;
+#define W_ARGS w, len, first, v_pool, walk, head_dim, kv_type, widened, oj
+                switch (group - j < 3 ? group - j : 3) {
+                case 1: weigh_heads(1, W_ARGS); break;
+                case 2: weigh_heads(2, W_ARGS); break;
+                default: weigh_heads(3, W_ARGS); break;
                 }
+#undef W_ARGS
             }
         }
     }
-#undef V_ARGS
 }
 
 GLUE void paged_decode_body(const float *q, int64_t q_stride, const void *k_pool,

@@ -445,6 +445,14 @@ static inline __attribute__((always_inline)) void softmax_row(float *row, int64_
     for (i = 0; i < n; i++) row[i] *= inv;
 }
 
+/* How many of a KV head's `group` query heads pass `pass` takes from head
+ * `done` on: the fewest passes of at most three, as even as they go (4: 2 + 2,
+ * not 3 + 1, whose lone head has too few sums in flight). */
+static inline int64_t heads_in_pass(int64_t group, int64_t done, int64_t pass) {
+    int64_t passes = (group + 2) / 3, left = passes - pass;
+    return (group - done + left - 1) / left;
+}
+
 /* Attention of one query per sequence over its keys in the paged pool, read
  * where they lie (no gather). q: [batch] rows of `q_stride` floats holding
  * `heads` heads; out: [batch, heads, head_dim]. Sequence b has lens[b] keys
@@ -480,11 +488,12 @@ static inline __attribute__((always_inline)) void paged_decode(
             if (!vectors)
                 score_scalar(qg, k_pool, walk, first, len, group, head_dim, scale, kv_type,
                              widened, scores);
-            for (int64_t j = 0; vectors && j < group; j += 3) {
+            for (int64_t j = 0, nh, pass = 0; vectors && j < group; j += nh, pass++) {
+                nh = heads_in_pass(group, j, pass);
                 const float *qj = qg + j * head_dim;
                 float *s = scores + j * len;
 #define S_ARGS qj, k_pool, walk, first, len, head_dim, scale, kv_type, widened, s
-                switch (group - j < 3 ? group - j : 3) { /* heads as constants: registers */
+                switch (nh) { /* heads as constants: registers */
                 case 1: score_heads(1, S_ARGS); break;
                 case 2: score_heads(2, S_ARGS); break;
                 default: score_heads(3, S_ARGS); break;
@@ -501,11 +510,12 @@ static inline __attribute__((always_inline)) void paged_decode(
             if (!vectors)
                 weigh_scalar(scores, len, first, v_pool, walk, group, head_dim, kv_type, widened,
                              o);
-            for (int64_t j = 0; vectors && j < group; j += 3) {
+            for (int64_t j = 0, nh, pass = 0; vectors && j < group; j += nh, pass++) {
+                nh = heads_in_pass(group, j, pass);
                 const float *w = scores + j * len;
                 float *oj = o + j * head_dim;
 #define W_ARGS w, len, first, v_pool, walk, head_dim, kv_type, widened, oj
-                switch (group - j < 3 ? group - j : 3) {
+                switch (nh) {
                 case 1: weigh_heads(1, W_ARGS); break;
                 case 2: weigh_heads(2, W_ARGS); break;
                 default: weigh_heads(3, W_ARGS); break;

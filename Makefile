@@ -37,8 +37,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# Two pytest workers, a file each at a time (a file's module fixtures are set
+# up once): most tests wait on an engine process or a socket, so the two
+# keep two cores busy. TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
+
 unit: $(TEST_STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck unit
 

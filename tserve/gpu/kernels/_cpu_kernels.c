@@ -331,7 +331,7 @@ static inline __attribute__((always_inline)) int64_t walk_next(slot_walk *w) {
     return row;
 }
 
-/* scores[j * len + p] = (q_j . k_p) * scale for NH (1..3) query heads at q
+/* scores[j * len + p] = (q_j . k_p) * scale for NH (1..4) query heads at q
  * (head_dim apart) and keys p = first .. len - 1: NK keys at a time, NH x NK
  * sums of 8 lanes in registers over head_dim (a multiple of 8), reduced four
  * at a time by sum4. A key row of another type than fp32 is widened once
@@ -348,7 +348,7 @@ static inline __attribute__((always_inline)) void score_heads(
             k[c] = c < nk ? kv_row(k_pool, walk_next(&walk), head_dim, kv_type,
                                    widened + c * head_dim)
                           : k[0];
-        f32x8 acc[3][NK];
+        f32x8 acc[4][NK];
         for (int j = 0; j < nh; j++)
             for (int c = 0; c < NK; c++) acc[j][c] = (f32x8){0};
         for (int64_t d = 0; d < head_dim; d += 8) {
@@ -367,9 +367,10 @@ static inline __attribute__((always_inline)) void score_heads(
 }
 
 /* o[j * head_dim + d] = sum over keys p = first .. len - 1, in that order, of
- * w[j * len + p] v_p[d], for NH (1..3) heads: ND vectors of 8 dims at a time
- * (ND = 8, 6, 4 for 1, 2, 3 heads: NH x ND sums, ND values and NH weights in
- * 16 registers) summed over all the keys; head_dim a multiple of 8. */
+ * w[j * len + p] v_p[d], for NH (1..4) heads: ND vectors of 8 dims at a time
+ * (ND = 8, 6, 4, 4 for 1, 2, 3, 4 heads: up to 3 heads' NH x ND sums, a value
+ * and NH weights fit AVX2's 16 registers, 4 heads' AVX-512's 32) summed over
+ * all the keys; head_dim a multiple of 8. */
 static inline __attribute__((always_inline)) void weigh_heads(
     int nh, const float *w, int64_t len, int64_t first, const void *v_pool, slot_walk start,
     int64_t head_dim, int kv_type, float *tmp, float *o) {
@@ -377,13 +378,13 @@ static inline __attribute__((always_inline)) void weigh_heads(
     const int nd_max = nh == 1 ? 8 : nh == 2 ? 6 : 4;
     for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * nd_max) {
         int nd = (head_dim - d0) / 8 < nd_max ? (int)((head_dim - d0) / 8) : nd_max;
-        f32x8 acc[3][MAX_ND];
+        f32x8 acc[4][MAX_ND];
         for (int j = 0; j < nh; j++)
             for (int c = 0; c < nd_max; c++) acc[j][c] = (f32x8){0};
         slot_walk walk = start;
         for (int64_t p = first; p < len; p++) {
             const float *v = kv_part(v_pool, walk_next(&walk), head_dim, d0, 8 * nd, kv_type, tmp);
-            f32x8 weight[3];
+            f32x8 weight[4];
             for (int j = 0; j < nh; j++) weight[j] = (f32x8){0} + w[j * len + p];
             for (int c = 0; c < nd_max; c++) {
                 if (c >= nd) break;
@@ -446,12 +447,14 @@ static inline __attribute__((always_inline)) void softmax_row(float *row, int64_
 }
 
 /* How many of a KV head's `group` query heads pass `pass` takes from head
- * `done` on: the fewest passes of at most three, as even as they go (4: 2 + 2,
- * not 3 + 1, whose lone head has too few sums in flight). */
-static inline int64_t heads_in_pass(int64_t group, int64_t done, int64_t pass) {
-    int64_t passes = (group + 2) / 3, left = passes - pass;
+ * `done` on: the fewest passes of at most `most`, as even as they go (4 at
+ * most 3: 2 + 2, not 3 + 1, whose lone head has too few sums in flight). */
+static inline int64_t heads_in_pass(int64_t group, int64_t done, int64_t pass, int64_t most) {
+    int64_t passes = (group + most - 1) / most, left = passes - pass;
     return (group - done + left - 1) / left;
 }
+
+static inline int glue_isa(void);
 
 /* Attention of one query per sequence over its keys in the paged pool, read
  * where they lie (no gather). q: [batch] rows of `q_stride` floats holding
@@ -463,7 +466,8 @@ static inline int64_t heads_in_pass(int64_t group, int64_t done, int64_t pass) {
  * kv_heads). `scores` is scratch of (heads / kv_heads) * max(lens) floats.
  * The pools are of `kv_type`; a key row of another type than fp32 is widened
  * once into a stack buffer and serves every query head of its group (a value
- * row, chunk by chunk). A KV head's query heads go up to three at a time:
+ * row, chunk by chunk). A KV head's query heads go up to three at a time
+ * (four with AVX-512's registers):
  * scores four keys at a time (score_heads), P V by register tiles of dims
  * over all keys (weigh_heads), each sum in a fixed order (a value's over the
  * keys one at a time), whatever the batch. At SmolLM2's shape (9 heads on 3
@@ -479,6 +483,8 @@ static inline __attribute__((always_inline)) void paged_decode(
     int64_t group = heads / kv_heads;
     float widened[4 * head_dim];
     int vectors = head_dim % 8 == 0;
+    /* Query heads a pass: 4 where the registers are AVX-512's 32, else 3. */
+    int64_t most = glue_isa() >= ISA_AVX512_VNNI ? 4 : 3;
     for (int64_t b = 0; b < batch; b++) {
         int64_t len = lens[b], first = window && len > window ? len - window : 0;
         for (int64_t g = 0; g < kv_heads; g++) {
@@ -489,14 +495,15 @@ static inline __attribute__((always_inline)) void paged_decode(
                 score_scalar(qg, k_pool, walk, first, len, group, head_dim, scale, kv_type,
                              widened, scores);
             for (int64_t j = 0, nh, pass = 0; vectors && j < group; j += nh, pass++) {
-                nh = heads_in_pass(group, j, pass);
+                nh = heads_in_pass(group, j, pass, most);
                 const float *qj = qg + j * head_dim;
                 float *s = scores + j * len;
 #define S_ARGS qj, k_pool, walk, first, len, head_dim, scale, kv_type, widened, s
                 switch (nh) { /* heads as constants: registers */
                 case 1: score_heads(1, S_ARGS); break;
                 case 2: score_heads(2, S_ARGS); break;
-                default: score_heads(3, S_ARGS); break;
+                case 3: score_heads(3, S_ARGS); break;
+                default: score_heads(4, S_ARGS); break;
                 }
 #undef S_ARGS
             }
@@ -511,14 +518,15 @@ static inline __attribute__((always_inline)) void paged_decode(
                 weigh_scalar(scores, len, first, v_pool, walk, group, head_dim, kv_type, widened,
                              o);
             for (int64_t j = 0, nh, pass = 0; vectors && j < group; j += nh, pass++) {
-                nh = heads_in_pass(group, j, pass);
+                nh = heads_in_pass(group, j, pass, most);
                 const float *w = scores + j * len;
                 float *oj = o + j * head_dim;
 #define W_ARGS w, len, first, v_pool, walk, head_dim, kv_type, widened, oj
                 switch (nh) {
                 case 1: weigh_heads(1, W_ARGS); break;
                 case 2: weigh_heads(2, W_ARGS); break;
-                default: weigh_heads(3, W_ARGS); break;
+                case 3: weigh_heads(3, W_ARGS); break;
+                default: weigh_heads(4, W_ARGS); break;
                 }
 #undef W_ARGS
             }

@@ -86,9 +86,9 @@ def device_and_dtype(config: EngineConfig, *, cuda: bool) -> tuple[str, str]:
 
 def kv_dtype(config: EngineConfig, dtype: str) -> str:
     """What the KV cache stores for a model in ``dtype`` (rule 3): a
-    ``--kv-cache-dtype`` name. On CPU the fused decode kernel is bound by its
-    arithmetic, not by reading K/V, so fp16 or bf16 halve the cache's memory
-    without making decode faster (docs/configuration.md has the figures)."""
+    ``--kv-cache-dtype`` name. On CPU fp32 keeps results exact; fp16 or bf16
+    halve the cache's memory and make long-context decode a little faster
+    (docs/configuration.md has the figures)."""
     if config.kv_cache_dtype == "auto":
         return KV_DTYPES[dtype]
     return config.kv_cache_dtype

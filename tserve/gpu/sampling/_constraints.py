@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 import os
 import re
 import time
@@ -78,8 +77,6 @@ __all__ = [
     "Mask",
     "mask_threads",
 ]
-
-log = logging.getLogger(__name__)
 
 MASK_FAULT_ENV: Final = "TSERVE_TEST_FAULT_MASK"
 MASK_HOLD_ENV: Final = "TSERVE_TEST_FAULT_MASK_HOLD"

@@ -386,7 +386,7 @@ static inline __attribute__((always_inline)) void weigh_heads(
             const float *v = kv_part(v_pool, walk_next(&walk), head_dim, d0, 8 * nd, kv_type, tmp);
             f32x8 weight[4];
             for (int j = 0; j < nh; j++) weight[j] = (f32x8){0} + w[j * len + p];
-            for (int c = 0; c < nd_max; c++) {
+            for (int c = 0; c < nd_max; c++) { /* nd_max bounds it: the tile stays in registers */
                 if (c >= nd) break;
                 f32x8 x;
                 LOAD8(x, v + 8 * c);
@@ -394,7 +394,8 @@ static inline __attribute__((always_inline)) void weigh_heads(
             }
         }
         for (int j = 0; j < nh; j++)
-            for (int c = 0; c < nd; c++) memcpy(o + j * head_dim + d0 + 8 * c, &acc[j][c], 32);
+            for (int c = 0; c < nd; c++)
+                memcpy(o + j * head_dim + d0 + 8 * c, &acc[j][c], sizeof acc[j][c]);
     }
 }
 
@@ -467,14 +468,14 @@ static inline int glue_isa(void);
  * The pools are of `kv_type`; a key row of another type than fp32 is widened
  * once into a stack buffer and serves every query head of its group (a value
  * row, chunk by chunk). A KV head's query heads go up to three at a time
- * (four with AVX-512's registers):
- * scores four keys at a time (score_heads), P V by register tiles of dims
- * over all keys (weigh_heads), each sum in a fixed order (a value's over the
- * keys one at a time), whatever the batch. At SmolLM2's shape (9 heads on 3
- * KV heads of 64 dims, 64 sequences of 64 to 96 fp32 keys) a call took
- * 0.63 ms of one core with AVX2 and 0.56 ms with AVX-512 (then reading the
- * 7.8 MB of K and V is most of it), against 3.1 and 0.84 ms for one key and
- * four (head, key) pairs at a time in 16-float vectors. */
+ * (four with AVX-512's registers): scores four keys at a time (score_heads),
+ * P V by register tiles of dims over all keys (weigh_heads), each sum in a
+ * fixed order (a value's over the keys one at a time), whatever the batch.
+ * At SmolLM2's shape (9 heads on 3 KV heads of 64 dims, 64 sequences of 64
+ * to 96 fp32 keys) a call took 0.63 ms of one core with AVX2 and 0.56 ms
+ * with AVX-512 (then reading the 7.8 MB of K and V is most of it), against
+ * 3.1 and 0.84 ms for one key and four (head, key) pairs at a time in
+ * 16-float vectors. */
 static inline __attribute__((always_inline)) void paged_decode(
     const float *q, int64_t q_stride, const void *k_pool, const void *v_pool, int64_t num_slots,
     const int64_t *tables, int64_t width, const int64_t *lens, int64_t block_size,

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._results import REPO_ROOT, result_stem, write_json
-from tserve.gpu.forward._attention import build_step
+from tserve.gpu.forward._attention_step import build_step
 from tserve.gpu.forward._gguf import load_gguf
 from tserve.gpu.forward._native import NativeModel, NativeRunner
 from tserve.gpu.forward._quant import Activations, QuantizedLinear, quant_kernels

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.gpu import kquant_blocks
-from tserve.gpu.forward._attention import KVPool, build_step
+from tserve.gpu.forward._attention_step import KVPool, build_step
 from tserve.gpu.forward._decoder import MAX_FUSED_TOKENS, fused_decoder
 from tserve.gpu.forward._llama import LayerWeights, PagedLlama
 from tserve.gpu.forward._quant import (

@@ -14,6 +14,8 @@
 * ``_quant.py`` — linear layers and embeddings over quantized and 16-bit
   weights, through the kernels.
 * ``_gemm.py`` — CPU linear layers on the library measured fastest.
+* ``_attention_step.py`` — a step's attention layout over the KV pool, built
+  once per step: padded attention groups, or each token's block tables.
 * ``_attention.py`` — paged attention over the KV pool, plugged into
   transformers.
 * ``_runner.py`` — one forward pass over the scheduled chunks; owns the KV

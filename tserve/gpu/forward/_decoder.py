@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from tserve.gpu.forward._attention import KVPool, StepMetadata
+from tserve.gpu.forward._attention_step import KVPool, StepMetadata
 from tserve.gpu.forward._gguf import Concat
 from tserve.gpu.forward._llama import LayerWeights, PagedLlama
 from tserve.gpu.forward._quant import PackedWeight, QuantizedLinear, quant_kernels
@@ -68,7 +68,7 @@ class FusedDecoder:
         """Every layer over the step's tokens, in place: ``residual [T, hidden]``,
         their embeddings, becomes the last layer's output plus its residual; K/V
         are written into the pool. Blocks until done. ``step`` carries
-        :attr:`~tserve.gpu.forward._attention.StepMetadata.token_tables`."""
+        :attr:`~tserve.gpu.forward._attention_step.StepMetadata.token_tables`."""
         tables = step.token_tables
         assert tables is not None, "a fused step is built with per_token=True"
         assert residual.is_contiguous() and residual.dtype == torch.float32

@@ -50,7 +50,8 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from tserve.gpu.forward._attention import AttentionGroup, StepMetadata, Tokens, attend_groups
+from tserve.gpu.forward._attention import Tokens, attend_groups
+from tserve.gpu.forward._attention_step import AttentionGroup, StepMetadata
 from tserve.gpu.forward._step_ops import TORCH_OPS, StepOps
 from tserve.gpu.models._architectures import ARCHITECTURES, Architecture, hf_architecture, soft_cap
 
@@ -306,7 +307,7 @@ class PagedLlama(torch.nn.Module):
         ``input_ids`` and ``positions`` are ``[T]``; writes every token's K/V
         into the pool at ``step.slot_mapping``. Blocks until the device is done
         only where a result must be read back (not here). A step built with
-        :class:`~tserve.gpu.forward._attention.TokenTables` runs its layers on
+        :class:`~tserve.gpu.forward._attention_step.TokenTables` runs its layers on
         :attr:`decoder` (the runner builds such steps only when it set one).
         """
         residual: torch.Tensor = self.embed(input_ids)  # [T, hidden]; the sums accumulate here

@@ -36,12 +36,8 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from tserve.gpu.forward._attention import (
-    ATTENTION_NAME,
-    KVPool,
-    build_step,
-    register_paged_attention,
-)
+from tserve.gpu.forward._attention import ATTENTION_NAME, register_paged_attention
+from tserve.gpu.forward._attention_step import KVPool, build_step
 from tserve.gpu.forward._decoder import fused_decoder
 from tserve.gpu.forward._gemm import tune_linears
 from tserve.gpu.forward._llama import PagedLlama, hf_layer_windows, unsupported_reason

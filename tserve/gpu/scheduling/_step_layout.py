@@ -1,6 +1,6 @@
 """A step's tokens laid out over the paged KV pool, as numpy int64 arrays; no torch.
 
-Both the torch forward pass (:func:`tserve.gpu.forward._attention.build_step`, which
+Both the torch forward pass (:func:`tserve.gpu.forward._attention_step.build_step`, which
 wraps these with ``torch.from_numpy``) and the native runner
 (:mod:`tserve.gpu.forward._native`) build a step's layout here: the packed tokens in
 chunk order, their positions, the pool slot each token's K/V goes to

@@ -31,14 +31,17 @@ class Report(BaseModel):
     summary: str = Field(max_length=20)
 
 
-def weather_agent(server: Server, calls: list[str]) -> Agent[None]:
+def agent_client(server: Server) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def weather_agent(client: AsyncOpenAI, calls: list[str]) -> Agent[None]:
     @function_tool
     def get_weather(city: Literal["Paris", "Oslo"]) -> str:
         """The weather in a city."""
         calls.append(city)
         return f"21 C in {city}"
 
-    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
     set_tracing_disabled(True)  # no traces leave the machine
     return Agent(
         name="weather",
@@ -52,7 +55,14 @@ def weather_agent(server: Server, calls: list[str]) -> Agent[None]:
 
 def test_an_agent_run_calls_its_tool_and_completes(server: Server) -> None:
     calls: list[str] = []
-    result = Runner.run_sync(weather_agent(server, calls), "Weather in Paris?", max_turns=4)
+    client = agent_client(server)
+    try:
+        result = Runner.run_sync(weather_agent(client, calls), "Weather in Paris?", max_turns=4)
+    finally:
+        # run_sync leaves the thread's default loop open, and the client's connections
+        # belong to it: they close there, not in whichever later test's loop collects
+        # the client (the SDK's finalizer would schedule aclose on a foreign loop)
+        asyncio.get_event_loop_policy().get_event_loop().run_until_complete(client.close())
     assert len(calls) >= 1 and set(calls) <= {"Paris", "Oslo"}
     assert isinstance(result.final_output, Report)
     kinds = [item.type for item in result.new_items]
@@ -64,10 +74,12 @@ def test_a_streamed_agent_run_completes(server: Server) -> None:
     calls: list[str] = []
 
     async def run() -> tuple[list[str], object]:  # the SDK runs on asyncio
-        agent = weather_agent(server, calls)
-        result = Runner.run_streamed(agent, "Weather in Oslo?", max_turns=4)
-        kinds: list[str] = [event.type async for event in result.stream_events()]
-        return kinds, result.final_output
+        async with agent_client(server) as client:
+            result = Runner.run_streamed(
+                weather_agent(client, calls), "Weather in Oslo?", max_turns=4
+            )
+            kinds: list[str] = [event.type async for event in result.stream_events()]
+            return kinds, result.final_output
 
     kinds, final = asyncio.run(run())
     assert "raw_response_event" in kinds and "run_item_stream_event" in kinds

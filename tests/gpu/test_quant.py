@@ -122,6 +122,25 @@ def test_int8_activations_are_the_product_with_the_rounded_activations(
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_a_panel_gives_the_same_outputs_beside_another(
+    kernels: QuantKernels, fmt: str, rows: int
+) -> None:
+    """AVX-512 runs two adjacent panels in one pass of 512-bit registers and a
+    last odd panel alone: W's first 8 rows give bitwise the same outputs whether
+    they are a weight of their own (one panel) or the first of 16 (a pair), and
+    so do its next 8 (the second of a pair, then a panel alone)."""
+    quantized, _ = weight(fmt, 16, 192, seed=rows)
+    first = QuantizedWeight(quantized.fmt, quantized.data[:8].clone(), 8, 192)
+    second = QuantizedWeight(quantized.fmt, quantized.data[8:].clone(), 8, 192)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    for isa in variants(kernels):
+        pair = kernels.linear_int8(x, kernels.pack(quantized), isa=isa)
+        alone = [kernels.linear_int8(x, kernels.pack(w), isa=isa) for w in (first, second)]
+        assert torch.equal(pair, torch.cat(alone, dim=1))
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_the_packed_layout_keeps_every_row(kernels: QuantKernels, fmt: str) -> None:
     quantized, dense = weight(fmt, 21, 96, seed=4)  # a partial last panel
     packed = kernels.pack(quantized)

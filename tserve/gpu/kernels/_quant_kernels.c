@@ -22,8 +22,10 @@
  *   scales are one vector load (layout at panel_block_bytes).
  *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one, the
- * int8 panels an AVX-512 VNNI one too and the block formats' fp32 products
- * an AVX-512 one; the caller picks by `isa`
+ * int8 panels an AVX-512 VNNI one too (two adjacent panels at a time in
+ * 512-bit registers, a last odd one alone in 256-bit ones: bitwise the same
+ * outputs) and the block formats' fp32 products an AVX-512 one; the caller
+ * picks by `isa`
  * (tserve_quant_isa() says the best this CPU runs; a kernel without a variant
  * for it runs the next one down).
  * Output rows are split among OpenMP threads: torch's own runtime (the same
@@ -416,6 +418,9 @@ static void panel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, c
 typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, float *, int64_t);
 typedef void (*panel_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
                          const float *, float *, int64_t, int);
+/* A pair kernel: two adjacent panels, the first at the pointer, the second panel_bytes on. */
+typedef void (*pair_fn)(const uint8_t *, int64_t, int64_t, int, const int8_t *, const float *,
+                        const float *, float *, int64_t, int);
 
 /* ------------------------------------------------------------------ AVX2 */
 #if defined(__x86_64__)
@@ -803,6 +808,166 @@ PANEL_KERNEL(AVX512, vnni, Q5_0, BY_INT8_TILE_ROWS)
 PANEL_KERNEL(AVX512, vnni, Q5_1, BY_INT8_TILE_ROWS)
 PANEL_KERNEL(AVX512, vnni, Q8_0, BY_INT8_TILE_ROWS)
 
+/* ------------------------------------------------------------------ AVX-512 VNNI, panel pairs
+ *
+ * Two adjacent panels (16 rows of W) in one pass of 512-bit registers: each
+ * vector holds a group of panel p in its low half and the same group of
+ * panel p + 1 in its high one, so every unpacking, vpdpbusd and float
+ * operation serves 16 outputs where panel_q4_vnni's and panel_q8_vnni's
+ * serve 8. Each lane sees the same integer sums and the same float
+ * operations in the same order as in those kernels: every output is bitwise
+ * theirs. */
+
+/* The 32 bytes at `a` (panel p) and at `b` (panel p + 1) as one vector. */
+AVX512 INLINE __m512i pair_bytes(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* The 8 fp16 at `a` and the 8 at `b` as 16 floats. */
+AVX512 INLINE __m512 pair_halves(const uint8_t *a, const uint8_t *b) {
+    __m128i low = _mm_loadu_si128((const __m128i *)a), high = _mm_loadu_si128((const __m128i *)b);
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1));
+}
+
+/* The 4 bytes of x at `p` in every 32-bit lane of a 512-bit vector (one load). */
+AVX512 INLINE __m512i broadcast4_wide(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* A pair's 16 sums: panel p's 8 (always a whole panel) at y, panel p + 1's first
+ * `cols` at y + PANEL. */
+AVX512 INLINE void store_pair(__m512 sums, float *y, int cols) {
+    _mm256_storeu_ps(y, _mm512_castps512_ps256(sums));
+    __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1));
+    store_panel(high, y + PANEL, cols);
+}
+
+/* q4_groups over a pair: panel p's block quants at `a`, panel p + 1's at `b`. */
+AVX512 INLINE void pair_groups(int fmt, const uint8_t *a, const uint8_t *b, __m512i lo[4],
+                               __m512i hi[4]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int g = 0; g < 4; g++) {
+        __m512i v = pair_bytes(a + GROUP_BYTES * g, b + GROUP_BYTES * g);
+        lo[g] = _mm512_and_si512(v, low);
+        hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    if (!is_q5(fmt)) return;
+    __m512i bits = pair_bytes(a + PANEL * 16, b + PANEL * 16);
+    const __m512i fifth = _mm512_set1_epi8(0x10);
+#define FIFTH_TO_4(from) ((from) < 4 ? _mm512_slli_epi16(bits, 4 - (from))                     \
+                          : (from) > 4 ? _mm512_srli_epi16(bits, (from) - 4) : bits)
+    for (int g = 0; g < 4; g++) {
+        lo[g] = _mm512_or_si512(lo[g], _mm512_and_si512(FIFTH_TO_4(2 * g), fifth));
+        hi[g] = _mm512_or_si512(hi[g], _mm512_and_si512(FIFTH_TO_4(2 * g + 1), fifth));
+    }
+#undef FIFTH_TO_4
+}
+
+/* panel_q4_vnni over the pair at `panel` and `panel + panel_bytes`. */
+AVX512 INLINE void pair_q4_vnni(int fmt, const uint8_t *panel, int64_t panel_bytes, int64_t k,
+                                int rows, const int8_t *x, const float *xd, const float *xs,
+                                float *y, int64_t y_stride, int cols) {
+    const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
+    __m512 acc[INT8_TILE_ROWS], acc_m[INT8_TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *src = panel + b * pb, *next = src + panel_bytes;
+        prefetch_ahead(src, pb);
+        prefetch_ahead(next, pb);
+        __m512 dw = pair_halves(src, next);
+        __m512 mw = has_min(fmt) ? pair_halves(src + 16, next + 16)
+                                 : _mm512_mul_ps(dw, _mm512_set1_ps(-zero_point(fmt)));
+        __m512i lo[4], hi[4];
+        pair_groups(fmt, src + quants, next + quants, lo, hi);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xb = x + r * k + b * BLOCK;
+            __m512i d[4];
+            for (int g = 0; g < 2; g++) {
+                d[g] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[g], broadcast4_wide(xb + 4 * g));
+                d[2 + g] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[g],
+                                               broadcast4_wide(xb + 16 + 4 * g));
+            }
+            for (int g = 2; g < 4; g++) {
+                d[g - 2] = _mm512_dpbusd_epi32(d[g - 2], lo[g], broadcast4_wide(xb + 4 * g));
+                d[g] = _mm512_dpbusd_epi32(d[g], hi[g], broadcast4_wide(xb + 16 + 4 * g));
+            }
+            __m512i sums = _mm512_add_epi32(_mm512_add_epi32(d[0], d[1]),
+                                            _mm512_add_epi32(d[2], d[3]));
+            __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+            __m512 x_sum = _mm512_set1_ps(xs[r * nb + b]); /* OFFSET_TERM's */
+            if (rows <= 2)
+                acc_m[r] = _mm512_fmadd_ps(mw, x_sum, acc_m[r]);
+            else
+                acc[r] = _mm512_fmadd_ps(mw, x_sum, acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        store_pair(_mm512_add_ps(acc[r], acc_m[r]), y + r * y_stride, cols);
+}
+
+/* panel_q8_vnni over the pair at `panel` and `panel + panel_bytes` (x + 128). */
+AVX512 INLINE void pair_q8_vnni(const uint8_t *panel, int64_t panel_bytes, int64_t k, int rows,
+                                const int8_t *x, const float *xd, float *y, int64_t y_stride,
+                                int cols) {
+    const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
+    const uint8_t *xu = (const uint8_t *)x;
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512 acc[INT8_TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *src = panel + b * pb, *next = src + panel_bytes;
+        prefetch_ahead(src, pb);
+        prefetch_ahead(next, pb);
+        __m512 dw = pair_halves(src, next);
+        __m512i w[8], w_sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int g = 0; g < 8; g++) {
+            w[g] = pair_bytes(src + 16 + 32 * g, next + 16 + 32 * g);
+            w_sum[g % 2] = _mm512_dpbusd_epi32(w_sum[g % 2], ones, w[g]);
+        }
+        __m512i bias = _mm512_slli_epi32(_mm512_add_epi32(w_sum[0], w_sum[1]), 7);
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *xb = xu + r * k + b * BLOCK;
+            __m512i d[4];
+            for (int g = 0; g < 8; g++) {
+                __m512i xg = broadcast4_wide((const int8_t *)xb + 4 * g);
+                d[g % 4] = _mm512_dpbusd_epi32(g < 4 ? _mm512_setzero_si512() : d[g % 4], xg, w[g]);
+            }
+            __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(d[0], d[1]),
+                                                             _mm512_add_epi32(d[2], d[3])),
+                                            bias);
+            __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) store_pair(acc[r], y + r * y_stride, cols);
+}
+
+/* pair_vnni_<FMT>: the pair kernel of one format, the tile's row count a constant
+ * in each instance. */
+#define PAIR_TILE(R)                                                                          \
+    (FORMAT == Q8_0 ? pair_q8_vnni(panel, panel_bytes, k, R, x, xd, y, y_stride, cols)        \
+                    : pair_q4_vnni(FORMAT, panel, panel_bytes, k, R, x, xd, xs, y, y_stride, cols))
+
+#define PAIR_KERNEL(FMT)                                                                      \
+    AVX512 static void pair_vnni_##FMT(const uint8_t *panel, int64_t panel_bytes, int64_t k,  \
+                                       int rows, const int8_t *x, const float *xd,            \
+                                       const float *xs, float *y, int64_t y_stride,           \
+                                       int cols) {                                            \
+        enum { FORMAT = FMT };                                                                \
+        (void)xs;                                                                             \
+        BY_INT8_TILE_ROWS(rows, PAIR_TILE)                                                    \
+    }
+
+PAIR_KERNEL(Q4_0)
+PAIR_KERNEL(Q4_1)
+PAIR_KERNEL(Q5_0)
+PAIR_KERNEL(Q5_1)
+PAIR_KERNEL(Q8_0)
+
 /* ------------------------------------------------------------------ AVX-512, fp32 activations
  *
  * The block formats' fp32 products with 512-bit registers: a block's 32
@@ -922,6 +1087,22 @@ static panel_fn fast_panel(int isa, int fmt) {
     return 0;
 }
 
+/* The pair kernel `isa` runs for `fmt` (NULL: none; panels go one at a time). */
+static pair_fn fast_pair(int isa, int fmt) {
+#if defined(__x86_64__)
+    if (isa == ISA_AVX512_VNNI) switch (fmt) {
+        case Q4_0: return pair_vnni_Q4_0;
+        case Q4_1: return pair_vnni_Q4_1;
+        case Q5_0: return pair_vnni_Q5_0;
+        case Q5_1: return pair_vnni_Q5_1;
+        case Q8_0: return pair_vnni_Q8_0;
+        }
+#endif
+    (void)isa;
+    (void)fmt;
+    return 0;
+}
+
 /* ------------------------------------------------------------------ entry points */
 
 /* y[M, n] = x W^T for fp32 x [M, k] and W [n, k] in `fmt` (the file's layout). */
@@ -962,6 +1143,8 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     int wide = fast && isa == ISA_AVX512_VNNI; /* 32 registers: tiles of INT8_TILE_ROWS */
     int unsigned_x = wide && fmt == Q8_0;      /* panel_q8_vnni takes x + 128 */
     int64_t tile = wide ? INT8_TILE_ROWS : TILE_ROWS;
+    pair_fn pair = fast_pair(isa, fmt); /* 512-bit registers: two panels at a time */
+    int64_t step = pair ? 2 : 1;
     float *scales =
         malloc((size_t)(2 * m * nb) * sizeof(float) + (size_t)(m * k) * (unsigned_x ? 2 : 1));
     if (!scales) return -1;
@@ -979,16 +1162,21 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
         }
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-#pragma omp for schedule(dynamic, SHARE_ROWS / PANEL) nowait /* chunks write apart */
-            for (int64_t p = 0; p < panels; p++) {
+#pragma omp for schedule(dynamic, SHARE_ROWS / (PANEL * step)) nowait /* chunks write apart */
+            for (int64_t u = 0; u < (panels + step - 1) / step; u++) {
+                int64_t p = u * step;
                 const uint8_t *panel = packed + p * panel_bytes;
-                int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
+                int both = step == 2 && p + 1 < panels; /* else one panel, the last */
+                int64_t last = both ? p + 1 : p;      /* the panel that may be partial */
+                int cols = n - last * PANEL < PANEL ? (int)(n - last * PANEL) : PANEL;
                 for (int64_t r = m0; r < m1; r += tile) {
                     int rows = m1 - r < tile ? (int)(m1 - r) : (int)tile;
                     const int8_t *xr = (fast ? xin : xq) + r * k;
                     const float *dr = xd + r * nb, *sr = xs + r * nb;
                     float *yr = y + r * n + p * PANEL;
-                    if (fast)
+                    if (both)
+                        pair(panel, panel_bytes, k, rows, xr, dr, sr, yr, n, cols);
+                    else if (fast)
                         fast(panel, k, rows, xr, dr, sr, yr, n, cols);
                     else
                         panel_portable(fmt, panel, k, rows, xr, dr, sr, yr, n, cols);

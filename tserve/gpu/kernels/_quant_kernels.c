@@ -47,6 +47,7 @@
 #define BF16 30
 #define BLOCK 32
 #define PANEL 8       /* rows of W per panel of the packed layout */
+#define PAIR_MIN_ROWS 4 /* rows of x from which AVX-512 takes two panels at a time */
 
 int tserve_quant_isa(void) {
 #if defined(__x86_64__)
@@ -1143,7 +1144,10 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     int wide = fast && isa == ISA_AVX512_VNNI; /* 32 registers: tiles of INT8_TILE_ROWS */
     int unsigned_x = wide && fmt == Q8_0;      /* panel_q8_vnni takes x + 128 */
     int64_t tile = wide ? INT8_TILE_ROWS : TILE_ROWS;
-    pair_fn pair = fast_pair(isa, fmt); /* 512-bit registers: two panels at a time */
+    /* 512-bit registers: two panels at a time, from PAIR_MIN_ROWS rows of x: below,
+     * the product waits on memory, and two streams of W (the panels lie one after
+     * the other) read slower than one: 1.2 times at 2 rows */
+    pair_fn pair = m >= PAIR_MIN_ROWS ? fast_pair(isa, fmt) : 0;
     int64_t step = pair ? 2 : 1;
     float *scales =
         malloc((size_t)(2 * m * nb) * sizeof(float) + (size_t)(m * k) * (unsigned_x ? 2 : 1));

@@ -1,6 +1,6 @@
 """Every quantized format's product speed beside the Q4_1 kernel's, on the same weight shape.
 
-Run: ``python -m benchmarks.kquant_kernels [--n 1536] [--k 1536] [--rows 1 4 16 64]
+Run: ``python -m benchmarks.kquant_kernels [--n 1536] [--k 1536] [--formats ...] [--rows 1 4 16 64]
 [--repeats 9]``
 
 One thread, timed by its CPU time (``time.thread_time``: what other work on a
@@ -33,17 +33,17 @@ _MODES = ("fp32", "int8")
 _BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
-def _weights(n: int, k: int) -> dict[str, QuantizedWeight]:
+def _weights(n: int, k: int, formats: list[str]) -> dict[str, QuantizedWeight]:
     import gguf
 
     rng = np.random.default_rng(0)
     values = rng.standard_normal((n, k), dtype=np.float32)
     weights = {}
-    for fmt in _BLOCK_FORMATS:
+    for fmt in (f for f in _BLOCK_FORMATS if f in formats):
         data = gguf.quants.quantize(values, gguf.GGMLQuantizationType[fmt])
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
         weights[fmt] = QuantizedWeight(FORMATS[fmt], torch.from_numpy(raw), n, k)
-    for fmt in kquant_blocks.FORMATS:
+    for fmt in (f for f in kquant_blocks.FORMATS if f in formats):
         raw = kquant_blocks.random_rows(fmt, n, k, rng)
         weights[fmt] = QuantizedWeight(FORMATS[fmt], torch.from_numpy(raw), n, k)
     return weights
@@ -59,7 +59,13 @@ def main() -> int:
         prog="python -m benchmarks.kquant_kernels", description=__doc__
     )
     parser.add_argument("--n", type=int, default=1536, help="output features")
-    parser.add_argument("--k", type=int, default=1536, help="input features (a multiple of 256)")
+    parser.add_argument(
+        "--k", type=int, default=1536, help="input features (a multiple of 256; 32: block formats)"
+    )
+    every = [*_BLOCK_FORMATS, *kquant_blocks.FORMATS]
+    parser.add_argument(
+        "--formats", nargs="+", choices=every, default=every, help="Q4_1 (the base) always runs"
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
@@ -67,7 +73,7 @@ def main() -> int:
     if kernels is None:
         raise SystemExit("the compiled kernels are not built (pip install -e .)")
     torch.set_num_threads(1)
-    weights = _weights(args.n, args.k)
+    weights = _weights(args.n, args.k, ["Q4_1", *args.formats])
     # each treatment as the engine runs it (int8 Q4_1/Q8_0: on the packed weight)
     layers = {
         (fmt, mode): QuantizedLinear(weight, kernels, mode)  # type: ignore[arg-type]

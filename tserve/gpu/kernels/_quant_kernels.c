@@ -22,9 +22,10 @@
  *   scales are one vector load (layout at panel_block_bytes).
  *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one, the
- * int8 panels an AVX-512 VNNI one too (two adjacent panels at a time in
- * 512-bit registers, a last odd one alone in 256-bit ones: bitwise the same
- * outputs) and the block formats' fp32 products an AVX-512 one; the caller
+ * int8 panels an AVX-512 VNNI one too (from PAIR_MIN_ROWS rows of x two
+ * adjacent panels at a time in 512-bit registers, else and for a last odd
+ * panel one in 256-bit ones: bitwise the same outputs) and the block formats'
+ * fp32 products an AVX-512 one; the caller
  * picks by `isa`
  * (tserve_quant_isa() says the best this CPU runs; a kernel without a variant
  * for it runs the next one down).

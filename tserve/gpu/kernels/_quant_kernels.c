@@ -418,11 +418,11 @@ static void panel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, c
 }
 
 typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, float *, int64_t);
-typedef void (*panel_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
+/* An int8 panel kernel: (panel, twin, k, rows, x, xd, xs, y, y_stride, cols). A
+ * 512-bit one takes a pair of panels, the second `twin` bytes after the first,
+ * and `cols` of 16 outputs; the others one panel (twin unused), `cols` of 8. */
+typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, int, const int8_t *, const float *,
                          const float *, float *, int64_t, int);
-/* A pair kernel: two adjacent panels, the first at the pointer, the second panel_bytes on. */
-typedef void (*pair_fn)(const uint8_t *, int64_t, int64_t, int, const int8_t *, const float *,
-                        const float *, float *, int64_t, int);
 
 /* ------------------------------------------------------------------ AVX2 */
 #if defined(__x86_64__)
@@ -571,56 +571,82 @@ AVX2 INLINE __m256i broadcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* A Q4_0/Q4_1/Q5_0/Q5_1 panel block's scales and offsets (Q4_1's and Q5_1's m,
- * Q4_0's -8 d, Q5_0's -16 d), in row order. */
-AVX2 INLINE __m256 q4_scales(int fmt, const uint8_t *src, __m256 *offsets) {
-    __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-    *offsets = has_min(fmt) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)))
-                            : _mm256_mul_ps(dw, _mm256_set1_ps(-zero_point(fmt)));
-    return dw;
+/* The int8 panel kernels' loads and stores at W bits a vector (256, or 512 for
+ * a pair of panels: panel p in a vector's low half, its twin `twin` bytes on
+ * in the high one): 32 bytes of each panel, 8 fp16 of each as floats, 4 bytes
+ * of x in every 32-bit lane, and the first `cols` sums stored. */
+AVX2 INLINE __m256i bytes_256(const uint8_t *p, int64_t twin) {
+    (void)twin;
+    return _mm256_loadu_si256((const __m256i *)p);
 }
 
-/* A Q4/Q5 panel block's quants as 32 bytes per group, a row per 32-bit lane:
- * lo[g] elements 4g..4g+3 of each row (the low nibbles), hi[g] elements
+AVX2 INLINE __m256 halves_256(const uint8_t *p, int64_t twin) {
+    (void)twin;
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+#define x4_256 broadcast4
+#define store_256 store_panel
+
+/* A Q4_0/Q4_1/Q5_0/Q5_1 panel block's scales and offsets (Q4_1's and Q5_1's m,
+ * Q4_0's -8 d, Q5_0's -16 d), in row order, at W bits a vector. */
+#define Q4_SCALES(W, TARGET)                                                                  \
+    TARGET INLINE __m##W q4_scales_##W(int fmt, const uint8_t *src, int64_t twin,            \
+                                        __m##W *offsets) {                                    \
+        __m##W dw = halves_##W(src, twin);                                                    \
+        *offsets = has_min(fmt) ? halves_##W(src + 16, twin)                                  \
+                                : _mm##W##_mul_ps(dw, _mm##W##_set1_ps(-zero_point(fmt)));    \
+        return dw;                                                                            \
+    }
+
+/* Bits 2g and 2g + 1 of each byte of `bits` to bit 4 (a 16-bit shift: the mask
+ * keeps each byte's own bit, shifts being at most 4 left and 3 right). */
+#define FIFTH_TO_4(W, bits, from)                                                             \
+    ((from) < 4 ? _mm##W##_slli_epi16(bits, 4 - (from))                                       \
+     : (from) > 4 ? _mm##W##_srli_epi16(bits, (from) - 4) : (bits))
+
+/* A Q4/Q5 panel block's quants as 32 bytes per group and panel, a row per 32-bit
+ * lane: lo[g] elements 4g..4g+3 of each row (the low nibbles), hi[g] elements
  * 16 + 4g.. (the high ones); Q5: each with its fifth bit (the packed fifth
  * bits after the quants, a row per lane as loaded). */
-AVX2 INLINE void q4_groups(int fmt, const uint8_t *quants, __m256i lo[4], __m256i hi[4]) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int g = 0; g < 4; g++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(quants + GROUP_BYTES * g));
-        lo[g] = _mm256_and_si256(v, low);
-        hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#define Q4_GROUPS(W, TARGET)                                                                  \
+    TARGET INLINE void q4_groups_##W(int fmt, const uint8_t *quants, int64_t twin,           \
+                                      __m##W##i lo[4], __m##W##i hi[4]) {                     \
+        const __m##W##i low = _mm##W##_set1_epi8(0x0f);                                       \
+        for (int g = 0; g < 4; g++) {                                                         \
+            __m##W##i v = bytes_##W(quants + GROUP_BYTES * g, twin);                          \
+            lo[g] = _mm##W##_and_si##W(v, low);                                               \
+            hi[g] = _mm##W##_and_si##W(_mm##W##_srli_epi16(v, 4), low);                       \
+        }                                                                                     \
+        if (!is_q5(fmt)) return;                                                              \
+        __m##W##i bits = bytes_##W(quants + PANEL * 16, twin);                                \
+        const __m##W##i fifth = _mm##W##_set1_epi8(0x10);                                     \
+        for (int g = 0; g < 4; g++) {                                                         \
+            lo[g] = _mm##W##_or_si##W(lo[g], _mm##W##_and_si##W(FIFTH_TO_4(W, bits, 2 * g), fifth)); \
+            hi[g] = _mm##W##_or_si##W(hi[g],                                                  \
+                                      _mm##W##_and_si##W(FIFTH_TO_4(W, bits, 2 * g + 1), fifth)); \
+        }                                                                                     \
     }
-    if (!is_q5(fmt)) return;
-    /* Bits 2g and 2g + 1 of each byte to bit 4 (a 16-bit shift: the mask keeps
-     * each byte's own bit, shifts being at most 4 left and 3 right). */
-    __m256i bits = _mm256_loadu_si256((const __m256i *)(quants + PANEL * 16));
-    const __m256i fifth = _mm256_set1_epi8(0x10);
-#define FIFTH_TO_4(from) ((from) < 4 ? _mm256_slli_epi16(bits, 4 - (from))                     \
-                          : (from) > 4 ? _mm256_srli_epi16(bits, (from) - 4) : bits)
-    for (int g = 0; g < 4; g++) {
-        lo[g] = _mm256_or_si256(lo[g], _mm256_and_si256(FIFTH_TO_4(2 * g), fifth));
-        hi[g] = _mm256_or_si256(hi[g], _mm256_and_si256(FIFTH_TO_4(2 * g + 1), fifth));
-    }
-#undef FIFTH_TO_4
-}
+
+Q4_SCALES(256, AVX2)
+Q4_GROUPS(256, AVX2)
 
 /* The offsets' term of x row r's block b (Q4_1's and Q5_1's m times the
- * block's sum of x): up to two rows into an accumulator of its own, so that a
- * row's two multiply-adds per block do not wait on each other; from three
- * rows on into the products' (the tile has enough chains, and its
- * accumulators stay in registers). */
-#define OFFSET_TERM(r)                                                                        \
+ * block's sum of x), at W bits a vector: up to two rows into an accumulator of
+ * its own, so that a row's two multiply-adds per block do not wait on each
+ * other; from three rows on into the products' (the tile has enough chains,
+ * and its accumulators stay in registers). */
+#define OFFSET_TERM(W, r)                                                                     \
     do {                                                                                      \
-        __m256 x_sum = _mm256_set1_ps(xs[(r) * nb + b]);                                      \
+        __m##W x_sum = _mm##W##_set1_ps(xs[(r) * nb + b]);                                    \
         if (rows <= 2)                                                                        \
-            acc_m[r] = _mm256_fmadd_ps(mw, x_sum, acc_m[r]);                                  \
+            acc_m[r] = _mm##W##_fmadd_ps(mw, x_sum, acc_m[r]);                                \
         else                                                                                  \
-            acc[r] = _mm256_fmadd_ps(mw, x_sum, acc[r]);                                      \
+            acc[r] = _mm##W##_fmadd_ps(mw, x_sum, acc[r]);                                    \
     } while (0)
 
 /* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x. Per block: four
- * 32-byte loads hold the eight rows' nibbles (q4_groups); per x row, each group
+ * 32-byte loads hold the eight rows' nibbles (q4_groups_256); per x row, each group
  * meets its 4 bytes of x broadcast to every lane (maddubs), the int16 sums add
  * up (each at most 2 * 15 * 127, Q5 2 * 31 * 127: eight of them fit, Q5 four),
  * and one madd with ones leaves each row's block sum in its lane. */
@@ -634,9 +660,9 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int row
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
         prefetch_ahead(src, pb);
-        __m256 mw, dw = q4_scales(fmt, src, &mw);
+        __m256 mw, dw = q4_scales_256(fmt, src, 0, &mw);
         __m256i lo[4], hi[4];
-        q4_groups(fmt, src + quants, lo, hi);
+        q4_groups_256(fmt, src + quants, 0, lo, hi);
         for (int r = 0; r < rows; r++) {
             const int8_t *xb = x + r * k + b * BLOCK;
             __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], broadcast4(xb)),
@@ -652,7 +678,7 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int row
                                       : _mm256_madd_epi16(_mm256_add_epi16(a, c), ones);
             __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-            OFFSET_TERM(r);
+            OFFSET_TERM(256, r);
         }
     }
     for (int r = 0; r < rows; r++)
@@ -699,12 +725,12 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const 
                     : panel_q4_##SUFFIX(FORMAT, panel, k, R, x, xd, xs, y, y_stride, cols))
 
 #define PANEL_KERNEL(TARGET, SUFFIX, FMT, BY_ROWS)                                            \
-    TARGET static void panel_##SUFFIX##_##FMT(const uint8_t *panel, int64_t k, int rows,      \
-                                              const int8_t *x, const float *xd,               \
+    TARGET static void panel_##SUFFIX##_##FMT(const uint8_t *panel, int64_t twin, int64_t k,  \
+                                              int rows, const int8_t *x, const float *xd,     \
                                               const float *xs, float *y, int64_t y_stride,    \
                                               int cols) {                                     \
         enum { FORMAT = FMT };                                                                \
-        (void)xs;                                                                             \
+        (void)xs, (void)twin;                                                                 \
         BY_ROWS(rows, SUFFIX##_PANEL_TILE)                                                    \
     }
 
@@ -718,257 +744,165 @@ PANEL_KERNEL(AVX2, avx2, Q8_0, BY_TILE_ROWS)
 /* ------------------------------------------------------------------ AVX-512 VNNI
  *
  * The packed panels of the block formats with vpdpbusd (u8 x s8, four
- * products summed into each int32) on 256-bit registers (AVX-512 VL): the
- * AVX2 kernels' loop, each maddubs and madd pair one instruction, the sums in
- * four independent chains, and tiles of INT8_TILE_ROWS rows of x (the
- * quants unpacked once per tile). The same products as the AVX2 kernels',
- * exact in integers. */
+ * products summed into each int32): the AVX2 kernels' loop, each maddubs and
+ * madd pair one instruction, the sums in four independent chains, and tiles
+ * of INT8_TILE_ROWS rows of x (the quants unpacked once per tile). The same
+ * products as the AVX2 kernels', exact in integers. Each kernel is written
+ * once and built at two widths: 256-bit registers take one panel, 512-bit
+ * ones a pair (two adjacent panels, 16 rows of W), so that every unpacking,
+ * vpdpbusd and float step serves 16 outputs. Each lane sees the same integer
+ * sums and float operations in the same order at either width: every output
+ * is bitwise the same. */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-/* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x (panel_q4_avx2's
- * layout and scales). */
-AVX512 INLINE void panel_q4_vnni(int fmt, const uint8_t *panel, int64_t k, int rows,
-                                 const int8_t *x, const float *xd, const float *xs, float *y,
-                                 int64_t y_stride, int cols) {
-    const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
-    __m256 acc[INT8_TILE_ROWS], acc_m[INT8_TILE_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *src = panel + b * pb;
-        prefetch_ahead(src, pb);
-        __m256 mw, dw = q4_scales(fmt, src, &mw);
-        __m256i lo[4], hi[4];
-        q4_groups(fmt, src + quants, lo, hi);
-        for (int r = 0; r < rows; r++) {
-            const int8_t *xb = x + r * k + b * BLOCK;
-            __m256i d[4];
-            for (int g = 0; g < 2; g++) {
-                d[g] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[g], broadcast4(xb + 4 * g));
-                d[2 + g] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi[g],
-                                               broadcast4(xb + 16 + 4 * g));
-            }
-            for (int g = 2; g < 4; g++) {
-                d[g - 2] = _mm256_dpbusd_epi32(d[g - 2], lo[g], broadcast4(xb + 4 * g));
-                d[g] = _mm256_dpbusd_epi32(d[g], hi[g], broadcast4(xb + 16 + 4 * g));
-            }
-            __m256i sums = _mm256_add_epi32(_mm256_add_epi32(d[0], d[1]),
-                                            _mm256_add_epi32(d[2], d[3]));
-            __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-            OFFSET_TERM(r);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        store_panel(_mm256_add_ps(acc[r], acc_m[r]), y + r * y_stride, cols);
+/* bytes_256 and the rest for a pair: panel p's at `p`, its twin's `twin` bytes on. */
+AVX512 INLINE __m512i bytes_512(const uint8_t *p, int64_t twin) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                              _mm256_loadu_si256((const __m256i *)(p + twin)), 1);
 }
 
-/* A Q8_0 panel against `rows` rows of x given as x + 128, unsigned (the caller's
- * copy, tserve_qlinear_int8): vpdpbusd multiplies them by w as it is, signed,
- * and sum (x + 128) w - 128 sum w = sum x w, exact in int32; sum w comes once
- * per panel block and tile (a vpdpbusd of ones per group). Per x row and
- * block: 8 vpdpbusd and 7 other vector operations, against 8 more for the
- * sign trick of AVX2 (|w| times x with w's sign). */
-AVX512 INLINE void panel_q8_vnni(const uint8_t *panel, int64_t k, int rows, const int8_t *x,
-                                 const float *xd, float *y, int64_t y_stride, int cols) {
-    const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
-    const uint8_t *xu = (const uint8_t *)x;
-    const __m256i ones = _mm256_set1_epi8(1);
-    __m256 acc[INT8_TILE_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *src = panel + b * pb;
-        prefetch_ahead(src, pb);
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-        __m256i w[8], w_sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int g = 0; g < 8; g++) {
-            w[g] = _mm256_loadu_si256((const __m256i *)(src + 16) + g);
-            w_sum[g % 2] = _mm256_dpbusd_epi32(w_sum[g % 2], ones, w[g]);
-        }
-        __m256i bias = _mm256_slli_epi32(_mm256_add_epi32(w_sum[0], w_sum[1]), 7);
-        for (int r = 0; r < rows; r++) {
-            const uint8_t *xb = xu + r * k + b * BLOCK;
-            __m256i d[4];
-            for (int g = 0; g < 8; g++) {
-                __m256i xg = broadcast4((const int8_t *)xb + 4 * g);
-                d[g % 4] = _mm256_dpbusd_epi32(g < 4 ? _mm256_setzero_si256() : d[g % 4], xg, w[g]);
-            }
-            __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(_mm256_add_epi32(d[0], d[1]),
-                                                             _mm256_add_epi32(d[2], d[3])),
-                                            bias);
-            __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) store_panel(acc[r], y + r * y_stride, cols);
-}
-
-#define vnni_PANEL_TILE(R) PANEL_TILE(vnni, R)
-PANEL_KERNEL(AVX512, vnni, Q4_0, BY_INT8_TILE_ROWS)
-PANEL_KERNEL(AVX512, vnni, Q4_1, BY_INT8_TILE_ROWS)
-PANEL_KERNEL(AVX512, vnni, Q5_0, BY_INT8_TILE_ROWS)
-PANEL_KERNEL(AVX512, vnni, Q5_1, BY_INT8_TILE_ROWS)
-PANEL_KERNEL(AVX512, vnni, Q8_0, BY_INT8_TILE_ROWS)
-
-/* ------------------------------------------------------------------ AVX-512 VNNI, panel pairs
- *
- * Two adjacent panels (16 rows of W) in one pass of 512-bit registers: each
- * vector holds a group of panel p in its low half and the same group of
- * panel p + 1 in its high one, so every unpacking, vpdpbusd and float
- * operation serves 16 outputs where panel_q4_vnni's and panel_q8_vnni's
- * serve 8. Each lane sees the same integer sums and the same float
- * operations in the same order as in those kernels: every output is bitwise
- * theirs. */
-
-/* The 32 bytes at `a` (panel p) and at `b` (panel p + 1) as one vector. */
-AVX512 INLINE __m512i pair_bytes(const uint8_t *a, const uint8_t *b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
-}
-
-/* The 8 fp16 at `a` and the 8 at `b` as 16 floats. */
-AVX512 INLINE __m512 pair_halves(const uint8_t *a, const uint8_t *b) {
-    __m128i low = _mm_loadu_si128((const __m128i *)a), high = _mm_loadu_si128((const __m128i *)b);
+AVX512 INLINE __m512 halves_512(const uint8_t *p, int64_t twin) {
+    __m128i low = _mm_loadu_si128((const __m128i *)p);
+    __m128i high = _mm_loadu_si128((const __m128i *)(p + twin));
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1));
 }
 
-/* The 4 bytes of x at `p` in every 32-bit lane of a 512-bit vector (one load). */
-AVX512 INLINE __m512i broadcast4_wide(const int8_t *p) {
+AVX512 INLINE __m512i x4_512(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return _mm512_set1_epi32(v);
 }
 
-/* A pair's 16 sums: panel p's 8 (always a whole panel) at y, panel p + 1's first
- * `cols` at y + PANEL. */
-AVX512 INLINE void store_pair(__m512 sums, float *y, int cols) {
-    _mm256_storeu_ps(y, _mm512_castps512_ps256(sums));
+/* The first `cols` of a pair's 16 sums at y. */
+AVX512 INLINE void store_512(__m512 sums, float *y, int cols) {
     __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1));
-    store_panel(high, y + PANEL, cols);
+    store_panel(_mm512_castps512_ps256(sums), y, cols < PANEL ? cols : PANEL);
+    if (cols > PANEL) store_panel(high, y + PANEL, cols - PANEL);
 }
 
-/* q4_groups over a pair: panel p's block quants at `a`, panel p + 1's at `b`. */
-AVX512 INLINE void pair_groups(int fmt, const uint8_t *a, const uint8_t *b, __m512i lo[4],
-                               __m512i hi[4]) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    for (int g = 0; g < 4; g++) {
-        __m512i v = pair_bytes(a + GROUP_BYTES * g, b + GROUP_BYTES * g);
-        lo[g] = _mm512_and_si512(v, low);
-        hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
-    if (!is_q5(fmt)) return;
-    __m512i bits = pair_bytes(a + PANEL * 16, b + PANEL * 16);
-    const __m512i fifth = _mm512_set1_epi8(0x10);
-#define FIFTH_TO_4(from) ((from) < 4 ? _mm512_slli_epi16(bits, 4 - (from))                     \
-                          : (from) > 4 ? _mm512_srli_epi16(bits, (from) - 4) : bits)
-    for (int g = 0; g < 4; g++) {
-        lo[g] = _mm512_or_si512(lo[g], _mm512_and_si512(FIFTH_TO_4(2 * g), fifth));
-        hi[g] = _mm512_or_si512(hi[g], _mm512_and_si512(FIFTH_TO_4(2 * g + 1), fifth));
-    }
-#undef FIFTH_TO_4
-}
+Q4_SCALES(512, AVX512)
+Q4_GROUPS(512, AVX512)
 
-/* panel_q4_vnni over the pair at `panel` and `panel + panel_bytes`. */
-AVX512 INLINE void pair_q4_vnni(int fmt, const uint8_t *panel, int64_t panel_bytes, int64_t k,
-                                int rows, const int8_t *x, const float *xd, const float *xs,
-                                float *y, int64_t y_stride, int cols) {
-    const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
-    __m512 acc[INT8_TILE_ROWS], acc_m[INT8_TILE_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *src = panel + b * pb, *next = src + panel_bytes;
-        prefetch_ahead(src, pb);
-        prefetch_ahead(next, pb);
-        __m512 dw = pair_halves(src, next);
-        __m512 mw = has_min(fmt) ? pair_halves(src + 16, next + 16)
-                                 : _mm512_mul_ps(dw, _mm512_set1_ps(-zero_point(fmt)));
-        __m512i lo[4], hi[4];
-        pair_groups(fmt, src + quants, next + quants, lo, hi);
-        for (int r = 0; r < rows; r++) {
-            const int8_t *xb = x + r * k + b * BLOCK;
-            __m512i d[4];
-            for (int g = 0; g < 2; g++) {
-                d[g] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[g], broadcast4_wide(xb + 4 * g));
-                d[2 + g] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[g],
-                                               broadcast4_wide(xb + 16 + 4 * g));
-            }
-            for (int g = 2; g < 4; g++) {
-                d[g - 2] = _mm512_dpbusd_epi32(d[g - 2], lo[g], broadcast4_wide(xb + 4 * g));
-                d[g] = _mm512_dpbusd_epi32(d[g], hi[g], broadcast4_wide(xb + 16 + 4 * g));
-            }
-            __m512i sums = _mm512_add_epi32(_mm512_add_epi32(d[0], d[1]),
-                                            _mm512_add_epi32(d[2], d[3]));
-            __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
-            __m512 x_sum = _mm512_set1_ps(xs[r * nb + b]); /* OFFSET_TERM's */
-            if (rows <= 2)
-                acc_m[r] = _mm512_fmadd_ps(mw, x_sum, acc_m[r]);
-            else
-                acc[r] = _mm512_fmadd_ps(mw, x_sum, acc[r]);
-        }
+/* A Q4_0/Q4_1/Q5_0/Q5_1 panel (or pair) against `rows` int8 rows of x
+ * (panel_q4_avx2's layout and scales). */
+#define Q4_VNNI(W)                                                                            \
+    AVX512 INLINE void q4_vnni_##W(int fmt, const uint8_t *panel, int64_t twin, int64_t k,   \
+                                   int rows, const int8_t *x, const float *xd,                \
+                                   const float *xs, float *y, int64_t y_stride, int cols) {   \
+        const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt);                            \
+        const int64_t quants = panel_quants_at(fmt);                                          \
+        __m##W acc[INT8_TILE_ROWS], acc_m[INT8_TILE_ROWS];                                    \
+        for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm##W##_setzero_ps();             \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            const uint8_t *src = panel + b * pb;                                              \
+            prefetch_ahead(src, pb);                                                          \
+            if (twin) prefetch_ahead(src + twin, pb);                                         \
+            __m##W mw, dw = q4_scales_##W(fmt, src, twin, &mw);                               \
+            __m##W##i lo[4], hi[4];                                                           \
+            q4_groups_##W(fmt, src + quants, twin, lo, hi);                                   \
+            for (int r = 0; r < rows; r++) {                                                  \
+                const int8_t *xb = x + r * k + b * BLOCK;                                     \
+                __m##W##i d[4];                                                               \
+                for (int g = 0; g < 2; g++) {                                                 \
+                    d[g] = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), lo[g],             \
+                                                 x4_##W(xb + 4 * g));                         \
+                    d[2 + g] = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), hi[g],         \
+                                                     x4_##W(xb + 16 + 4 * g));                \
+                }                                                                             \
+                for (int g = 2; g < 4; g++) {                                                 \
+                    d[g - 2] = _mm##W##_dpbusd_epi32(d[g - 2], lo[g], x4_##W(xb + 4 * g));    \
+                    d[g] = _mm##W##_dpbusd_epi32(d[g], hi[g], x4_##W(xb + 16 + 4 * g));       \
+                }                                                                             \
+                __m##W##i sums = _mm##W##_add_epi32(_mm##W##_add_epi32(d[0], d[1]),           \
+                                                    _mm##W##_add_epi32(d[2], d[3]));          \
+                __m##W scale = _mm##W##_mul_ps(dw, _mm##W##_set1_ps(xd[r * nb + b]));         \
+                acc[r] = _mm##W##_fmadd_ps(_mm##W##_cvtepi32_ps(sums), scale, acc[r]);        \
+                OFFSET_TERM(W, r);                                                            \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < rows; r++)                                                        \
+            store_##W(_mm##W##_add_ps(acc[r], acc_m[r]), y + r * y_stride, cols);             \
     }
-    for (int r = 0; r < rows; r++)
-        store_pair(_mm512_add_ps(acc[r], acc_m[r]), y + r * y_stride, cols);
-}
 
-/* panel_q8_vnni over the pair at `panel` and `panel + panel_bytes` (x + 128). */
-AVX512 INLINE void pair_q8_vnni(const uint8_t *panel, int64_t panel_bytes, int64_t k, int rows,
-                                const int8_t *x, const float *xd, float *y, int64_t y_stride,
-                                int cols) {
-    const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
-    const uint8_t *xu = (const uint8_t *)x;
-    const __m512i ones = _mm512_set1_epi8(1);
-    __m512 acc[INT8_TILE_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *src = panel + b * pb, *next = src + panel_bytes;
-        prefetch_ahead(src, pb);
-        prefetch_ahead(next, pb);
-        __m512 dw = pair_halves(src, next);
-        __m512i w[8], w_sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int g = 0; g < 8; g++) {
-            w[g] = pair_bytes(src + 16 + 32 * g, next + 16 + 32 * g);
-            w_sum[g % 2] = _mm512_dpbusd_epi32(w_sum[g % 2], ones, w[g]);
-        }
-        __m512i bias = _mm512_slli_epi32(_mm512_add_epi32(w_sum[0], w_sum[1]), 7);
-        for (int r = 0; r < rows; r++) {
-            const uint8_t *xb = xu + r * k + b * BLOCK;
-            __m512i d[4];
-            for (int g = 0; g < 8; g++) {
-                __m512i xg = broadcast4_wide((const int8_t *)xb + 4 * g);
-                d[g % 4] = _mm512_dpbusd_epi32(g < 4 ? _mm512_setzero_si512() : d[g % 4], xg, w[g]);
-            }
-            __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(d[0], d[1]),
-                                                             _mm512_add_epi32(d[2], d[3])),
-                                            bias);
-            __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
-        }
+/* A Q8_0 panel (or pair) against `rows` rows of x given as x + 128, unsigned
+ * (the caller's copy, tserve_qlinear_int8): vpdpbusd multiplies them by w as
+ * it is, signed, and sum (x + 128) w - 128 sum w = sum x w, exact in int32;
+ * sum w comes once per block and tile (a vpdpbusd of ones per group). Per x
+ * row and block: 8 vpdpbusd and 7 other vector operations, against 8 more for
+ * the sign trick of AVX2 (|w| times x with w's sign). */
+#define Q8_VNNI(W)                                                                            \
+    AVX512 INLINE void q8_vnni_##W(const uint8_t *panel, int64_t twin, int64_t k, int rows,  \
+                                   const int8_t *x, const float *xd, float *y,                \
+                                   int64_t y_stride, int cols) {                              \
+        const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);                           \
+        const uint8_t *xu = (const uint8_t *)x;                                               \
+        const __m##W##i ones = _mm##W##_set1_epi8(1);                                         \
+        __m##W acc[INT8_TILE_ROWS];                                                           \
+        for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            const uint8_t *src = panel + b * pb;                                              \
+            prefetch_ahead(src, pb);                                                          \
+            if (twin) prefetch_ahead(src + twin, pb);                                         \
+            __m##W dw = halves_##W(src, twin);                                                \
+            __m##W##i w[8], w_sum[2] = {_mm##W##_setzero_si##W(), _mm##W##_setzero_si##W()};  \
+            for (int g = 0; g < 8; g++) {                                                     \
+                w[g] = bytes_##W(src + 16 + 32 * g, twin);                                    \
+                w_sum[g % 2] = _mm##W##_dpbusd_epi32(w_sum[g % 2], ones, w[g]);               \
+            }                                                                                 \
+            __m##W##i bias = _mm##W##_slli_epi32(_mm##W##_add_epi32(w_sum[0], w_sum[1]), 7);  \
+            for (int r = 0; r < rows; r++) {                                                  \
+                const uint8_t *xb = xu + r * k + b * BLOCK;                                   \
+                __m##W##i d[4];                                                               \
+                for (int g = 0; g < 8; g++) {                                                 \
+                    __m##W##i xg = x4_##W((const int8_t *)xb + 4 * g);                        \
+                    d[g % 4] = _mm##W##_dpbusd_epi32(g < 4 ? _mm##W##_setzero_si##W()         \
+                                                           : d[g % 4], xg, w[g]);             \
+                }                                                                             \
+                __m##W##i sums = _mm##W##_sub_epi32(                                          \
+                    _mm##W##_add_epi32(_mm##W##_add_epi32(d[0], d[1]),                        \
+                                       _mm##W##_add_epi32(d[2], d[3])),                       \
+                    bias);                                                                    \
+                __m##W scale = _mm##W##_mul_ps(dw, _mm##W##_set1_ps(xd[r * nb + b]));         \
+                acc[r] = _mm##W##_fmadd_ps(_mm##W##_cvtepi32_ps(sums), scale, acc[r]);        \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < rows; r++) store_##W(acc[r], y + r * y_stride, cols);             \
     }
-    for (int r = 0; r < rows; r++) store_pair(acc[r], y + r * y_stride, cols);
-}
 
-/* pair_vnni_<FMT>: the pair kernel of one format, the tile's row count a constant
- * in each instance. */
-#define PAIR_TILE(R)                                                                          \
-    (FORMAT == Q8_0 ? pair_q8_vnni(panel, panel_bytes, k, R, x, xd, y, y_stride, cols)        \
-                    : pair_q4_vnni(FORMAT, panel, panel_bytes, k, R, x, xd, xs, y, y_stride, cols))
+Q4_VNNI(256)
+Q4_VNNI(512)
+Q8_VNNI(256)
+Q8_VNNI(512)
 
-#define PAIR_KERNEL(FMT)                                                                      \
-    AVX512 static void pair_vnni_##FMT(const uint8_t *panel, int64_t panel_bytes, int64_t k,  \
+/* vnni<W>_<FMT>: the kernel of one format and width (a panel_fn), the tile's row
+ * count a constant in each instance. */
+#define VNNI_TILE(W, R)                                                                       \
+    (FORMAT == Q8_0 ? q8_vnni_##W(panel, twin, k, R, x, xd, y, y_stride, cols)                \
+                    : q4_vnni_##W(FORMAT, panel, twin, k, R, x, xd, xs, y, y_stride, cols))
+#define VNNI_TILE_256(R) VNNI_TILE(256, R)
+#define VNNI_TILE_512(R) VNNI_TILE(512, R)
+
+#define VNNI_KERNEL(W, FMT)                                                                   \
+    AVX512 static void vnni##W##_##FMT(const uint8_t *panel, int64_t twin, int64_t k,         \
                                        int rows, const int8_t *x, const float *xd,            \
                                        const float *xs, float *y, int64_t y_stride,           \
                                        int cols) {                                            \
         enum { FORMAT = FMT };                                                                \
         (void)xs;                                                                             \
-        BY_INT8_TILE_ROWS(rows, PAIR_TILE)                                                    \
+        BY_INT8_TILE_ROWS(rows, VNNI_TILE_##W)                                                \
     }
 
-PAIR_KERNEL(Q4_0)
-PAIR_KERNEL(Q4_1)
-PAIR_KERNEL(Q5_0)
-PAIR_KERNEL(Q5_1)
-PAIR_KERNEL(Q8_0)
+VNNI_KERNEL(256, Q4_0)
+VNNI_KERNEL(256, Q4_1)
+VNNI_KERNEL(256, Q5_0)
+VNNI_KERNEL(256, Q5_1)
+VNNI_KERNEL(256, Q8_0)
+VNNI_KERNEL(512, Q4_0)
+VNNI_KERNEL(512, Q4_1)
+VNNI_KERNEL(512, Q5_0)
+VNNI_KERNEL(512, Q5_1)
+VNNI_KERNEL(512, Q8_0)
 
 /* ------------------------------------------------------------------ AVX-512, fp32 activations
  *
@@ -1070,11 +1004,11 @@ static row_fn fast_row(int isa, int fmt) {
 static panel_fn fast_panel(int isa, int fmt) {
 #if defined(__x86_64__)
     if (isa == ISA_AVX512_VNNI) switch (fmt) {
-        case Q4_0: return panel_vnni_Q4_0;
-        case Q4_1: return panel_vnni_Q4_1;
-        case Q5_0: return panel_vnni_Q5_0;
-        case Q5_1: return panel_vnni_Q5_1;
-        case Q8_0: return panel_vnni_Q8_0;
+        case Q4_0: return vnni256_Q4_0;
+        case Q4_1: return vnni256_Q4_1;
+        case Q5_0: return vnni256_Q5_0;
+        case Q5_1: return vnni256_Q5_1;
+        case Q8_0: return vnni256_Q8_0;
         }
     if (isa >= ISA_AVX2) switch (fmt) {
         case Q4_0: return panel_avx2_Q4_0;
@@ -1090,14 +1024,14 @@ static panel_fn fast_panel(int isa, int fmt) {
 }
 
 /* The pair kernel `isa` runs for `fmt` (NULL: none; panels go one at a time). */
-static pair_fn fast_pair(int isa, int fmt) {
+static panel_fn fast_pair(int isa, int fmt) {
 #if defined(__x86_64__)
     if (isa == ISA_AVX512_VNNI) switch (fmt) {
-        case Q4_0: return pair_vnni_Q4_0;
-        case Q4_1: return pair_vnni_Q4_1;
-        case Q5_0: return pair_vnni_Q5_0;
-        case Q5_1: return pair_vnni_Q5_1;
-        case Q8_0: return pair_vnni_Q8_0;
+        case Q4_0: return vnni512_Q4_0;
+        case Q4_1: return vnni512_Q4_1;
+        case Q5_0: return vnni512_Q5_0;
+        case Q5_1: return vnni512_Q5_1;
+        case Q8_0: return vnni512_Q8_0;
         }
 #endif
     (void)isa;
@@ -1143,12 +1077,12 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     int64_t panel_bytes = nb * panel_block_bytes(fmt);
     panel_fn fast = fast_panel(isa, fmt);
     int wide = fast && isa == ISA_AVX512_VNNI; /* 32 registers: tiles of INT8_TILE_ROWS */
-    int unsigned_x = wide && fmt == Q8_0;      /* panel_q8_vnni takes x + 128 */
+    int unsigned_x = wide && fmt == Q8_0;      /* q8_vnni_256 and _512 take x + 128 */
     int64_t tile = wide ? INT8_TILE_ROWS : TILE_ROWS;
     /* 512-bit registers: two panels at a time, from PAIR_MIN_ROWS rows of x: below,
      * the product waits on memory, and two streams of W (the panels lie one after
      * the other) read slower than one: 1.2 times at 2 rows */
-    pair_fn pair = m >= PAIR_MIN_ROWS ? fast_pair(isa, fmt) : 0;
+    panel_fn pair = m >= PAIR_MIN_ROWS ? fast_pair(isa, fmt) : 0;
     int64_t step = pair ? 2 : 1;
     float *scales =
         malloc((size_t)(2 * m * nb) * sizeof(float) + (size_t)(m * k) * (unsigned_x ? 2 : 1));
@@ -1172,17 +1106,16 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
                 int64_t p = u * step;
                 const uint8_t *panel = packed + p * panel_bytes;
                 int both = step == 2 && p + 1 < panels; /* else one panel, the last */
-                int64_t last = both ? p + 1 : p;      /* the panel that may be partial */
-                int cols = n - last * PANEL < PANEL ? (int)(n - last * PANEL) : PANEL;
+                panel_fn run = both ? pair : fast;
+                int64_t twin = both ? panel_bytes : 0, width = both ? 2 * PANEL : PANEL;
+                int cols = n - p * PANEL < width ? (int)(n - p * PANEL) : (int)width;
                 for (int64_t r = m0; r < m1; r += tile) {
                     int rows = m1 - r < tile ? (int)(m1 - r) : (int)tile;
                     const int8_t *xr = (fast ? xin : xq) + r * k;
                     const float *dr = xd + r * nb, *sr = xs + r * nb;
                     float *yr = y + r * n + p * PANEL;
-                    if (both)
-                        pair(panel, panel_bytes, k, rows, xr, dr, sr, yr, n, cols);
-                    else if (fast)
-                        fast(panel, k, rows, xr, dr, sr, yr, n, cols);
+                    if (run)
+                        run(panel, twin, k, rows, xr, dr, sr, yr, n, cols);
                     else
                         panel_portable(fmt, panel, k, rows, xr, dr, sr, yr, n, cols);
                 }

@@ -21,6 +21,7 @@ setup(
             depends=[
                 "tserve/gpu/kernels/_kernels.h",
                 "tserve/gpu/kernels/_quant_common.h",
+                "tserve/gpu/kernels/_panel_common.h",
                 "tserve/gpu/kernels/_attention_tile.h",
             ],
             extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],

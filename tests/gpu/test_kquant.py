@@ -8,7 +8,7 @@ every variant this CPU has (portable C, and AVX2 where present) on shapes
 where such kernels go wrong: one row, several super-blocks per row, odd row
 counts, rows that leave a partial tile, more rows than a tile or a chunk, odd
 output counts. What every format shares (threads, the tuned route,
-dequantized rows, the weight's size): test_quant.py.
+dequantized rows, the weight's size, the packed layout): test_quant.py.
 """
 
 from __future__ import annotations
@@ -51,12 +51,19 @@ def test_int8_activations_cost_under_one_percent(
     kernels: QuantKernels, fmt: str, rows: int, n: int, k: int
 ) -> None:
     """llama.cpp's q8_K: activations rounded to 8 bits per super-block of 256
-    (about 0.7% on these; a single 256-long output, near zero, up to 1.6%)."""
+    (about 0.7% on these; a single 256-long output, near zero, up to 1.6%), on
+    the packed layout; integer sums are exact, so each variant is the product
+    with those rounded activations up to the scaling's rounding."""
     quantized, dense = weight(fmt, n, k, seed=rows + n * k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+    supers = x.view(rows, -1, kquant_blocks.SUPER)
+    step = supers.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(supers / torch.where(step > 0, step, 1)) * step).view(rows, k)
     expected = F.linear(x, dense)
-    outs = [kernels.linear(x, quantized, int8=True, isa=isa) for isa in variants(kernels)]
+    packed = kernels.pack(quantized)
+    outs = [kernels.linear_int8(x, packed, isa=isa) for isa in variants(kernels)]
     for out in outs:
+        torch.testing.assert_close(out, F.linear(rounded, dense), rtol=1e-4, atol=1e-4 * k**0.5)
         error = float((out - expected).norm() / expected.norm())
         assert error < (0.02 if rows * n == 1 else 0.01)
     # Integer sums are exact: every variant gives the same products up to the scaling's rounding.

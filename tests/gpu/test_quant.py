@@ -121,7 +121,7 @@ def test_int8_activations_are_the_product_with_the_rounded_activations(
         assert error < 0.015  # what the rounding costs: about half a percent
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *kquant_blocks.FORMATS])
 @pytest.mark.parametrize("rows", [1, 4, 8, 11])
 def test_a_panel_gives_the_same_outputs_beside_another(
     kernels: QuantKernels, fmt: str, rows: int
@@ -130,19 +130,23 @@ def test_a_panel_gives_the_same_outputs_beside_another(
     registers and a last odd panel alone: W's first 8 rows give bitwise the same outputs whether
     they are a weight of their own (one panel) or the first of 16 (a pair), and
     so do its next 8 (the second of a pair, then a panel alone)."""
-    quantized, _ = weight(fmt, 16, 192, seed=rows)
-    first = QuantizedWeight(quantized.fmt, quantized.data[:8].clone(), 8, 192)
-    second = QuantizedWeight(quantized.fmt, quantized.data[8:].clone(), 8, 192)
-    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    k = _k(fmt, 6 if fmt in _GGUF_QUANTIZED else 2)
+    quantized, _ = weight(fmt, 16, k, seed=rows)
+    first = QuantizedWeight(quantized.fmt, quantized.data[:8].clone(), 8, k)
+    second = QuantizedWeight(quantized.fmt, quantized.data[8:].clone(), 8, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     for isa in variants(kernels):
         pair = kernels.linear_int8(x, kernels.pack(quantized), isa=isa)
         alone = [kernels.linear_int8(x, kernels.pack(w), isa=isa) for w in (first, second)]
         assert torch.equal(pair, torch.cat(alone, dim=1))
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *kquant_blocks.FORMATS])
 def test_the_packed_layout_keeps_every_row(kernels: QuantKernels, fmt: str) -> None:
-    quantized, dense = weight(fmt, 21, 96, seed=4)  # a partial last panel
+    """Every row comes back from its panel as the file's row dequantizes (the
+    K-quants' scales and mins, unpacked from 6 bits to bytes, included)."""
+    quantized, _ = weight(fmt, 21, _k(fmt, 3), seed=4)  # a partial last panel
+    dense = kernels.dequantize(quantized, isa=0)
     packed = kernels.pack(quantized)
     torch.testing.assert_close(kernels.dequantize(packed), dense, rtol=0, atol=0)
     rows = torch.tensor([20, 0, 9, 9])

@@ -156,25 +156,15 @@ class QuantKernels:
         self._linear, self._linear_int8 = quant.linear, quant.linear_int8
         self._dequantize, self._unpack = quant.dequantize, quant.unpack
         # as _linear_int8: 0, or -1 when there is no memory for the activations' scratch
-        self._klinear, self._klinear_int8 = library.tserve_klinear, library.tserve_klinear_int8
-        for product in (self._klinear, self._klinear_int8):
-            product.argtypes, product.restype = self._linear_int8.argtypes, c_int
+        self._klinear = library.tserve_klinear
+        self._klinear.argtypes, self._klinear.restype = self._linear_int8.argtypes, c_int
         self._kdequantize = quant.kdequantize
 
     def linear(
-        self,
-        x: torch.Tensor,
-        weight: QuantizedWeight,
-        *,
-        int8: bool = False,
-        isa: Isa | None = None,
+        self, x: torch.Tensor, weight: QuantizedWeight, *, isa: Isa | None = None
     ) -> torch.Tensor:
         """``x [..., in] @ W.T``, fp32 against the weight dequantized in registers:
-        a new fp32 ``[..., out]``. ``int8`` (K-quants only; the other block formats
-        take int8 activations on a packed weight, :meth:`linear_int8`): the
-        activations quantized to 8 bits per super-block of 256 and integer products."""
-        if int8 and weight.fmt not in K_FORMATS:
-            raise ValueError("int8 activations on this format need a packed weight: linear_int8")
+        a new fp32 ``[..., out]`` (int8 activations: :meth:`linear_int8`)."""
         k, n = weight.in_features, weight.out_features
         flat = x.dim() == 2 and x.is_contiguous()  # a step's rows: no reshaping (it costs)
         rows = x if flat else x.reshape(-1, k).contiguous()
@@ -183,7 +173,7 @@ class QuantKernels:
         chosen = self.best_isa if isa is None else isa
         where = (weight.fmt, weight.data.data_ptr(), n, k, rows.data_ptr(), m, out.data_ptr())
         if m and weight.fmt in K_FORMATS:
-            if (self._klinear_int8 if int8 else self._klinear)(chosen, *where):
+            if self._klinear(chosen, *where):
                 raise MemoryError(f"no memory for {m} x {k} activations' scratch")
         elif m:
             self._linear(chosen, *where)
@@ -199,8 +189,8 @@ class QuantKernels:
     def linear_int8(
         self, x: torch.Tensor, weight: PackedWeight, *, isa: Isa | None = None
     ) -> torch.Tensor:
-        """``x [..., in] @ W.T`` with ``x`` quantized to 8 bits per block of 32 and
-        integer products: a new fp32 ``[..., out]``."""
+        """``x [..., in] @ W.T`` with ``x`` quantized to 8 bits per block of 32 (the
+        K-quants: per super-block of 256) and integer products: a new fp32 ``[..., out]``."""
         k, n = weight.in_features, weight.out_features
         flat = x.dim() == 2 and x.is_contiguous()  # a step's rows: no reshaping (it costs)
         rows = x if flat else x.reshape(-1, k).contiguous()
@@ -274,12 +264,9 @@ class QuantizedLinear(torch.nn.Module):
         self.activations: Activations = product_activations(weight.fmt, activations)
         self.weight_q: QuantizedWeight | PackedWeight
         self._kernel: Callable[[torch.Tensor], torch.Tensor]
-        if self.activations == "int8" and format_spec(weight.fmt).packs:
+        if self.activations == "int8":  # every format with an int8 kernel packs
             packed = self.weight_q = kernels.pack(weight)
             self._kernel = lambda x: kernels.linear_int8(x, packed)
-        elif self.activations == "int8":  # a K-quant: int8 on the file's layout
-            self.weight_q = weight
-            self._kernel = lambda x: kernels.linear(x, weight, int8=True)
         else:
             self.weight_q = weight
             self._kernel = lambda x: kernels.linear(x, weight)

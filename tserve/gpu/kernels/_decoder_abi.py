@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from tserve.gpu.kernels._library import declare
-from tserve.gpu.kernels._quant_abi import K_FORMATS, Activations, format_spec, product_activations
+from tserve.gpu.kernels._quant_abi import K_FORMATS, Activations, product_activations
 
 __all__ = [
     "ACTIVATIONS",
@@ -46,7 +46,7 @@ attention costs more than the Python it saves (SmolLM2 Q4_1, one core, a
 prompt from position 0: 0.96x the forward pass's time at 64 tokens, 1.02x at 128)."""
 
 # _decoder_kernels.c's ROUTE_* codes: how QuantizedLinear runs a product.
-_PACKED_INT8, _FP32, _K_INT8, _K_FP32 = 0, 1, 2, 3
+_PACKED_INT8, _FP32, _K_FP32 = 0, 1, 2
 
 _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -57,9 +57,7 @@ def product_route(fmt: int, activations: Activations) -> tuple[int, bool]:
     packed (:meth:`~tserve.gpu.kernels._quant_abi.QuantLibrary.pack`) or as the file
     lays it out."""
     if product_activations(fmt, activations) == "int8":
-        if format_spec(fmt).packs:
-            return _PACKED_INT8, True
-        return _K_INT8, False  # int8 on the file's layout: K-quants alone
+        return _PACKED_INT8, True  # every format with an int8 kernel packs
     return (_K_FP32 if fmt in K_FORMATS else _FP32), False
 
 

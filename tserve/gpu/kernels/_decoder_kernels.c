@@ -32,10 +32,9 @@
 
 /* How a product runs: QuantizedLinear's kernel choices (tserve/gpu/forward/_quant.py). */
 enum {
-    ROUTE_PACKED_INT8 = 0, /* a packed block format, int8 activations */
+    ROUTE_PACKED_INT8 = 0, /* a packed quantized format, int8 activations */
     ROUTE_FP32 = 1,        /* a block or float format as the file lays it, fp32 activations */
-    ROUTE_K_INT8 = 2,      /* a K-quant as the file lays it, int8 activations */
-    ROUTE_K_FP32 = 3,      /* a K-quant as the file lays it, fp32 activations */
+    ROUTE_K_FP32 = 2,      /* a K-quant as the file lays it, fp32 activations */
 };
 
 #define MAX_PARTS 3 /* Q, K and V, each in a format of its own */
@@ -93,7 +92,6 @@ static int part_product(const tserve_part *p, int64_t k, int isa, const float *x
     switch (p->route) {
     case ROUTE_PACKED_INT8: return tserve_qlinear_int8(isa, p->fmt, p->data, p->n, k, x, m, y);
     case ROUTE_FP32: tserve_qlinear(isa, p->fmt, p->data, p->n, k, x, m, y); return 0;
-    case ROUTE_K_INT8: return tserve_klinear_int8(isa, p->fmt, p->data, p->n, k, x, m, y);
     default: return tserve_klinear(isa, p->fmt, p->data, p->n, k, x, m, y);
     }
 }

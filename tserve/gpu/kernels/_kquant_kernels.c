@@ -44,6 +44,7 @@
  */
 #include "_kernels.h"
 #include "_quant_common.h"
+#include "_panel_common.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -212,24 +213,8 @@ static float super_int8_portable(int fmt, const uint8_t *blk, const int8_t *xb, 
            half_to_float(load_u16(blk + 2)) * xd * (float)offsets;
 }
 
-/* One W row against `rows` int8 rows of x (xd: row stride k / 256; sums: k / 16). */
-static void row_portable_int8(int fmt, const uint8_t *wrow, int64_t k, int rows, const int8_t *x,
-                              const float *xd, const int16_t *sums, float *y, int64_t y_stride) {
-    int64_t nb = k / QK, unit = super_bytes(fmt);
-    for (int r = 0; r < rows; r++) {
-        float total = 0.0f;
-        for (int64_t b = 0; b < nb; b++)
-            total += super_int8_portable(fmt, wrow + b * unit, x + r * k + b * QK,
-                                         xd[r * nb + b], sums + (r * nb + b) * SUMS);
-        y[r * y_stride] = total;
-    }
-}
-
 typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, const float *, float *,
                        int64_t);
-
-typedef void (*row_int8_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *,
-                            const int16_t *, float *, int64_t);
 
 /* ------------------------------------------------------------------ AVX2 */
 #if defined(__x86_64__)
@@ -401,99 +386,6 @@ AVX2 static void quantize_super_avx2(const float *xb, int8_t *qb, float *d) {
     *d = top / 127.0f;
 }
 
-/* One W row against `rows` int8 rows (xd: row stride k / 256; sums: k / 16), as
- * super_int8_portable: per group one maddubs (unsigned quants times int8 x)
- * and one madd with the group's scale (int16 in every place: Q6_K's two
- * halves, one per 128-bit lane, each its own) summed into int32 for the
- * whole super-block, then one convert and FMA (and one for the mins) per
- * super-block. Exact in integers: |products| <= 63 * 127, pairs times
- * scales below 2^22, a super-block's sums below 2^26. */
-AVX2 INLINE void tile_int8_avx2(int fmt, const uint8_t *wrow, int64_t k, int rows,
-                                const int8_t *x, const float *xd, const int16_t *sums, float *y,
-                                int64_t y_stride) {
-    int64_t nb = k / QK, unit = super_bytes(fmt);
-    __m256 acc[INT8_TILE_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wrow + b * unit;
-        prefetch_ahead(blk, unit);
-        __m256i scales[2], offsets; /* offsets: the int16 factors of x's 16 sums */
-        float d, dmin = 0.0f;
-        if (fmt == Q6_K) {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 192));
-            offsets = _mm256_cvtepi8_epi16(bytes); /* scale h for x's sum h */
-            scales[0] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(bytes));
-            scales[1] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(bytes, 8)));
-            d = _cvtsh_ss(load_u16(blk + 208));
-        } else {
-            uint32_t u[4];
-            memcpy(u, blk + 4, 12);
-            const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-            u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4); /* mins 4..7 */
-            uint32_t mins_low = u[1] & six;                           /* mins 0..3 */
-            u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);        /* scales 4..7 */
-            u[2] = mins_low;
-            u[0] &= six; /* scales 0..3 */
-            __m128i bytes = _mm_loadu_si128((const __m128i *)u), mins = _mm_srli_si128(bytes, 8);
-            scales[0] = scales[1] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(bytes));
-            offsets = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins)); /* m_g for sums 2g, 2g + 1 */
-            d = _cvtsh_ss(load_u16(blk));
-            dmin = _cvtsh_ss(load_u16(blk + 2));
-        }
-        __m256i isum[INT8_TILE_ROWS];
-        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int g = 0; g < GROUPS; g++) {
-            __m256i q = group_quants(fmt, blk, g);
-            __m256i scale;
-            if (fmt == Q6_K) { /* lane h: scale 2g + h, of the 8 in scales[g / 4] */
-                int at = 4 * (g % 4);
-                scale = _mm256_shuffle_epi8(
-                    scales[g / 4],
-                    _mm256_set_m128i(_mm_set1_epi16((short)(0x0101 * (at + 2) + 0x0100)),
-                                     _mm_set1_epi16((short)(0x0101 * at + 0x0100))));
-            } else {
-                scale = _mm256_shuffle_epi8(scales[0], _mm256_set1_epi16((short)(0x0202 * g + 0x0100)));
-            }
-            for (int r = 0; r < rows; r++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(x + r * k + b * QK + 32 * g));
-                isum[r] = _mm256_add_epi32(
-                    isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            float xdr = xd[r * nb + b];
-            __m256i xsums = _mm256_loadu_si256((const __m256i *)(sums + (r * nb + b) * SUMS));
-            __m256i offset = _mm256_madd_epi16(offsets, xsums);
-            if (fmt == Q6_K) {
-                isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5)); /* 32 x */
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * xdr),
-                                         acc[r]);
-            } else {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * xdr),
-                                         acc[r]);
-                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offset), _mm256_set1_ps(dmin * xdr),
-                                          acc[r]);
-            }
-        }
-    }
-    for (int r = 0; r < rows; r++) y[r * y_stride] = hsum(acc[r]);
-}
-
-#define AVX2_TILE_INT8(R) tile_int8_avx2(FORMAT, wrow, k, R, x, xd, sums, y, y_stride)
-
-#define AVX2_ROW_INT8(FMT)                                                                   \
-    AVX2 static void row_int8_avx2_##FMT(const uint8_t *wrow, int64_t k, int rows,           \
-                                         const int8_t *x, const float *xd,                   \
-                                         const int16_t *sums, float *y, int64_t y_stride) {  \
-        enum { FORMAT = FMT };                                                               \
-        BY_INT8_TILE_ROWS(rows, AVX2_TILE_INT8)                                                   \
-    }
-
-AVX2_ROW_INT8(Q4_K)
-AVX2_ROW_INT8(Q5_K)
-AVX2_ROW_INT8(Q6_K)
-
 #define AVX2_TILE(R) tile_avx2(FORMAT, wrow, k, R, x, xsum, y, y_stride)
 
 /* The format and the tile's row count as constants in each instance, so each
@@ -509,144 +401,6 @@ AVX2_ROW(Q4_K)
 AVX2_ROW(Q5_K)
 AVX2_ROW(Q6_K)
 
-
-/* ------------------------------------------------------------------ AVX-512 VNNI, int8
- *
- * tile_int8_avx2's scheme with 512-bit registers, two groups a register
- * (x's 64 bytes as they lie): one maddubs, then one vpdpwssd (VNNI: the
- * int16 pairs times the groups' scales, summed into int32 in place). */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-
-/* Groups 2j and 2j + 1 of a super-block as 64 unsigned bytes (0..31 or 0..63). */
-AVX512 INLINE __m512i pair_quants(int fmt, const uint8_t *blk, int j) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    if (fmt == Q6_K) { /* groups 2j, 2j + 1: 64 bytes of ql in a row, one shift of 4 */
-        int half = j / 2, shift = 4 * (j & 1);
-        __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * half));
-        ql = _mm512_and_si512(_mm512_srli_epi16(ql, shift), low);
-        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half)));
-        qh = _mm512_srlv_epi64(qh, _mm512_setr_epi64(2 * (2 * j % 4), 2 * (2 * j % 4), 2 * (2 * j % 4),
-                                                     2 * (2 * j % 4), 2 * (2 * j % 4 + 1),
-                                                     2 * (2 * j % 4 + 1), 2 * (2 * j % 4 + 1),
-                                                     2 * (2 * j % 4 + 1)));
-        qh = _mm512_and_si512(qh, _mm512_set1_epi8(3));
-        return _mm512_or_si512(ql, _mm512_slli_epi16(qh, 4));
-    }
-    const uint8_t *qs = blk + (fmt == Q5_K ? 48 : 16) + 32 * j;
-    __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qs));
-    __m512i q = _mm512_and_si512(_mm512_mask_blend_epi64(0xf0, v, _mm512_srli_epi16(v, 4)), low);
-    if (fmt == Q5_K) { /* bit g of byte l: element l of group g */
-        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
-        qh = _mm512_srlv_epi64(qh, _mm512_setr_epi64(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1,
-                                                     2 * j + 1, 2 * j + 1, 2 * j + 1));
-        q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(1)), 4));
-    }
-    return q;
-}
-
-/* tile_int8_avx2 with 512-bit registers (the same integer sums; the floats
- * summed in another order). */
-AVX512 INLINE void tile_int8_vnni(int fmt, const uint8_t *wrow, int64_t k, int rows,
-                                  const int8_t *x, const float *xd, const int16_t *sums, float *y,
-                                  int64_t y_stride) {
-    int64_t nb = k / QK, unit = super_bytes(fmt);
-    __m512 acc[INT8_TILE_ROWS];
-    __m256 acc_m[INT8_TILE_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps(), acc_m[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wrow + b * unit;
-        prefetch_ahead(blk, unit);
-        __m512i scales; /* int16: Q4_K/Q5_K's 8 in each 128-bit lane; Q6_K's 16, in order */
-        __m256i offsets;
-        float d, dmin = 0.0f;
-        if (fmt == Q6_K) {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 192));
-            offsets = _mm256_cvtepi8_epi16(bytes);
-            scales = _mm512_castsi256_si512(offsets);
-            d = _cvtsh_ss(load_u16(blk + 208));
-        } else {
-            uint32_t u[4];
-            memcpy(u, blk + 4, 12);
-            const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-            u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
-            uint32_t mins_low = u[1] & six;
-            u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);
-            u[2] = mins_low;
-            u[0] &= six;
-            __m128i bytes = _mm_loadu_si128((const __m128i *)u), mins = _mm_srli_si128(bytes, 8);
-            scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(bytes));
-            offsets = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
-            d = _cvtsh_ss(load_u16(blk));
-            dmin = _cvtsh_ss(load_u16(blk + 2));
-        }
-        __m512i isum[INT8_TILE_ROWS];
-        for (int r = 0; r < rows; r++) isum[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int j = 0; j < GROUPS / 2; j++) {
-            __m512i q = pair_quants(fmt, blk, j), scale;
-            if (fmt == Q6_K) /* lane L: scale 4j + L (of the group pair's four halves) */
-                scale = _mm512_permutexvar_epi16(
-                    _mm512_setr_epi32(0x00010001 * (4 * j), 0x00010001 * (4 * j),
-                                      0x00010001 * (4 * j), 0x00010001 * (4 * j),
-                                      0x00010001 * (4 * j + 1), 0x00010001 * (4 * j + 1),
-                                      0x00010001 * (4 * j + 1), 0x00010001 * (4 * j + 1),
-                                      0x00010001 * (4 * j + 2), 0x00010001 * (4 * j + 2),
-                                      0x00010001 * (4 * j + 2), 0x00010001 * (4 * j + 2),
-                                      0x00010001 * (4 * j + 3), 0x00010001 * (4 * j + 3),
-                                      0x00010001 * (4 * j + 3), 0x00010001 * (4 * j + 3)),
-                    scales);
-            else /* lanes 0, 1: scale 2j; lanes 2, 3: 2j + 1 */
-                scale = _mm512_shuffle_epi8(
-                    scales, _mm512_setr_epi32(0x01000100 + 0x02020202 * (2 * j),
-                                              0x01000100 + 0x02020202 * (2 * j),
-                                              0x01000100 + 0x02020202 * (2 * j),
-                                              0x01000100 + 0x02020202 * (2 * j),
-                                              0x01000100 + 0x02020202 * (2 * j),
-                                              0x01000100 + 0x02020202 * (2 * j),
-                                              0x01000100 + 0x02020202 * (2 * j),
-                                              0x01000100 + 0x02020202 * (2 * j),
-                                              0x01000100 + 0x02020202 * (2 * j + 1),
-                                              0x01000100 + 0x02020202 * (2 * j + 1),
-                                              0x01000100 + 0x02020202 * (2 * j + 1),
-                                              0x01000100 + 0x02020202 * (2 * j + 1),
-                                              0x01000100 + 0x02020202 * (2 * j + 1),
-                                              0x01000100 + 0x02020202 * (2 * j + 1),
-                                              0x01000100 + 0x02020202 * (2 * j + 1),
-                                              0x01000100 + 0x02020202 * (2 * j + 1)));
-            for (int r = 0; r < rows; r++) {
-                __m512i xv = _mm512_loadu_si512((const void *)(x + r * k + b * QK + 64 * j));
-                isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(q, xv), scale);
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            float xdr = xd[r * nb + b];
-            __m256i xsums = _mm256_loadu_si256((const __m256i *)(sums + (r * nb + b) * SUMS));
-            __m256i offset = _mm256_madd_epi16(offsets, xsums);
-            if (fmt == Q6_K)
-                isum[r] = _mm512_sub_epi32(isum[r],
-                                           _mm512_zextsi256_si512(_mm256_slli_epi32(offset, 5)));
-            else
-                acc_m[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset), _mm256_set1_ps(dmin * xdr),
-                                           acc_m[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * xdr), acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) y[r * y_stride] = _mm512_reduce_add_ps(acc[r]) - hsum(acc_m[r]);
-}
-
-#define VNNI_TILE_INT8(R) tile_int8_vnni(FORMAT, wrow, k, R, x, xd, sums, y, y_stride)
-
-#define VNNI_ROW_INT8(FMT)                                                                   \
-    AVX512 static void row_int8_vnni_##FMT(const uint8_t *wrow, int64_t k, int rows,         \
-                                           const int8_t *x, const float *xd,                 \
-                                           const int16_t *sums, float *y, int64_t y_stride) { \
-        enum { FORMAT = FMT };                                                               \
-        BY_INT8_TILE_ROWS(rows, VNNI_TILE_INT8)                                                   \
-    }
-
-VNNI_ROW_INT8(Q4_K)
-VNNI_ROW_INT8(Q5_K)
-VNNI_ROW_INT8(Q6_K)
 
 /* One super-block into 256 floats with the AVX2 group decoder. */
 AVX2 static void super_floats_avx2(int fmt, const uint8_t *blk, float *out) {
@@ -677,19 +431,361 @@ static row_fn avx2_row(int fmt) {
     return 0;
 }
 
-/* The int8 kernels `isa` runs for `fmt` (NULL: the portable one). */
-static row_int8_fn fast_row_int8(int isa, int fmt) {
+/* ------------------------------------------------------------------ the packed layout, int8
+ *
+ * For int8 activations W is repacked once at load (tserve_kpack) into panels
+ * of PANEL rows (_panel_common.h), super-block after super-block along K, so
+ * that one pass of integer products serves PANEL outputs (AVX-512: a pair of
+ * panels, 16) and a super-block's float work (the scales, the conversion,
+ * the FMAs) is paid once per panel rather than once per W row and x row. One
+ * super-block of a panel, each field in row order:
+ *
+ *   Q4_K, Q5_K (160 + 8 groups): d, dmin (8 fp16 each); the groups' scales,
+ *        then their mins, as bytes (group g's: 8 bytes, one a row); then the
+ *        groups: 128 bytes of nibbles each (Q5_K: 160, its fifth bits after).
+ *   Q6_K (144 + 8 groups): d (8 fp16); the 16 int8 scales (one per 16
+ *        weights, 8 bytes each, one a row); then the groups: 128 bytes of low
+ *        nibbles and 64 of high bit pairs each.
+ *
+ * A group's nibbles lie as a Q4_1 panel block's (_quant_kernels.c): byte j of
+ * a row holds element j (low nibble) and 16 + j (high), the row's 16 bytes
+ * GROUP to a lane, so one 32-byte load's low nibbles are elements 4t..4t+3
+ * of every row and its high ones 16 + 4t..: each half of 16 is one of Q6_K's
+ * scale steps and one of x's sums. Q5_K's fifth bits lie as Q5_1's (4 bytes a
+ * row: byte j, bits 2t and 2t + 1, elements 4t + j and 16 + 4t + j); Q6_K's
+ * high bit pairs 4 bytes a row per half (half s, byte j, bits 2t and 2t + 1:
+ * element 16s + 4t + j). The scales as bytes rather than 6 bits cost Q4_K and
+ * Q5_K 4 bytes a row per super-block (148 of 144, 180 of 176); Q6_K keeps 210.
+ *
+ * Per x row, group half and panel: four byte multiply-adds (maddubs) of the
+ * quants against 4 bytes of x broadcast, their int16 sums (at most 4 * 2 * 31
+ * * 127; Q6_K's 63 allows two) times the half's scale in one int16
+ * multiply-add into the super-block's int32 sum (VNNI: vpdpwssd), each row's
+ * in its lane; the mins (Q6_K: 32 times its scales) times x's sums per 16 the
+ * same way; one conversion and FMA per super-block. The integers are those of
+ * the file-layout kernels, exact; the floats are summed in another order. */
+
+#define K_HEAD_Q4 160 /* d, dmin, scales, mins */
+#define K_HEAD_Q6 144 /* d, scales */
+
+static int64_t kpanel_head(int fmt) { return fmt == Q6_K ? K_HEAD_Q6 : K_HEAD_Q4; }
+static int64_t kpanel_group_bytes(int fmt) { return fmt == Q4_K ? 128 : fmt == Q5_K ? 160 : 192; }
+static int64_t kpanel_super_bytes(int fmt) {
+    return kpanel_head(fmt) + GROUPS * kpanel_group_bytes(fmt);
+}
+
+/* Where byte j (of 16) of row i's nibbles lies in a packed group. */
+static int64_t knibble_at(int i, int j) { return j / GROUP * GROUP_BYTES + GROUP * i + j % GROUP; }
+
+/* Where the high bits (Q5_K: 1, Q6_K: 2) of element e (of 32) of row i lie in a
+ * packed group: byte khigh_at(fmt, i, e), shifted by khigh_shift(fmt, e). */
+static int64_t khigh_at(int fmt, int i, int e) {
+    return 128 + (fmt == Q6_K ? GROUP_BYTES * (e / 16) : 0) + GROUP * i + e % GROUP;
+}
+static int khigh_shift(int fmt, int e) {
+    return 2 * (e % 16 / GROUP) + (fmt == Q6_K ? 0 : e / 16);
+}
+
+/* Group g's 32 quants (group_ints's) into a zeroed super-block of the file's layout. */
+static void put_group_ints(int fmt, uint8_t *blk, int g, const int q[32]) {
+    if (fmt == Q6_K) {
+        int half = g / 4, within = g % 4;
+        uint8_t *ql = blk + 64 * half + 32 * (within & 1), *qh = blk + 128 + 32 * half;
+        for (int l = 0; l < 32; l++) {
+            ql[l] |= (uint8_t)((q[l] & 0x0f) << (4 * (within >> 1)));
+            qh[l] |= (uint8_t)(((q[l] >> 4) & 3) << (2 * within));
+        }
+        return;
+    }
+    uint8_t *pair = blk + (fmt == Q5_K ? 48 : 16) + 32 * (g / 2);
+    for (int l = 0; l < 32; l++) {
+        pair[l] |= (uint8_t)((q[l] & 0x0f) << (4 * (g & 1)));
+        if (fmt == Q5_K) blk[16 + l] |= (uint8_t)(((q[l] >> 4) & 1) << g);
+    }
+}
+
+/* Row i of a file super-block `blk` into its panel's packed super-block `dst` (zeroed). */
+static void kpack_row(int fmt, const uint8_t *blk, int i, uint8_t *dst) {
+    if (fmt == Q6_K) {
+        memcpy(dst + 2 * i, blk + 208, 2);
+        for (int h = 0; h < 2 * GROUPS; h++) dst[16 + PANEL * h + i] = blk[192 + h];
+    } else {
+        int sc[GROUPS], m[GROUPS];
+        scale_min_ints(blk, sc, m);
+        memcpy(dst + 2 * i, blk, 2);
+        memcpy(dst + 16 + 2 * i, blk + 2, 2);
+        for (int g = 0; g < GROUPS; g++) {
+            dst[32 + PANEL * g + i] = (uint8_t)sc[g];
+            dst[96 + PANEL * g + i] = (uint8_t)m[g];
+        }
+    }
+    for (int g = 0; g < GROUPS; g++) {
+        uint8_t *group = dst + kpanel_head(fmt) + g * kpanel_group_bytes(fmt);
+        int q[32];
+        group_ints(fmt, blk, g, q);
+        for (int j = 0; j < 16; j++)
+            group[knibble_at(i, j)] = (uint8_t)((q[j] & 0x0f) | (q[j + 16] & 0x0f) << 4);
+        if (fmt != Q4_K)
+            for (int e = 0; e < 32; e++)
+                group[khigh_at(fmt, i, e)] |=
+                    (uint8_t)(((q[e] >> 4) & (fmt == Q6_K ? 3 : 1)) << khigh_shift(fmt, e));
+    }
+}
+
+/* Row i of a packed super-block `src` back as a super-block of the file's layout. */
+static void kfile_row(int fmt, const uint8_t *src, int i, uint8_t *blk) {
+    memset(blk, 0, (size_t)super_bytes(fmt));
+    for (int g = 0; g < GROUPS; g++) {
+        const uint8_t *group = src + kpanel_head(fmt) + g * kpanel_group_bytes(fmt);
+        int q[32];
+        for (int j = 0; j < 16; j++) {
+            uint8_t byte = group[knibble_at(i, j)];
+            q[j] = byte & 0x0f, q[j + 16] = byte >> 4;
+        }
+        if (fmt != Q4_K)
+            for (int e = 0; e < 32; e++)
+                q[e] |= ((group[khigh_at(fmt, i, e)] >> khigh_shift(fmt, e)) &
+                         (fmt == Q6_K ? 3 : 1)) << 4;
+        put_group_ints(fmt, blk, g, q);
+    }
+    if (fmt == Q6_K) {
+        memcpy(blk + 208, src + 2 * i, 2);
+        for (int h = 0; h < 2 * GROUPS; h++) blk[192 + h] = src[16 + PANEL * h + i];
+        return;
+    }
+    memcpy(blk, src + 2 * i, 2);
+    memcpy(blk + 2, src + 16 + 2 * i, 2);
+    const uint8_t *sc = src + 32 + i, *m = src + 96 + i; /* group g's: [PANEL * g] */
+    uint8_t *q = blk + 4; /* ggml's 12 bytes: get_scale_min_k4 read backwards */
+    for (int g = 0; g < 4; g++) {
+        int sc_high = sc[PANEL * (g + 4)], m_high = m[PANEL * (g + 4)];
+        q[g] = (uint8_t)(sc[PANEL * g] | (sc_high >> 4) << 6);
+        q[g + 4] = (uint8_t)(m[PANEL * g] | (m_high >> 4) << 6);
+        q[g + 8] = (uint8_t)((sc_high & 0x0f) | (m_high & 0x0f) << 4);
+    }
+}
+
+/* Bytes of W [n, k] (k a multiple of 256) in the packed layout. */
+int64_t tserve_kpacked_bytes(int fmt, int64_t n, int64_t k) {
+    return (n + PANEL - 1) / PANEL * (k / QK) * kpanel_super_bytes(fmt);
+}
+
+/* W [n, k] (the file's rows) -> out [tserve_kpacked_bytes] (rows past n: zeros). */
+void tserve_kpack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
+    int64_t nb = k / QK, unit = super_bytes(fmt), psb = kpanel_super_bytes(fmt);
+    int64_t panels = (n + PANEL - 1) / PANEL;
+    memset(out, 0, (size_t)(panels * nb * psb));
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < PANEL && p * PANEL + i < n; i++)
+                kpack_row(fmt, w + (p * PANEL + i) * nb * unit + b * unit, i,
+                          out + (p * nb + b) * psb);
+}
+
+/* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k]. */
+void tserve_kunpack(int fmt, const uint8_t *packed, int64_t k, const int64_t *rows,
+                    int64_t n_rows, float *out) {
+    int64_t nb = k / QK, psb = kpanel_super_bytes(fmt);
+    uint8_t blk[256];
+    for (int64_t r = 0; r < n_rows; r++) {
+        int64_t row = rows ? rows[r] : r;
+        const uint8_t *panel = packed + row / PANEL * nb * psb;
+        for (int64_t b = 0; b < nb; b++) {
+            kfile_row(fmt, panel + b * psb, (int)(row % PANEL), blk);
+            super_floats(fmt, blk, out + r * k + b * QK);
+        }
+    }
+}
+
+/* One packed panel (`cols` real rows of W) against `rows` int8 rows of x: each
+ * row back in the file's layout, then super_int8_portable (the same numbers as
+ * row_portable_int8). */
+static void kpanel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, const int8_t *x,
+                            const float *xd, const int16_t *sums, float *y, int64_t y_stride,
+                            int cols) {
+    int64_t nb = k / QK, psb = kpanel_super_bytes(fmt);
+    uint8_t blk[256];
+    for (int c = 0; c < cols; c++) {
+        float total[INT8_TILE_ROWS] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            kfile_row(fmt, panel + b * psb, c, blk);
+            for (int r = 0; r < rows; r++)
+                total[r] += super_int8_portable(fmt, blk, x + r * k + b * QK, xd[r * nb + b],
+                                                sums + (r * nb + b) * SUMS);
+        }
+        for (int r = 0; r < rows; r++) y[r * y_stride + c] = total[r];
+    }
+}
+
+/* A packed K-quant kernel: (panel, twin, k, rows, x, xd, sums, y, y_stride, cols), as
+ * _quant_kernels.c's panel_fn with x's sums per 16 for its sums per 32. */
+typedef void (*kpanel_fn)(const uint8_t *, int64_t, int64_t, int, const int8_t *, const float *,
+                          const int16_t *, float *, int64_t, int);
+
+#if defined(__x86_64__)
+
+/* Lane i (of each panel): the int16 pair (a[i], b[i]) of two rows' bytes (8 each). */
+AVX2 INLINE __m256i pairs_256(const uint8_t *a, const uint8_t *b, int64_t twin, int is_signed) {
+    (void)twin;
+    __m128i v = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)a),
+                                  _mm_loadl_epi64((const __m128i *)b));
+    return is_signed ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
+}
+
+AVX512 INLINE __m512i pairs_512(const uint8_t *a, const uint8_t *b, int64_t twin, int is_signed) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(pairs_256(a, b, 0, is_signed)),
+                              pairs_256(a + twin, b + twin, 0, is_signed), 1);
+}
+
+/* acc + the int16 pairs of a times b's, summed per 32-bit lane (VNNI: in one instruction). */
+AVX2 INLINE __m256i madd_avx2_256(__m256i acc, __m256i a, __m256i b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+AVX512 INLINE __m256i madd_vnni_256(__m256i acc, __m256i a, __m256i b) {
+    return _mm256_dpwssd_epi32(acc, a, b);
+}
+AVX512 INLINE __m512i madd_vnni_512(__m512i acc, __m512i a, __m512i b) {
+    return _mm512_dpwssd_epi32(acc, a, b);
+}
+
+/* A packed panel (or pair) against `rows` int8 rows of x, at W bits a vector. */
+#define K_PANEL(W, TARGET, SUFFIX)                                                            \
+    TARGET INLINE void kpanel_##SUFFIX##_##W(int fmt, const uint8_t *panel, int64_t twin,    \
+                                             int64_t k, int rows, const int8_t *x,           \
+                                             const float *xd, const int16_t *sums, float *y, \
+                                             int64_t y_stride, int cols) {                   \
+        const int64_t nb = k / QK, psb = kpanel_super_bytes(fmt);                             \
+        const int64_t head = kpanel_head(fmt), gb = kpanel_group_bytes(fmt);                  \
+        const __m##W##i low = _mm##W##_set1_epi8(0x0f);                                       \
+        const __m##W##i high = _mm##W##_set1_epi8(fmt == Q6_K ? 0x30 : 0x10);                 \
+        __m##W acc[INT8_TILE_ROWS];                                                           \
+        for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            const uint8_t *src = panel + b * psb;                                             \
+            prefetch_ahead(src, psb);                                                         \
+            if (twin) prefetch_ahead(src + twin, psb);                                        \
+            __m##W##i isum[INT8_TILE_ROWS], imin[INT8_TILE_ROWS];                             \
+            for (int r = 0; r < rows; r++) isum[r] = imin[r] = _mm##W##_setzero_si##W();      \
+            for (int g = 0; g < GROUPS; g++) {                                                \
+                const uint8_t *group = src + head + g * gb;                                   \
+                for (int h = 0; h < 2; h++) { /* elements 16h.. of every row */               \
+                    const uint8_t *sc = src + (fmt == Q6_K ? 16 + PANEL * (2 * g + h)         \
+                                                           : 32 + PANEL * g);                 \
+                    __m##W##i scale = pairs_##W(sc, sc, twin, fmt == Q6_K), q[4];             \
+                    __m##W##i bits = fmt == Q4_K ? low                                        \
+                                                 : bytes_##W(group + 128 + (fmt == Q6_K ?     \
+                                                             GROUP_BYTES * h : 0), twin);     \
+                    for (int t = 0; t < 4; t++) {                                             \
+                        __m##W##i v = bytes_##W(group + GROUP_BYTES * t, twin);               \
+                        q[t] = _mm##W##_and_si##W(h ? _mm##W##_srli_epi16(v, 4) : v, low);    \
+                        if (fmt == Q5_K)                                                      \
+                            q[t] = _mm##W##_or_si##W(                                         \
+                                q[t], _mm##W##_and_si##W(FIFTH_TO_4(W, bits, 2 * t + h), high)); \
+                        else if (fmt == Q6_K)                                                 \
+                            q[t] = _mm##W##_or_si##W(                                         \
+                                q[t], _mm##W##_and_si##W(FIFTH_TO_4(W, bits, 2 * t), high));  \
+                    }                                                                         \
+                    for (int r = 0; r < rows; r++) {                                          \
+                        const int8_t *xb = x + r * k + b * QK + 32 * g + 16 * h;              \
+                        __m##W##i a = _mm##W##_add_epi16(                                     \
+                            _mm##W##_maddubs_epi16(q[0], x4_##W(xb)),                         \
+                            _mm##W##_maddubs_epi16(q[1], x4_##W(xb + 4)));                    \
+                        __m##W##i c = _mm##W##_add_epi16(                                     \
+                            _mm##W##_maddubs_epi16(q[2], x4_##W(xb + 8)),                     \
+                            _mm##W##_maddubs_epi16(q[3], x4_##W(xb + 12)));                   \
+                        if (fmt == Q6_K)                                                      \
+                            isum[r] = madd_##SUFFIX##_##W(madd_##SUFFIX##_##W(isum[r], a, scale), \
+                                                          c, scale);                          \
+                        else                                                                  \
+                            isum[r] = madd_##SUFFIX##_##W(isum[r], _mm##W##_add_epi16(a, c),  \
+                                                          scale);                             \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+            for (int g = 0; g < GROUPS; g++) { /* x's sums 2g, 2g + 1 times the offsets */    \
+                __m##W##i offsets =                                                           \
+                    fmt == Q6_K ? pairs_##W(src + 16 + PANEL * 2 * g,                         \
+                                            src + 16 + PANEL * (2 * g + 1), twin, 1)          \
+                                : pairs_##W(src + 96 + PANEL * g, src + 96 + PANEL * g, twin, 0); \
+                for (int r = 0; r < rows; r++)                                                \
+                    imin[r] = madd_##SUFFIX##_##W(                                            \
+                        imin[r], offsets,                                                     \
+                        x4_##W((const int8_t *)(sums + (r * nb + b) * SUMS + 2 * g)));        \
+            }                                                                                 \
+            __m##W dw = halves_##W(src, twin);                                                \
+            __m##W dmin = fmt == Q6_K ? dw : halves_##W(src + 16, twin);                      \
+            for (int r = 0; r < rows; r++) {                                                  \
+                __m##W xdr = _mm##W##_set1_ps(xd[r * nb + b]);                                \
+                if (fmt == Q6_K) /* 32 times the scales times x's sums */                     \
+                    isum[r] = _mm##W##_sub_epi32(isum[r], _mm##W##_slli_epi32(imin[r], 5));   \
+                acc[r] = _mm##W##_fmadd_ps(_mm##W##_cvtepi32_ps(isum[r]),                     \
+                                           _mm##W##_mul_ps(dw, xdr), acc[r]);                 \
+                if (fmt != Q6_K)                                                              \
+                    acc[r] = _mm##W##_fnmadd_ps(_mm##W##_cvtepi32_ps(imin[r]),                \
+                                                _mm##W##_mul_ps(dmin, xdr), acc[r]);          \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < rows; r++) store_##W(acc[r], y + r * y_stride, cols);             \
+    }
+
+K_PANEL(256, AVX2, avx2)
+K_PANEL(256, AVX512, vnni)
+K_PANEL(512, AVX512, vnni)
+
+/* kpanel_<SUFFIX><W>_<FMT>: one format, width and instruction set (a kpanel_fn), the
+ * tile's row count a constant in each instance: AVX2 (16 registers) tiles of
+ * TILE_ROWS, VNNI (32) of INT8_TILE_ROWS. */
+#define K_TILE_avx2256(R) kpanel_avx2_256(FORMAT, panel, twin, k, R, x, xd, sums, y, y_stride, cols)
+#define K_TILE_vnni256(R) kpanel_vnni_256(FORMAT, panel, twin, k, R, x, xd, sums, y, y_stride, cols)
+#define K_TILE_vnni512(R) kpanel_vnni_512(FORMAT, panel, twin, k, R, x, xd, sums, y, y_stride, cols)
+
+#define K_KERNEL(TARGET, SUFFIX, W, FMT, BY_ROWS)                                             \
+    TARGET static void kpanel_##SUFFIX##W##_##FMT(const uint8_t *panel, int64_t twin,         \
+                                                  int64_t k, int rows, const int8_t *x,       \
+                                                  const float *xd, const int16_t *sums,       \
+                                                  float *y, int64_t y_stride, int cols) {     \
+        enum { FORMAT = FMT };                                                                \
+        BY_ROWS(rows, K_TILE_##SUFFIX##W)                                                     \
+    }
+
+K_KERNEL(AVX2, avx2, 256, Q4_K, BY_TILE_ROWS)
+K_KERNEL(AVX2, avx2, 256, Q5_K, BY_TILE_ROWS)
+K_KERNEL(AVX2, avx2, 256, Q6_K, BY_TILE_ROWS)
+K_KERNEL(AVX512, vnni, 256, Q4_K, BY_INT8_TILE_ROWS)
+K_KERNEL(AVX512, vnni, 256, Q5_K, BY_INT8_TILE_ROWS)
+K_KERNEL(AVX512, vnni, 256, Q6_K, BY_INT8_TILE_ROWS)
+K_KERNEL(AVX512, vnni, 512, Q4_K, BY_INT8_TILE_ROWS)
+K_KERNEL(AVX512, vnni, 512, Q5_K, BY_INT8_TILE_ROWS)
+K_KERNEL(AVX512, vnni, 512, Q6_K, BY_INT8_TILE_ROWS)
+#endif
+
+/* The packed kernel `isa` runs for `fmt` one panel at a time (NULL: the portable one). */
+static kpanel_fn fast_kpanel(int isa, int fmt) {
 #if defined(__x86_64__)
     if (isa >= ISA_AVX512_VNNI) switch (fmt) {
-        case Q4_K: return row_int8_vnni_Q4_K;
-        case Q5_K: return row_int8_vnni_Q5_K;
-        case Q6_K: return row_int8_vnni_Q6_K;
+        case Q4_K: return kpanel_vnni256_Q4_K;
+        case Q5_K: return kpanel_vnni256_Q5_K;
+        case Q6_K: return kpanel_vnni256_Q6_K;
         }
     if (isa >= ISA_AVX2) switch (fmt) {
-    case Q4_K: return row_int8_avx2_Q4_K;
-    case Q5_K: return row_int8_avx2_Q5_K;
-    case Q6_K: return row_int8_avx2_Q6_K;
-    }
+        case Q4_K: return kpanel_avx2256_Q4_K;
+        case Q5_K: return kpanel_avx2256_Q5_K;
+        case Q6_K: return kpanel_avx2256_Q6_K;
+        }
+#endif
+    (void)isa;
+    (void)fmt;
+    return 0;
+}
+
+/* The kernel that takes two adjacent panels at a time (NULL: none for `isa`). */
+static kpanel_fn fast_kpair(int isa, int fmt) {
+#if defined(__x86_64__)
+    if (isa >= ISA_AVX512_VNNI) switch (fmt) {
+        case Q4_K: return kpanel_vnni512_Q4_K;
+        case Q5_K: return kpanel_vnni512_Q5_K;
+        case Q6_K: return kpanel_vnni512_Q6_K;
+        }
 #endif
     (void)isa;
     (void)fmt;
@@ -720,59 +816,26 @@ void tserve_kdequantize(int isa, int fmt, const uint8_t *w, int64_t k, const int
     (void)isa;
 }
 
-/* A product's activations: fp32 rows with their sums per group of 32 (row stride
- * k / 32), or (xq not NULL) int8 rows with their scales (k / 256) and sums per 16
- * (k / 16): quantize_q8k's. */
-typedef struct {
-    const float *x, *xsum;
-    const int8_t *xq;
-    const float *xd;
-    const int16_t *sums;
-} activations;
-
-/* y[M, N] (row stride n) columns [n0, n1) = x W^T: each W row read once per CHUNK_ROWS
- * rows of x, in tiles of TILE_ROWS (int8: INT8_TILE_ROWS). */
+/* y[M, N] (row stride n) columns [n0, n1) = x W^T for fp32 x and its sums per
+ * group of 32 (row stride k / 32): each W row read once per CHUNK_ROWS rows of x,
+ * in tiles of TILE_ROWS. */
 static void product(int isa, int fmt, const uint8_t *w, int64_t n, int64_t n0, int64_t n1,
-                    int64_t k, const activations *a, int64_t m, float *y) {
-    int64_t stride = k / QK * super_bytes(fmt), groups = k / 32, nb = k / QK;
-    row_fn fast = isa >= ISA_AVX2 && !a->xq ? avx2_row(fmt) : 0;
-    row_int8_fn fast_int8 = a->xq ? fast_row_int8(isa, fmt) : 0;
+                    int64_t k, const float *x, const float *xsum, int64_t m, float *y) {
+    int64_t stride = k / QK * super_bytes(fmt), groups = k / 32;
+    row_fn fast = isa >= ISA_AVX2 ? avx2_row(fmt) : 0;
     for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
         int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
         for (int64_t j = n0; j < n1; j++) {
             const uint8_t *wrow = w + j * stride;
-            int64_t tile = a->xq ? INT8_TILE_ROWS : TILE_ROWS;
-            for (int64_t r = m0; r < m1; r += tile) {
-                int rows = m1 - r < tile ? (int)(m1 - r) : (int)tile;
+            for (int64_t r = m0; r < m1; r += TILE_ROWS) {
+                int rows = m1 - r < TILE_ROWS ? (int)(m1 - r) : TILE_ROWS;
                 float *yr = y + r * n + j;
-                if (a->xq) {
-                    const int8_t *xr = a->xq + r * k;
-                    const float *dr = a->xd + r * nb;
-                    const int16_t *sr = a->sums + r * nb * SUMS;
-                    if (fast_int8)
-                        fast_int8(wrow, k, rows, xr, dr, sr, yr, n);
-                    else
-                        row_portable_int8(fmt, wrow, k, rows, xr, dr, sr, yr, n);
-                } else if (fast) {
-                    fast(wrow, k, rows, a->x + r * k, a->xsum + r * groups, yr, n);
-                } else {
-                    row_portable(fmt, wrow, k, rows, a->x + r * k, yr, n);
-                }
+                if (fast)
+                    fast(wrow, k, rows, x + r * k, xsum + r * groups, yr, n);
+                else
+                    row_portable(fmt, wrow, k, rows, x + r * k, yr, n);
             }
         }
-    }
-}
-
-/* y[M, N] = x W^T with the columns shared among the threads as tserve_qlinear's are:
- * SHARE_ROWS at a time, to whichever thread is free. */
-static void shared_product(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
-                           const activations *a, int64_t m, float *y) {
-    int threads = threads_for(n * (k / 32) * m);
-    int64_t shares = (n + SHARE_ROWS - 1) / SHARE_ROWS;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
-    for (int64_t s = 0; s < shares; s++) {
-        int64_t n1 = (s + 1) * SHARE_ROWS < n ? (s + 1) * SHARE_ROWS : n;
-        product(isa, fmt, w, n, s * SHARE_ROWS, n1, k, a, m, y);
     }
 }
 
@@ -795,8 +858,13 @@ int tserve_klinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, con
         for (int j = 0; j < 32; j++) total += x[32 * i + j];
         xsum[i] = total;
     }
-    activations a = {.x = x, .xsum = xsum};
-    shared_product(isa, fmt, w, n, k, &a, m, y);
+    int threads = threads_for(n * (k / 32) * m);
+    int64_t shares = (n + SHARE_ROWS - 1) / SHARE_ROWS; /* to whichever thread is free */
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
+    for (int64_t s = 0; s < shares; s++) {
+        int64_t n1 = (s + 1) * SHARE_ROWS < n ? (s + 1) * SHARE_ROWS : n;
+        product(isa, fmt, w, n, s * SHARE_ROWS, n1, k, x, xsum, m, y);
+    }
     free(xsum);
     return 0;
 }
@@ -822,19 +890,48 @@ static void quantize_q8k(int isa, const float *x, int64_t m, int64_t k, int8_t *
     (void)isa;
 }
 
-/* y[M, N] = x W^T for W [N, k] in `fmt` (the file's layout) and fp32 x [M, k] (M >= 1),
- * quantized per super-block (quantize_q8k) into a scratch copy. Returns 0, or -1
- * when the scratch cannot be allocated (y untouched). */
-int tserve_klinear_int8(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k,
-                        const float *x, int64_t m, float *y) {
-    int64_t supers = m * (k / QK);
+/* y[M, N] = x W^T for W [N, k] packed by tserve_kpack and fp32 x [M, k] (M >= 1),
+ * quantized per super-block (quantize_q8k) into a scratch copy; the panels (from
+ * PAIR_MIN_ROWS rows of x on AVX-512, pairs of them) shared among the threads as
+ * tserve_qlinear_int8's are. Returns 0, or -1 when the scratch cannot be allocated
+ * (y untouched). */
+int tserve_kqlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,
+                         const float *x, int64_t m, float *y) {
+    int64_t nb = k / QK, supers = m * nb, panels = (n + PANEL - 1) / PANEL;
+    int64_t panel_bytes = nb * kpanel_super_bytes(fmt);
+    kpanel_fn fast = fast_kpanel(isa, fmt), pair = m >= PAIR_MIN_ROWS ? fast_kpair(isa, fmt) : 0;
+    int64_t tile = fast && isa < ISA_AVX512_VNNI ? TILE_ROWS : INT8_TILE_ROWS;
+    int64_t step = pair ? 2 : 1;
     int8_t *xq = scratch(m * k + supers * (int64_t)(sizeof(float) + SUMS * sizeof(int16_t)));
     if (!xq) return -1;
     float *xd = (float *)(xq + m * k); /* m * k: a multiple of 256 */
     int16_t *sums = (int16_t *)(xd + supers);
     quantize_q8k(isa, x, m, k, xq, xd, sums);
-    activations a = {.xq = xq, .xd = xd, .sums = sums};
-    shared_product(isa, fmt, w, n, k, &a, m, y);
+    int threads = threads_for(n * (k / 32) * m);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
+        int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
+#pragma omp for schedule(dynamic, SHARE_ROWS / (PANEL * step)) nowait /* chunks write apart */
+        for (int64_t u = 0; u < (panels + step - 1) / step; u++) {
+            int64_t p = u * step;
+            const uint8_t *panel = packed + p * panel_bytes;
+            int both = step == 2 && p + 1 < panels; /* else one panel, the last */
+            kpanel_fn run = both ? pair : fast;
+            int64_t twin = both ? panel_bytes : 0, width = both ? 2 * PANEL : PANEL;
+            int cols = n - p * PANEL < width ? (int)(n - p * PANEL) : (int)width;
+            for (int64_t r = m0; r < m1; r += tile) {
+                int rows = m1 - r < tile ? (int)(m1 - r) : (int)tile;
+                const int8_t *xr = xq + r * k;
+                const float *dr = xd + r * nb;
+                const int16_t *sr = sums + r * nb * SUMS;
+                float *yr = y + r * n + p * PANEL;
+                if (run)
+                    run(panel, twin, k, rows, xr, dr, sr, yr, n, cols);
+                else
+                    kpanel_portable(fmt, panel, k, rows, xr, dr, sr, yr, n, cols);
+            }
+        }
+    }
     free(xq);
     return 0;
 }

@@ -75,9 +75,9 @@ _FORMAT_TABLE: Final = {
         _Format("Q5_0", 6, 32, 22, int8=True, packs=True),
         _Format("Q5_1", 7, 32, 24, int8=True, packs=True),
         _Format("Q8_0", 8, 32, 34, int8=True, packs=True),
-        _Format("Q4_K", 12, 256, 144, int8=True, packs=False),
-        _Format("Q5_K", 13, 256, 176, int8=True, packs=False),
-        _Format("Q6_K", 14, 256, 210, int8=True, packs=False),
+        _Format("Q4_K", 12, 256, 144, int8=True, packs=True),
+        _Format("Q5_K", 13, 256, 176, int8=True, packs=True),
+        _Format("Q6_K", 14, 256, 210, int8=True, packs=True),
     )
 }
 FORMATS: Final = {f.name: f.code for f in _FORMAT_TABLE.values()}

@@ -35,6 +35,7 @@
  */
 #include "_kernels.h"
 #include "_quant_common.h"
+#include "_panel_common.h"
 #include <math.h>
 #include <stdlib.h>
 
@@ -47,8 +48,6 @@
 #define Q8_0 8
 #define BF16 30
 #define BLOCK 32
-#define PANEL 8       /* rows of W per panel of the packed layout */
-#define PAIR_MIN_ROWS 4 /* rows of x from which AVX-512 takes two panels at a time */
 
 int tserve_quant_isa(void) {
 #if defined(__x86_64__)
@@ -259,9 +258,6 @@ void tserve_dequantize(int fmt, const uint8_t *w, int64_t k, const int64_t *rows
  * so that one shift and mask puts a group's bits over its nibbles. The same
  * bits as the file's rows, rearranged. */
 
-#define GROUP 4                  /* bytes of a row per 32-bit lane */
-#define GROUP_BYTES (GROUP * PANEL) /* one group of every row of a panel */
-
 static int64_t panel_block_bytes(int fmt) {
     switch (fmt) {
     case Q4_0: return 16 + PANEL * 16;
@@ -300,11 +296,16 @@ static uint32_t unpack_fifth_bits(const uint8_t *in) {
 
 /* Bytes of W [n, k] in the packed layout (0: no packed layout for fmt). */
 int64_t tserve_packed_bytes(int fmt, int64_t n, int64_t k) {
+    if (TSERVE_IS_KQUANT(fmt)) return tserve_kpacked_bytes(fmt, n, k);
     return (n + PANEL - 1) / PANEL * (k / BLOCK) * panel_block_bytes(fmt);
 }
 
 /* W [n, k] (the file's rows) -> out [tserve_packed_bytes]. */
 void tserve_pack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
+    if (TSERVE_IS_KQUANT(fmt)) {
+        tserve_kpack(fmt, w, n, k, out);
+        return;
+    }
     int64_t nb = k / BLOCK, unit = unit_bytes(fmt), stride = row_bytes(fmt, k);
     int64_t pb = panel_block_bytes(fmt), panels = (n + PANEL - 1) / PANEL;
     int64_t quants = panel_quants_at(fmt), width = fmt == Q8_0 ? 32 : 16;
@@ -343,6 +344,10 @@ static void file_block(int fmt, const uint8_t *src, int i, uint8_t *blk) {
 /* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k]. */
 void tserve_unpack(int fmt, const uint8_t *packed, int64_t k, const int64_t *rows,
                    int64_t n_rows, float *out) {
+    if (TSERVE_IS_KQUANT(fmt)) {
+        tserve_kunpack(fmt, packed, k, rows, n_rows, out);
+        return;
+    }
     int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt);
     uint8_t blk[64];
     for (int64_t r = 0; r < n_rows; r++) {
@@ -553,40 +558,6 @@ AVX2_ROW(F16)
 AVX2_ROW(BF16)
 AVX2_ROW(F32)
 
-/* A panel's sums (lanes in row order) into y's first `cols` columns. */
-AVX2 INLINE void store_panel(__m256 sums, float *y, int cols) {
-    if (cols == PANEL) {
-        _mm256_storeu_ps(y, sums);
-        return;
-    }
-    float lanes[PANEL];
-    _mm256_storeu_ps(lanes, sums);
-    for (int c = 0; c < cols; c++) y[c] = lanes[c];
-}
-
-/* The 4 bytes of x at `p` in every 32-bit lane (one load). */
-AVX2 INLINE __m256i broadcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return _mm256_set1_epi32(v);
-}
-
-/* The int8 panel kernels' loads and stores at W bits a vector (256, or 512 for
- * a pair of panels: panel p in a vector's low half, its twin `twin` bytes on
- * in the high one): 32 bytes of each panel, 8 fp16 of each as floats, 4 bytes
- * of x in every 32-bit lane, and the first `cols` sums stored. */
-AVX2 INLINE __m256i bytes_256(const uint8_t *p, int64_t twin) {
-    (void)twin;
-    return _mm256_loadu_si256((const __m256i *)p);
-}
-
-AVX2 INLINE __m256 halves_256(const uint8_t *p, int64_t twin) {
-    (void)twin;
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-
-#define x4_256 broadcast4
-#define store_256 store_panel
 
 /* A Q4_0/Q4_1/Q5_0/Q5_1 panel block's scales and offsets (Q4_1's and Q5_1's m,
  * Q4_0's -8 d, Q5_0's -16 d), in row order, at W bits a vector. */
@@ -598,12 +569,6 @@ AVX2 INLINE __m256 halves_256(const uint8_t *p, int64_t twin) {
                                 : _mm##W##_mul_ps(dw, _mm##W##_set1_ps(-zero_point(fmt)));    \
         return dw;                                                                            \
     }
-
-/* Bits 2g and 2g + 1 of each byte of `bits` to bit 4 (a 16-bit shift: the mask
- * keeps each byte's own bit, shifts being at most 4 left and 3 right). */
-#define FIFTH_TO_4(W, bits, from)                                                             \
-    ((from) < 4 ? _mm##W##_slli_epi16(bits, 4 - (from))                                       \
-     : (from) > 4 ? _mm##W##_srli_epi16(bits, (from) - 4) : (bits))
 
 /* A Q4/Q5 panel block's quants as 32 bytes per group and panel, a row per 32-bit
  * lane: lo[g] elements 4g..4g+3 of each row (the low nibbles), hi[g] elements
@@ -754,32 +719,6 @@ PANEL_KERNEL(AVX2, avx2, Q8_0, BY_TILE_ROWS)
  * sums and float operations in the same order at either width: every output
  * is bitwise the same. */
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-
-/* bytes_256 and the rest for a pair: panel p's at `p`, its twin's `twin` bytes on. */
-AVX512 INLINE __m512i bytes_512(const uint8_t *p, int64_t twin) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
-                              _mm256_loadu_si256((const __m256i *)(p + twin)), 1);
-}
-
-AVX512 INLINE __m512 halves_512(const uint8_t *p, int64_t twin) {
-    __m128i low = _mm_loadu_si128((const __m128i *)p);
-    __m128i high = _mm_loadu_si128((const __m128i *)(p + twin));
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1));
-}
-
-AVX512 INLINE __m512i x4_512(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return _mm512_set1_epi32(v);
-}
-
-/* The first `cols` of a pair's 16 sums at y. */
-AVX512 INLINE void store_512(__m512 sums, float *y, int cols) {
-    __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1));
-    store_panel(_mm512_castps512_ps256(sums), y, cols < PANEL ? cols : PANEL);
-    if (cols > PANEL) store_panel(high, y + PANEL, cols - PANEL);
-}
 
 Q4_SCALES(512, AVX512)
 Q4_GROUPS(512, AVX512)
@@ -1073,6 +1012,7 @@ void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, co
  * scratch cannot be allocated (y untouched). */
 int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,
                         const float *x, int64_t m, float *y) {
+    if (TSERVE_IS_KQUANT(fmt)) return tserve_kqlinear_int8(isa, fmt, packed, n, k, x, m, y);
     int64_t nb = k / BLOCK, panels = (n + PANEL - 1) / PANEL;
     int64_t panel_bytes = nb * panel_block_bytes(fmt);
     panel_fn fast = fast_panel(isa, fmt);

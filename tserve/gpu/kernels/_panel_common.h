@@ -1,0 +1,92 @@
+/* What the int8 panel kernels of _quant_kernels.c (the block formats) and
+ * _kquant_kernels.c (the K-quants) share: the packed layouts' geometry, panels
+ * of PANEL rows of W with GROUP bytes of a row per 32-bit lane, so that one
+ * 32-byte load holds a group of every row of a panel and an integer
+ * multiply-add against GROUP bytes of x broadcast to every lane leaves each
+ * row's sum in its own lane; and (on x86-64) the kernels' loads and stores at
+ * either width: 256-bit registers for one panel, 512-bit ones (AVX-512) for a
+ * pair of adjacent panels, panel p in a vector's low half and its twin, `twin`
+ * bytes on, in the high one.
+ *
+ * Header-only, after _quant_common.h: every function is static inline.
+ */
+#ifndef TSERVE_PANEL_COMMON_H
+#define TSERVE_PANEL_COMMON_H
+
+#include "_quant_common.h"
+
+#define PANEL 8         /* rows of W per panel */
+#define GROUP 4         /* bytes of a row per 32-bit lane */
+#define GROUP_BYTES (GROUP * PANEL) /* one group of every row of a panel */
+#define PAIR_MIN_ROWS 4 /* rows of x from which AVX-512 takes two panels at a time */
+
+/* Bit `from` of each byte of `bits` to bit 4 (a 16-bit shift: a mask after it keeps
+ * each byte's own bits, shifts being at most 4 left and 3 right). */
+#define FIFTH_TO_4(W, bits, from)                                                             \
+    ((from) < 4 ? _mm##W##_slli_epi16(bits, 4 - (from))                                       \
+     : (from) > 4 ? _mm##W##_srli_epi16(bits, (from) - 4) : (bits))
+
+#if defined(__x86_64__)
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* A panel's sums (lanes in row order) into y's first `cols` columns. */
+AVX2 INLINE void store_panel(__m256 sums, float *y, int cols) {
+    if (cols == PANEL) {
+        _mm256_storeu_ps(y, sums);
+        return;
+    }
+    float lanes[PANEL];
+    _mm256_storeu_ps(lanes, sums);
+    for (int c = 0; c < cols; c++) y[c] = lanes[c];
+}
+
+/* The 4 bytes of x at `p` in every 32-bit lane (one load). */
+AVX2 INLINE __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* The loads and stores at W bits a vector (256 or 512): 32 bytes of each panel,
+ * 8 fp16 of each as floats, 4 bytes of x in every 32-bit lane, and the first
+ * `cols` sums stored. */
+AVX2 INLINE __m256i bytes_256(const uint8_t *p, int64_t twin) {
+    (void)twin;
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+AVX2 INLINE __m256 halves_256(const uint8_t *p, int64_t twin) {
+    (void)twin;
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+#define x4_256 broadcast4
+#define store_256 store_panel
+
+/* bytes_256 and the rest for a pair: panel p's at `p`, its twin's `twin` bytes on. */
+AVX512 INLINE __m512i bytes_512(const uint8_t *p, int64_t twin) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                              _mm256_loadu_si256((const __m256i *)(p + twin)), 1);
+}
+
+AVX512 INLINE __m512 halves_512(const uint8_t *p, int64_t twin) {
+    __m128i low = _mm_loadu_si128((const __m128i *)p);
+    __m128i high = _mm_loadu_si128((const __m128i *)(p + twin));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1));
+}
+
+AVX512 INLINE __m512i x4_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* The first `cols` of a pair's 16 sums at y. */
+AVX512 INLINE void store_512(__m512 sums, float *y, int cols) {
+    __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1));
+    store_panel(_mm512_castps512_ps256(sums), y, cols < PANEL ? cols : PANEL);
+    if (cols > PANEL) store_panel(high, y + PANEL, cols - PANEL);
+}
+#endif
+
+#endif /* TSERVE_PANEL_COMMON_H */

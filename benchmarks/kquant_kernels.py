@@ -74,7 +74,7 @@ def main() -> int:
         raise SystemExit("the compiled kernels are not built (pip install -e .)")
     torch.set_num_threads(1)
     weights = _weights(args.n, args.k, ["Q4_1", *args.formats])
-    # each treatment as the engine runs it (int8 Q4_1/Q8_0: on the packed weight)
+    # each treatment as the engine runs it (int8: on the packed weight)
     layers = {
         (fmt, mode): QuantizedLinear(weight, kernels, mode)  # type: ignore[arg-type]
         for fmt, weight in weights.items()

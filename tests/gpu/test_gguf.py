@@ -195,7 +195,7 @@ def test_int8_activations_on_k_quants_round_each_product_s_input(
     wide_model_dir: Path, tmp_path: Path
 ) -> None:
     """The Q4_K_M mix on int8 activations: every product of a forward pass (the
-    K-quant int8 kernel on the file's layout) is the fp32 product of its own
+    K-quant int8 kernel on its packed panels) is the fp32 product of its own
     input rounded to 8 bits per block (of 256 for a K-quant weight, q8_K; of
     32 for the others), the integer sums being exact. (Per
     product: over the whole model, float rounding of one layer's output flips

@@ -108,7 +108,7 @@ def test_native_steps_are_the_torch_path_s_fused_steps_bit_for_bit(
 def test_a_k_quant_file_of_one_format_per_product_runs_natively(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Q4_K layers (int8 on the file's layout) and a Q6_K head: the K-quant routes."""
+    """Q4_K layers (int8 on their packed panels) and a Q6_K head: the K-quant routes."""
     wide = build_wide_model(tiny_model_dir, tmp_path / "wide")
     formats = {"output.weight": "Q6_K"}
     path = write_gguf(wide, tmp_path / "gguf" / "wide.gguf", "Q4_K", formats=formats)

@@ -15,8 +15,8 @@ number of rows (decode rows and prefill chunks alike).
 * ``int8`` (the serving default), llama.cpp's scheme: each block of 32
   activations is rounded to 8 bits (scale: its largest magnitude / 127) and
   multiplied by the weight's integers with 8-bit dot products; the weight is
-  repacked once at load into panels of 8 rows (:class:`PackedWeight`, the
-  same bytes), so that one pass of 256-bit integer products serves 8
+  repacked once at load into panels of 8 rows (:class:`PackedWeight`, about
+  the same bytes), so that one pass of 256-bit integer products serves 8
   outputs. Its products are several times faster than ``fp32``'s (the
   decode step of SmolLM2 Q4_1 about 1.6 times on one core). Each product moves
   by about 0.5 % (relative; the tests bound it), and the model's perplexity
@@ -36,8 +36,9 @@ number of rows (decode rows and prefill chunks alike).
   difference at float rounding) and greedy outputs match the model
   converted to fp32.
 
-K-quants (``_kquant_kernels.c``) have both paths, their int8 one on the
-file's layout (the activations quantized as above). ``F16``/``BF16``/``F32``
+K-quants (``_kquant_kernels.c``) have both paths, their int8 one on panels
+of 8 rows too (their 6-bit scales and mins as bytes: 148 bytes a Q4_K
+super-block row for the file's 144). ``F16``/``BF16``/``F32``
 weights run ``fp32`` either way. Each product is one C call, here and in
 the fused decoder (``_decoder.py``) alike; one that quantizes or sums its
 activations first does so into scratch of its own. The torch forward pass
@@ -132,8 +133,9 @@ class QuantizedWeight:
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A :class:`QuantizedWeight`'s bytes rearranged for the int8 kernel (same
-    size, up to padding the rows to a multiple of 8): ``data`` 1-D uint8."""
+    """A :class:`QuantizedWeight`'s bytes rearranged for the int8 kernel (the same
+    size, up to padding the rows to a multiple of 8; the K-quants' 6-bit scales
+    and mins as bytes, 3 % more): ``data`` 1-D uint8."""
 
     fmt: int
     data: torch.Tensor
@@ -181,7 +183,7 @@ class QuantKernels:
 
     def pack(self, weight: QuantizedWeight) -> PackedWeight:
         """``weight`` in :meth:`linear_int8`'s layout (a copy); only for a format
-        that ``packs``."""
+        with an int8 kernel."""
         n, k = weight.out_features, weight.in_features
         data = self._quant.pack(weight.fmt, weight.data.numpy(), n, k)
         return PackedWeight(weight.fmt, torch.from_numpy(data), n, k)
@@ -222,7 +224,7 @@ class QuantKernels:
             out.data_ptr(),
         )
         if isinstance(weight, PackedWeight):
-            self._unpack(weight.fmt, *where)
+            self._unpack(self.best_isa if isa is None else isa, weight.fmt, *where)
         elif weight.fmt in K_FORMATS:
             self._kdequantize(self.best_isa if isa is None else isa, weight.fmt, *where)
         else:

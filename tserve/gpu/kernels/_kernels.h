@@ -47,11 +47,12 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
 /* _kquant_kernels.c */
 int tserve_klinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
                    int64_t m, float *y);
-/* the packed layout of the K-quants (tserve_pack and the rest reach these for them) */
+/* the packed layout of the K-quants (tserve_pack and the rest reach these for them);
+ * Q4_K, Q5_K, Q6_K by their GGML ids */
 #define TSERVE_IS_KQUANT(fmt) ((fmt) == 12 || (fmt) == 13 || (fmt) == 14)
 int64_t tserve_kpacked_bytes(int fmt, int64_t n, int64_t k);
 void tserve_kpack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out);
-void tserve_kunpack(int fmt, const uint8_t *packed, int64_t k, const int64_t *rows,
+void tserve_kunpack(int isa, int fmt, const uint8_t *packed, int64_t k, const int64_t *rows,
                     int64_t n_rows, float *out);
 int tserve_kqlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,
                          const float *x, int64_t m, float *y);

@@ -1,4 +1,5 @@
-/* Linear layers over GGUF's K-quant weights as they lie in the file (tserve/gpu/forward/_quant.py).
+/* Linear layers over GGUF's K-quant weights (tserve/gpu/forward/_quant.py): fp32
+ * activations against the file's rows, int8 ones against a packed copy.
  *
  * y[M, N] = x[M, K] W^T with W stored row by row (one output feature per
  * row) in Q4_K, Q5_K or Q6_K: super-blocks of 256 weights along K, laid out
@@ -12,17 +13,17 @@
  *   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
  *        int8 scales (one per 16 weights), d (fp16) last. w = d*sc*(q - 32).
  *
- * Every row of W is read once per call whatever M is: one W row (at most a
- * few KiB) stays in L1 while tiles of up to TILE_ROWS rows of x run over it
- * in turn, CHUNK_ROWS rows of x at a time.
+ * Every byte of W is read once per call whatever M is: one W row (at most a
+ * few KiB), or one panel's super-block, stays in L1 while tiles of rows of x
+ * run over it in turn, CHUNK_ROWS rows of x at a time.
  *
- * Activations are fp32 against weights dequantized in registers: each group
+ * fp32 activations (tserve_klinear) meet weights dequantized in registers: each group
  * of 32 quants is widened to fp32 once per tile of x rows, and a group's
  * products come to scale * sum(q * x) - min * sum(x) (the sums of x per group
  * computed once per call into scratch of its own), so the products are fp32 ones, equal to
  * dequantize-then-matmul up to rounding and summation order.
  *
- * With int8 activations instead (tserve_klinear_int8), x is quantized first,
+ * With int8 activations instead (tserve_kqlinear_int8), x is quantized first,
  * into scratch of its own, as llama.cpp's K-quant products quantize it
  * (q8_K): 8 bits per super-block of 256, one scale d for the super-block,
  * and the sums of q per 16. A super-block's products are then integer dot
@@ -32,10 +33,11 @@
  * sums (scaled by dmin times x's d) and, for Q6_K, 32 times its scales times
  * x's sums (its quants are stored 0..63 for q - 32). One scale per 256
  * rather than per 32 costs a little precision (llama.cpp's choice too) and
- * saves a group's float work: 1.4 to 2 times the rate at 4 to 16 rows.
+ * saves a group's float work. W is repacked for them at load ("the packed
+ * layout, int8" below).
  *
  * Each kernel has a portable C version and an AVX2 + FMA + F16C one, the int8
- * products an AVX-512 VNNI one too; the caller picks by `isa`
+ * products AVX-512 VNNI ones too (one panel, or a pair); the caller picks by `isa`
  * (tserve_quant_isa() in _quant_kernels.c says what this CPU runs; the codes
  * are the same). A product splits W's rows (its
  * output columns) among torch's OpenMP threads, a dequantization its output
@@ -55,6 +57,7 @@
 #define QK 256 /* weights per super-block */
 #define GROUPS 8 /* groups of 32 per super-block */
 #define SCRATCH_ALIGN 64 /* bytes */
+#define MAX_SUPER_BYTES 210 /* Q6_K's */
 
 static int64_t super_bytes(int fmt) {
     switch (fmt) {
@@ -218,7 +221,6 @@ typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, const float
 
 /* ------------------------------------------------------------------ AVX2 */
 #if defined(__x86_64__)
-
 
 /* 32 bytes -> 4 x 8 floats (unsigned, or signed with `is_signed`). */
 AVX2 INLINE void bytes_floats(__m256i v, int is_signed, __m256i out[4]) {
@@ -401,7 +403,6 @@ AVX2_ROW(Q4_K)
 AVX2_ROW(Q5_K)
 AVX2_ROW(Q6_K)
 
-
 /* One super-block into 256 floats with the AVX2 group decoder. */
 AVX2 static void super_floats_avx2(int fmt, const uint8_t *blk, float *out) {
     float scale[GROUPS], min[GROUPS];
@@ -429,6 +430,18 @@ static row_fn avx2_row(int fmt) {
 #endif
     (void)fmt;
     return 0;
+}
+
+/* One super-block into 256 floats, with the AVX2 group decoder where `isa` has it. */
+static void super_floats_isa(int isa, int fmt, const uint8_t *blk, float *out) {
+#if defined(__x86_64__)
+    if (isa >= ISA_AVX2) {
+        super_floats_avx2(fmt, blk, out);
+        return;
+    }
+#endif
+    (void)isa;
+    super_floats(fmt, blk, out);
 }
 
 /* ------------------------------------------------------------------ the packed layout, int8
@@ -459,11 +472,14 @@ static row_fn avx2_row(int fmt) {
  *
  * Per x row, group half and panel: four byte multiply-adds (maddubs) of the
  * quants against 4 bytes of x broadcast, their int16 sums (at most 4 * 2 * 31
- * * 127; Q6_K's 63 allows two) times the half's scale in one int16
+ * * 127; Q6_K's quants up to 63 let only two share a sum) times the half's scale in one int16
  * multiply-add into the super-block's int32 sum (VNNI: vpdpwssd), each row's
  * in its lane; the mins (Q6_K: 32 times its scales) times x's sums per 16 the
- * same way; one conversion and FMA per super-block. The integers are those of
- * the file-layout kernels, exact; the floats are summed in another order. */
+ * same way; one conversion and FMA per super-block. The integers are
+ * super_int8_portable's, exact; the floats are summed in another order. At 1
+ * to 64 rows of x this takes 0.40-0.59 of the time of the same integer sums
+ * over the file's rows (Q4_K; Q6_K 0.53-0.71), which paid the float work and
+ * a reduction across lanes per W row and x row. */
 
 #define K_HEAD_Q4 160 /* d, dmin, scales, mins */
 #define K_HEAD_Q6 144 /* d, scales */
@@ -582,29 +598,31 @@ void tserve_kpack(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out)
                           out + (p * nb + b) * psb);
 }
 
-/* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k]. */
-void tserve_kunpack(int fmt, const uint8_t *packed, int64_t k, const int64_t *rows,
+/* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k],
+ * as tserve_kdequantize gives the file's rows. */
+void tserve_kunpack(int isa, int fmt, const uint8_t *packed, int64_t k, const int64_t *rows,
                     int64_t n_rows, float *out) {
     int64_t nb = k / QK, psb = kpanel_super_bytes(fmt);
-    uint8_t blk[256];
+    int threads = threads_for(n_rows * (k / 32));
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < n_rows; r++) {
         int64_t row = rows ? rows[r] : r;
         const uint8_t *panel = packed + row / PANEL * nb * psb;
+        uint8_t blk[MAX_SUPER_BYTES];
         for (int64_t b = 0; b < nb; b++) {
             kfile_row(fmt, panel + b * psb, (int)(row % PANEL), blk);
-            super_floats(fmt, blk, out + r * k + b * QK);
+            super_floats_isa(isa, fmt, blk, out + r * k + b * QK);
         }
     }
 }
 
 /* One packed panel (`cols` real rows of W) against `rows` int8 rows of x: each
- * row back in the file's layout, then super_int8_portable (the same numbers as
- * row_portable_int8). */
+ * row back in the file's layout, then super_int8_portable per super-block. */
 static void kpanel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, const int8_t *x,
                             const float *xd, const int16_t *sums, float *y, int64_t y_stride,
                             int cols) {
     int64_t nb = k / QK, psb = kpanel_super_bytes(fmt);
-    uint8_t blk[256];
+    uint8_t blk[MAX_SUPER_BYTES];
     for (int c = 0; c < cols; c++) {
         float total[INT8_TILE_ROWS] = {0};
         for (int64_t b = 0; b < nb; b++) {
@@ -803,17 +821,8 @@ void tserve_kdequantize(int isa, int fmt, const uint8_t *w, int64_t k, const int
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t i = 0; i < n_rows; i++) {
         const uint8_t *row = w + (rows ? rows[i] : i) * stride;
-        for (int64_t b = 0; b < nb; b++) {
-#if defined(__x86_64__)
-            if (isa >= ISA_AVX2) {
-                super_floats_avx2(fmt, row + b * unit, out + i * k + b * QK);
-                continue;
-            }
-#endif
-            super_floats(fmt, row + b * unit, out + i * k + b * QK);
-        }
+        for (int64_t b = 0; b < nb; b++) super_floats_isa(isa, fmt, row + b * unit, out + i * k + b * QK);
     }
-    (void)isa;
 }
 
 /* y[M, N] (row stride n) columns [n0, n1) = x W^T for fp32 x and its sums per
@@ -890,48 +899,49 @@ static void quantize_q8k(int isa, const float *x, int64_t m, int64_t k, int8_t *
     (void)isa;
 }
 
+/* A product's kernels and activations (quantize_q8k's), for kpanel_tile. */
+typedef struct {
+    int fmt;
+    int64_t n, k, nb;
+    kpanel_fn fast, pair; /* one panel, two (NULL: portable; none) */
+    const int8_t *xq;
+    const float *xd;
+    const int16_t *sums;
+} kpanel_sweep;
+
+/* A tile_fn: a panel (or pair) against rows r.. of x. */
+static void kpanel_tile(const void *sweep, const uint8_t *panel, int64_t twin, int64_t r,
+                        int rows, float *y, int cols) {
+    const kpanel_sweep *s = sweep;
+    kpanel_fn run = twin ? s->pair : s->fast;
+    const int8_t *xr = s->xq + r * s->k;
+    const float *dr = s->xd + r * s->nb;
+    const int16_t *sr = s->sums + r * s->nb * SUMS;
+    if (run)
+        run(panel, twin, s->k, rows, xr, dr, sr, y, s->n, cols);
+    else
+        kpanel_portable(s->fmt, panel, s->k, rows, xr, dr, sr, y, s->n, cols);
+}
+
 /* y[M, N] = x W^T for W [N, k] packed by tserve_kpack and fp32 x [M, k] (M >= 1),
  * quantized per super-block (quantize_q8k) into a scratch copy; the panels (from
- * PAIR_MIN_ROWS rows of x on AVX-512, pairs of them) shared among the threads as
- * tserve_qlinear_int8's are. Returns 0, or -1 when the scratch cannot be allocated
- * (y untouched). */
+ * PAIR_MIN_ROWS rows of x on AVX-512, pairs of them) swept as tserve_qlinear_int8's
+ * are. Returns 0, or -1 when the scratch cannot be allocated (y untouched). */
 int tserve_kqlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,
                          const float *x, int64_t m, float *y) {
-    int64_t nb = k / QK, supers = m * nb, panels = (n + PANEL - 1) / PANEL;
-    int64_t panel_bytes = nb * kpanel_super_bytes(fmt);
+    int64_t nb = k / QK, supers = m * nb;
     kpanel_fn fast = fast_kpanel(isa, fmt), pair = m >= PAIR_MIN_ROWS ? fast_kpair(isa, fmt) : 0;
-    int64_t tile = fast && isa < ISA_AVX512_VNNI ? TILE_ROWS : INT8_TILE_ROWS;
-    int64_t step = pair ? 2 : 1;
     int8_t *xq = scratch(m * k + supers * (int64_t)(sizeof(float) + SUMS * sizeof(int16_t)));
     if (!xq) return -1;
     float *xd = (float *)(xq + m * k); /* m * k: a multiple of 256 */
     int16_t *sums = (int16_t *)(xd + supers);
     quantize_q8k(isa, x, m, k, xq, xd, sums);
+    kpanel_sweep sweep = {fmt, n, k, nb, fast, pair, xq, xd, sums};
     int threads = threads_for(n * (k / 32) * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
-        int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-#pragma omp for schedule(dynamic, SHARE_ROWS / (PANEL * step)) nowait /* chunks write apart */
-        for (int64_t u = 0; u < (panels + step - 1) / step; u++) {
-            int64_t p = u * step;
-            const uint8_t *panel = packed + p * panel_bytes;
-            int both = step == 2 && p + 1 < panels; /* else one panel, the last */
-            kpanel_fn run = both ? pair : fast;
-            int64_t twin = both ? panel_bytes : 0, width = both ? 2 * PANEL : PANEL;
-            int cols = n - p * PANEL < width ? (int)(n - p * PANEL) : (int)width;
-            for (int64_t r = m0; r < m1; r += tile) {
-                int rows = m1 - r < tile ? (int)(m1 - r) : (int)tile;
-                const int8_t *xr = xq + r * k;
-                const float *dr = xd + r * nb;
-                const int16_t *sr = sums + r * nb * SUMS;
-                float *yr = y + r * n + p * PANEL;
-                if (run)
-                    run(panel, twin, k, rows, xr, dr, sr, yr, n, cols);
-                else
-                    kpanel_portable(fmt, panel, k, rows, xr, dr, sr, yr, n, cols);
-            }
-        }
-    }
+    sweep_panels(packed, n, m, nb * kpanel_super_bytes(fmt), pair ? 2 : 1,
+                 fast && isa < ISA_AVX512_VNNI ? TILE_ROWS : INT8_TILE_ROWS, y, kpanel_tile,
+                 &sweep);
     free(xq);
     return 0;
 }

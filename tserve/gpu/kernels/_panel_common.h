@@ -20,11 +20,44 @@
 #define GROUP_BYTES (GROUP * PANEL) /* one group of every row of a panel */
 #define PAIR_MIN_ROWS 4 /* rows of x from which AVX-512 takes two panels at a time */
 
-/* Bit `from` of each byte of `bits` to bit 4 (a 16-bit shift: a mask after it keeps
- * each byte's own bits, shifts being at most 4 left and 3 right). */
+/* Bit `from` of each byte of `bits` to bit 4, and `from` + 1 to bit 5 (a 16-bit
+ * shift: a mask after it keeps each byte's own bits, shifts being at most 4 left
+ * and 3 right). */
 #define FIFTH_TO_4(W, bits, from)                                                             \
     ((from) < 4 ? _mm##W##_slli_epi16(bits, 4 - (from))                                       \
      : (from) > 4 ? _mm##W##_srli_epi16(bits, (from) - 4) : (bits))
+
+/* A sweep's work for one tile: `rows` rows of x from row r against the panel at
+ * `panel` (with twin nonzero, the pair of it and the panel `twin` bytes on), its
+ * `cols` outputs of each row into y (row stride: the product's n). `sweep`: the
+ * caller's own description of the product (its kernels and activations). */
+typedef void (*tile_fn)(const void *sweep, const uint8_t *panel, int64_t twin, int64_t r,
+                        int rows, float *y, int cols);
+
+/* Within a parallel region (an orphaned `omp for`): y [m, n] from W [n, *] packed in
+ * panels of `panel_bytes`, taken `step` (1, or 2: pairs, a last odd one alone) at a
+ * time against tiles of `tile` rows of x, CHUNK_ROWS rows at a time; shares of
+ * SHARE_ROWS rows of W go to whichever thread is free, and each output is computed by
+ * the same code whichever thread runs it. No barrier at the end: chunks write apart. */
+static inline void sweep_panels(const uint8_t *packed, int64_t n, int64_t m, int64_t panel_bytes,
+                                int64_t step, int64_t tile, float *y, tile_fn run,
+                                const void *sweep) {
+    int64_t panels = (n + PANEL - 1) / PANEL;
+    for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
+        int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
+#pragma omp for schedule(dynamic, SHARE_ROWS / (PANEL * step)) nowait
+        for (int64_t u = 0; u < (panels + step - 1) / step; u++) {
+            int64_t p = u * step;
+            int both = step == 2 && p + 1 < panels;
+            int64_t twin = both ? panel_bytes : 0, width = both ? 2 * PANEL : PANEL;
+            int cols = n - p * PANEL < width ? (int)(n - p * PANEL) : (int)width;
+            for (int64_t r = m0; r < m1; r += tile) {
+                int rows = m1 - r < tile ? (int)(m1 - r) : (int)tile;
+                run(sweep, packed + p * panel_bytes, twin, r, rows, y + r * n + p * PANEL, cols);
+            }
+        }
+    }
+}
 
 #if defined(__x86_64__)
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))

@@ -3,13 +3,13 @@
 What both the torch forward pass (:mod:`tserve.gpu.forward._quant`) and the native
 runner (:mod:`tserve.gpu.forward._native`) need of ``_quant_kernels.c`` and
 ``_kquant_kernels.c``, declared once: the format table (``_FORMAT_TABLE``:
-a format's GGML id, block size and bytes, whether it has an int8 kernel and
+a format's GGML id, block size and bytes, whether it has an int8 kernel, over
 a packed layout), which instructions run (AVX2 + FMA + F16C where the CPU
 has them, else portable C, said once in the log; at most what
 ``TSERVE_MAX_ISA`` names), the block formats'
-products, dequantizing rows (an embedding's lookup) and packing a weight
-for the int8 kernel at load. The K-quants' products are declared by
-:mod:`tserve.gpu.forward._quant` alone; the native runner reaches them through
+products, every int8 product, dequantizing rows (an embedding's lookup) and
+packing a weight for the int8 kernel at load. The K-quants' fp32 products are
+declared by :mod:`tserve.gpu.forward._quant` alone; the native runner reaches them through
 ``_decoder_kernels.c`` (:mod:`tserve.gpu.kernels._decoder_abi`).
 
 Every call blocks until done; products run on the OpenMP threads
@@ -46,38 +46,37 @@ log = logging.getLogger(__name__)
 
 Activations = Literal["int8", "fp32"]
 """How a product treats its activations: ``int8``, quantized per block of 32
-against the packed weight (K-quants: per super-block of 256, against the
-file's rows); ``fp32``, against the weight dequantized in registers."""
+(K-quants: per super-block of 256) against the packed weight; ``fp32``,
+against the weight dequantized in registers."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _Format:
     """A weight format the kernels multiply by. ``block``: values per block (1 for
     a float format), of ``block_bytes`` bytes; ``int8``: it has an int8-activation
-    kernel, over a packed layout (:meth:`QuantLibrary.pack`) if ``packs``."""
+    kernel, over a packed layout (:meth:`QuantLibrary.pack`)."""
 
     name: str
     code: int  # GGML's type id (gguf.GGMLQuantizationType), the C code's format code
     block: int
     block_bytes: int
     int8: bool
-    packs: bool
 
 
 _FORMAT_TABLE: Final = {
     f.code: f
     for f in (
-        _Format("F32", 0, 1, 4, int8=False, packs=False),
-        _Format("F16", 1, 1, 2, int8=False, packs=False),
-        _Format("BF16", 30, 1, 2, int8=False, packs=False),
-        _Format("Q4_0", 2, 32, 18, int8=True, packs=True),
-        _Format("Q4_1", 3, 32, 20, int8=True, packs=True),
-        _Format("Q5_0", 6, 32, 22, int8=True, packs=True),
-        _Format("Q5_1", 7, 32, 24, int8=True, packs=True),
-        _Format("Q8_0", 8, 32, 34, int8=True, packs=True),
-        _Format("Q4_K", 12, 256, 144, int8=True, packs=True),
-        _Format("Q5_K", 13, 256, 176, int8=True, packs=True),
-        _Format("Q6_K", 14, 256, 210, int8=True, packs=True),
+        _Format("F32", 0, 1, 4, int8=False),
+        _Format("F16", 1, 1, 2, int8=False),
+        _Format("BF16", 30, 1, 2, int8=False),
+        _Format("Q4_0", 2, 32, 18, int8=True),
+        _Format("Q4_1", 3, 32, 20, int8=True),
+        _Format("Q5_0", 6, 32, 22, int8=True),
+        _Format("Q5_1", 7, 32, 24, int8=True),
+        _Format("Q8_0", 8, 32, 34, int8=True),
+        _Format("Q4_K", 12, 256, 144, int8=True),
+        _Format("Q5_K", 13, 256, 176, int8=True),
+        _Format("Q6_K", 14, 256, 210, int8=True),
     )
 }
 FORMATS: Final = {f.name: f.code for f in _FORMAT_TABLE.values()}
@@ -139,11 +138,12 @@ class QuantLibrary:
             library.tserve_qlinear_int8, c_int, c_int, ptr, i64, i64, ptr, i64, ptr, restype=c_int
         )
         """As :attr:`linear` over a packed weight, ``x`` rounded to 8 bits per
-        block; returns nonzero when its scratch cannot be had."""
+        block (K-quants: per super-block of 256); returns nonzero when its
+        scratch cannot be had."""
         self.dequantize = declare(library.tserve_dequantize, c_int, ptr, i64, ptr, i64, ptr)
         """``(fmt, w, k, index or 0, count, out)``: rows ``index`` (all: 0) in fp32."""
-        self.unpack = declare(library.tserve_unpack, c_int, ptr, i64, ptr, i64, ptr)
-        """:attr:`dequantize` of a packed weight."""
+        self.unpack = declare(library.tserve_unpack, c_int, c_int, ptr, i64, ptr, i64, ptr)
+        """:attr:`dequantize` of a packed weight, ``isa`` first."""
         self.kdequantize = declare(
             library.tserve_kdequantize, c_int, c_int, ptr, i64, ptr, i64, ptr
         )
@@ -152,8 +152,8 @@ class QuantLibrary:
         self._packed_bytes = declare(library.tserve_packed_bytes, c_int, i64, i64, restype=i64)
 
     def pack(self, fmt: int, rows: np.ndarray, n: int, k: int) -> np.ndarray:
-        """``rows`` (uint8 ``[n, row_bytes]``, a format that ``packs``) in the int8
-        kernel's layout: a new 1-D uint8 array (about the same size)."""
+        """``rows`` (uint8 ``[n, row_bytes]``, a format with an int8 kernel) in the
+        int8 kernel's layout: a new 1-D uint8 array (about the same size)."""
         source = np.ascontiguousarray(rows)
         out = np.empty(self._packed_bytes(fmt, n, k), dtype=np.uint8)
         self._pack(fmt, _address(source), n, k, _address(out))
@@ -166,7 +166,7 @@ class QuantLibrary:
         (fp32 ``[r, k]``, contiguous), whichever layout it is in."""
         where = (data, k, _address(index), len(index), _address(out))
         if packed:
-            self.unpack(fmt, *where)
+            self.unpack(self.best_isa, fmt, *where)
         elif fmt in K_FORMATS:
             self.kdequantize(self.best_isa, fmt, *where)
         else:

@@ -22,8 +22,9 @@
 
 #define ISA_PORTABLE 0
 #define ISA_AVX2 1 /* AVX2 + FMA + F16C */
-#define ISA_AVX512_VNNI 2 /* and AVX-512 F/BW/VL with VNNI: the block formats' int8 panels
-                           * and fp32 rows; every other kernel runs its AVX2 variant */
+#define ISA_AVX512_VNNI 2 /* and AVX-512 F/BW/VL with VNNI: the int8 panels
+                           * and the block formats' fp32 rows; every other kernel
+                           * runs its AVX2 variant */
 #define MIN_SHARED_WORK 4096 /* blocks of 32 weights x rows below which one thread does it all */
 #define TILE_ROWS 4          /* rows of x against one pass over a few hundred bytes of W */
 #define CHUNK_ROWS 64        /* rows of x kept hot per pass over W */

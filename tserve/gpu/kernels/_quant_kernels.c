@@ -341,13 +341,15 @@ static void file_block(int fmt, const uint8_t *src, int i, uint8_t *blk) {
     }
 }
 
-/* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k]. */
-void tserve_unpack(int fmt, const uint8_t *packed, int64_t k, const int64_t *rows,
+/* Rows `rows` (or 0..n_rows-1 when NULL) of a packed W [*, k] as fp32 into out [n_rows, k]
+ * (`isa`: the K-quants' decoder; the block formats' rows are gguf's either way). */
+void tserve_unpack(int isa, int fmt, const uint8_t *packed, int64_t k, const int64_t *rows,
                    int64_t n_rows, float *out) {
     if (TSERVE_IS_KQUANT(fmt)) {
-        tserve_kunpack(fmt, packed, k, rows, n_rows, out);
+        tserve_kunpack(isa, fmt, packed, k, rows, n_rows, out);
         return;
     }
+    (void)isa;
     int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt);
     uint8_t blk[64];
     for (int64_t r = 0; r < n_rows; r++) {
@@ -558,7 +560,6 @@ AVX2_ROW(F16)
 AVX2_ROW(BF16)
 AVX2_ROW(F32)
 
-
 /* A Q4_0/Q4_1/Q5_0/Q5_1 panel block's scales and offsets (Q4_1's and Q5_1's m,
  * Q4_0's -8 d, Q5_0's -16 d), in row order, at W bits a vector. */
 #define Q4_SCALES(W, TARGET)                                                                  \
@@ -718,7 +719,6 @@ PANEL_KERNEL(AVX2, avx2, Q8_0, BY_TILE_ROWS)
  * vpdpbusd and float step serves 16 outputs. Each lane sees the same integer
  * sums and float operations in the same order at either width: every output
  * is bitwise the same. */
-
 
 Q4_SCALES(512, AVX512)
 Q4_GROUPS(512, AVX512)
@@ -1007,60 +1007,58 @@ void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, co
     }
 }
 
+/* A product's kernels and activations, for block_tile. */
+typedef struct {
+    int fmt;
+    int64_t n, k, nb;
+    panel_fn fast, pair;      /* one panel, two (NULL: portable; none) */
+    const int8_t *xq, *xin;   /* x rounded; as the fast kernels take it */
+    const float *xd, *xs;     /* per block: scales, scaled sums */
+} block_sweep;
+
+/* A tile_fn: a panel (or pair) against rows r.. of x. */
+static void block_tile(const void *sweep, const uint8_t *panel, int64_t twin, int64_t r,
+                       int rows, float *y, int cols) {
+    const block_sweep *s = sweep;
+    panel_fn run = twin ? s->pair : s->fast;
+    const float *dr = s->xd + r * s->nb, *sr = s->xs + r * s->nb;
+    if (run)
+        run(panel, twin, s->k, rows, s->xin + r * s->k, dr, sr, y, s->n, cols);
+    else
+        panel_portable(s->fmt, panel, s->k, rows, s->xq + r * s->k, dr, sr, y, s->n, cols);
+}
+
 /* y[M, n] = x W^T for W [n, k] packed by tserve_pack and fp32 x [M, k], quantized here
  * per block of 32 (tserve_quantize_q8) into a scratch copy. Returns 0, or -1 when the
  * scratch cannot be allocated (y untouched). */
 int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,
                         const float *x, int64_t m, float *y) {
     if (TSERVE_IS_KQUANT(fmt)) return tserve_kqlinear_int8(isa, fmt, packed, n, k, x, m, y);
-    int64_t nb = k / BLOCK, panels = (n + PANEL - 1) / PANEL;
-    int64_t panel_bytes = nb * panel_block_bytes(fmt);
+    int64_t nb = k / BLOCK;
     panel_fn fast = fast_panel(isa, fmt);
     int wide = fast && isa == ISA_AVX512_VNNI; /* 32 registers: tiles of INT8_TILE_ROWS */
     int unsigned_x = wide && fmt == Q8_0;      /* q8_vnni_256 and _512 take x + 128 */
-    int64_t tile = wide ? INT8_TILE_ROWS : TILE_ROWS;
     /* 512-bit registers: two panels at a time, from PAIR_MIN_ROWS rows of x: below,
      * the product waits on memory, and two streams of W (the panels lie one after
      * the other) read slower than one: 1.2 times at 2 rows */
     panel_fn pair = m >= PAIR_MIN_ROWS ? fast_pair(isa, fmt) : 0;
-    int64_t step = pair ? 2 : 1;
     float *scales =
         malloc((size_t)(2 * m * nb) * sizeof(float) + (size_t)(m * k) * (unsigned_x ? 2 : 1));
     if (!scales) return -1;
     float *xd = scales, *xs = scales + m * nb;
     int8_t *xq = (int8_t *)(scales + 2 * m * nb), *xin = unsigned_x ? xq + m * k : xq;
+    block_sweep sweep = {fmt, n, k, nb, fast, pair, xq, xin, xd, xs};
     int threads = threads_for(n * nb * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++)
-        {
+        for (int64_t r = 0; r < m; r++) {
             tserve_quantize_q8(isa, x + r * k, 1, k, xq + r * k, xd + r * nb, xs + r * nb);
             if (unsigned_x)
                 for (int64_t j = 0; j < k; j++) xin[r * k + j] = (int8_t)(xq[r * k + j] ^ 0x80);
         }
-        for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
-            int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-#pragma omp for schedule(dynamic, SHARE_ROWS / (PANEL * step)) nowait /* chunks write apart */
-            for (int64_t u = 0; u < (panels + step - 1) / step; u++) {
-                int64_t p = u * step;
-                const uint8_t *panel = packed + p * panel_bytes;
-                int both = step == 2 && p + 1 < panels; /* else one panel, the last */
-                panel_fn run = both ? pair : fast;
-                int64_t twin = both ? panel_bytes : 0, width = both ? 2 * PANEL : PANEL;
-                int cols = n - p * PANEL < width ? (int)(n - p * PANEL) : (int)width;
-                for (int64_t r = m0; r < m1; r += tile) {
-                    int rows = m1 - r < tile ? (int)(m1 - r) : (int)tile;
-                    const int8_t *xr = (fast ? xin : xq) + r * k;
-                    const float *dr = xd + r * nb, *sr = xs + r * nb;
-                    float *yr = y + r * n + p * PANEL;
-                    if (run)
-                        run(panel, twin, k, rows, xr, dr, sr, yr, n, cols);
-                    else
-                        panel_portable(fmt, panel, k, rows, xr, dr, sr, yr, n, cols);
-                }
-            }
-        }
+        sweep_panels(packed, n, m, nb * panel_block_bytes(fmt), pair ? 2 : 1,
+                     wide ? INT8_TILE_ROWS : TILE_ROWS, y, block_tile, &sweep);
     }
     free(scales);
     return 0;

@@ -92,10 +92,9 @@ def test_a_gguf_runs_in_its_format_with_the_logits_of_its_fp32_conversion(
 
 class _Rounded(torch.nn.Module):
     """A linear layer whose input is first rounded as the int8 kernels round it:
-    per block of 32, to multiples of its largest magnitude / 127 (kept as fp16,
-    llama.cpp's q8_0), with their float operations (times 127 / that magnitude,
-    rounded half to even: a division by the step instead rounds some elements
-    the other way)."""
+    per block of 32, to multiples of its largest magnitude / 127, with their
+    float operations (times 127 / that magnitude, rounded half to even: a
+    division by the step instead rounds some elements the other way)."""
 
     def __init__(self, linear: torch.nn.Module) -> None:
         super().__init__()
@@ -108,13 +107,11 @@ class _Rounded(torch.nn.Module):
 
 def _rounded(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """``x`` rounded to 8 bits per ``block`` values, as an int8 kernel rounds its
-    input (32: the block formats', llama.cpp's q8_0 with its fp16 scale; 256:
-    llama.cpp's q8_K, the K-quants', an fp32 scale)."""
+    input (32: the block formats'; 256: llama.cpp's q8_K, the K-quants')."""
     blocks = x.reshape(x.shape[0], -1, block)
     top = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(top > 0, 127 / top, 0)
-    step = (top / 127).half().float() if block == 32 else top / 127
-    return (torch.round(blocks * inverse) * step).reshape(x.shape)
+    return (torch.round(blocks * inverse) * (top / 127)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])

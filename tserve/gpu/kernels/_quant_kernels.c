@@ -13,9 +13,8 @@
  *   per tile, F16/BF16/F32 as loaded; the products are fp32 ones, equal to
  *   dequantize-then-matmul up to summation order.
  * - int8 (tserve_qlinear_int8), llama.cpp's scheme: x quantized per
- *   block of 32 (tserve_quantize_q8: q = round(x * 127 / max|x|), d =
- *   max|x| / 127 rounded to fp16 as llama.cpp's q8_0 blocks keep it, s = d *
- *   sum(q)), then per block sum(wq * xq) exact in integers, scaled
+ *   block of 32 (tserve_quantize_q8: d = max|x| / 127, q = round(x / d),
+ *   s = d * sum(q)), then per block sum(wq * xq) exact in integers, scaled
  *   by dw * dx, plus for Q4_0/Q4_1/Q5_0/Q5_1 the block's offset times s
  *   (Q4_0's -8 dw, Q5_0's -16 dw, Q4_1's and Q5_1's m). W is first
  *   repacked (tserve_pack) into panels of PANEL rows, block by block, so
@@ -119,26 +118,6 @@ static float float_at(int fmt, const uint8_t *row, int64_t j) {
 
 /* ------------------------------------------------------------------ activations to int8 */
 
-/* f >= 0 rounded to the nearest fp16 (ties to even) and back: what F16C's
- * vcvtps2ph then vcvtph2ps give; past fp16's range (65520 and up), f itself. */
-static float half_precision(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    uint16_t h;
-    if (x >= 0x477ff000u)
-        return f;
-    else if (x < 0x38800000u) /* below 2^-14: a subnormal half, in units of 2^-24 */
-        h = (uint16_t)nearbyintf(f * 16777216.0f);
-    else /* the exponent rebiased (-112), the mantissa rounded to 10 bits, ties to even */
-        h = (uint16_t)((x + 0xc8000fffu + ((x >> 13) & 1)) >> 13);
-    return half_to_float(h);
-}
-
-/* llama.cpp's q8_0 (block_q8_0): q = round(x * 127 / max|x|), and the scale
- * max|x| / 127 kept as fp16 as its blocks keep it, so that a block's products
- * are llama.cpp's up to the order of the float sums (a scale past fp16's range,
- * from activations above 8.3 million, stays fp32 rather than infinite); s = d *
- * sum(q). */
 static void quantize_block_portable(const float *xb, int8_t *qb, float *d, float *s) {
     float amax = 0.0f;
     for (int j = 0; j < BLOCK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
@@ -149,7 +128,7 @@ static void quantize_block_portable(const float *xb, int8_t *qb, float *d, float
         qb[j] = (int8_t)v;
         sum += v;
     }
-    *d = half_precision(amax / 127.0f);
+    *d = amax / 127.0f;
     *s = *d * (float)sum;
 }
 
@@ -183,8 +162,7 @@ AVX2 static void quantize_block_avx2(const float *xb, int8_t *qb, float *d, floa
                                         _mm256_packs_epi32(q[2], q[3]));
     packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)qb, packed);
-    float scale_32 = top / 127.0f, scale_16 = _cvtsh_ss(_cvtss_sh(scale_32, _MM_FROUND_TO_NEAREST_INT));
-    *d = isinf(scale_16) ? scale_32 : scale_16; /* as half_precision */
+    *d = top / 127.0f;
     *s = *d * (float)_mm_cvtsi128_si32(t);
 }
 #endif

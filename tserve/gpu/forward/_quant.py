@@ -156,11 +156,9 @@ class QuantKernels:
         self.best_isa: Isa = quant.best_isa
         c_int = ctypes.c_int
         self._linear, self._linear_int8 = quant.linear, quant.linear_int8
-        self._dequantize, self._unpack = quant.dequantize, quant.unpack
         # as _linear_int8: 0, or -1 when there is no memory for the activations' scratch
         self._klinear = library.tserve_klinear
         self._klinear.argtypes, self._klinear.restype = self._linear_int8.argtypes, c_int
-        self._kdequantize = quant.kdequantize
 
     def linear(
         self, x: torch.Tensor, weight: QuantizedWeight, *, isa: Isa | None = None
@@ -216,19 +214,16 @@ class QuantKernels:
         count = weight.out_features if rows is None else rows.numel()
         out = torch.empty(count, weight.in_features)
         index = None if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
-        where = (
+        self._quant.dequantize_at(
+            weight.fmt,
             weight.data.data_ptr(),
             weight.in_features,
             0 if index is None else index.data_ptr(),
             count,
             out.data_ptr(),
+            packed=isinstance(weight, PackedWeight),
+            isa=isa,
         )
-        if isinstance(weight, PackedWeight):
-            self._unpack(self.best_isa if isa is None else isa, weight.fmt, *where)
-        elif weight.fmt in K_FORMATS:
-            self._kdequantize(self.best_isa if isa is None else isa, weight.fmt, *where)
-        else:
-            self._dequantize(weight.fmt, *where)
         return out
 
 

@@ -490,17 +490,13 @@ static int64_t kpanel_super_bytes(int fmt) {
     return kpanel_head(fmt) + GROUPS * kpanel_group_bytes(fmt);
 }
 
-/* Where byte j (of 16) of row i's nibbles lies in a packed group. */
-static int64_t knibble_at(int i, int j) { return j / GROUP * GROUP_BYTES + GROUP * i + j % GROUP; }
-
 /* Where the high bits (Q5_K: 1, Q6_K: 2) of element e (of 32) of row i lie in a
- * packed group: byte khigh_at(fmt, i, e), shifted by khigh_shift(fmt, e). */
+ * packed group: byte khigh_at(fmt, i, e), shifted by khigh_shift(fmt, e); Q5_K's
+ * as a Q5 block's fifth bits, Q6_K's pairs one half of 16 after the other. */
 static int64_t khigh_at(int fmt, int i, int e) {
-    return 128 + (fmt == Q6_K ? GROUP_BYTES * (e / 16) : 0) + GROUP * i + e % GROUP;
+    return 128 + (fmt == Q6_K ? GROUP_BYTES * (e / 16) : 0) + GROUP * i + fifth_byte(e);
 }
-static int khigh_shift(int fmt, int e) {
-    return 2 * (e % 16 / GROUP) + (fmt == Q6_K ? 0 : e / 16);
-}
+static int khigh_shift(int fmt, int e) { return fifth_shift(e) - (fmt == Q6_K ? e / 16 : 0); }
 
 /* Group g's 32 quants (group_ints's) into a zeroed super-block of the file's layout. */
 static void put_group_ints(int fmt, uint8_t *blk, int g, const int q[32]) {
@@ -540,7 +536,7 @@ static void kpack_row(int fmt, const uint8_t *blk, int i, uint8_t *dst) {
         int q[32];
         group_ints(fmt, blk, g, q);
         for (int j = 0; j < 16; j++)
-            group[knibble_at(i, j)] = (uint8_t)((q[j] & 0x0f) | (q[j + 16] & 0x0f) << 4);
+            group[panel_quant_at(i, j)] = (uint8_t)((q[j] & 0x0f) | (q[j + 16] & 0x0f) << 4);
         if (fmt != Q4_K)
             for (int e = 0; e < 32; e++)
                 group[khigh_at(fmt, i, e)] |=
@@ -555,7 +551,7 @@ static void kfile_row(int fmt, const uint8_t *src, int i, uint8_t *blk) {
         const uint8_t *group = src + kpanel_head(fmt) + g * kpanel_group_bytes(fmt);
         int q[32];
         for (int j = 0; j < 16; j++) {
-            uint8_t byte = group[knibble_at(i, j)];
+            uint8_t byte = group[panel_quant_at(i, j)];
             q[j] = byte & 0x0f, q[j + 16] = byte >> 4;
         }
         if (fmt != Q4_K)

@@ -20,6 +20,19 @@
 #define GROUP_BYTES (GROUP * PANEL) /* one group of every row of a panel */
 #define PAIR_MIN_ROWS 4 /* rows of x from which AVX-512 takes two panels at a time */
 
+/* Where byte j of row i's quants lies in a packed block's quants (a K-quant's
+ * group's nibbles likewise). */
+static inline int64_t panel_quant_at(int i, int j) {
+    return j / GROUP * GROUP_BYTES + GROUP * i + j % GROUP;
+}
+
+/* Where the fifth bit of element e (of 32) of a Q5 row (Q5_0, Q5_1, a Q5_K group)
+ * lies in its 4 bytes of the packed layout: byte fifth_byte(e), bit fifth_shift(e):
+ * the bits that the lane of group g (4 bytes of nibbles) meets, elements 4g + j
+ * and 16 + 4g + j, in bits 2g and 2g + 1 of byte j. */
+static inline int fifth_byte(int e) { return e % 16 % GROUP; }
+static inline int fifth_shift(int e) { return 2 * (e % 16 / GROUP) + e / 16; }
+
 /* Bit `from` of each byte of `bits` to bit 4, and `from` + 1 to bit 5 (a 16-bit
  * shift: a mask after it keeps each byte's own bits, shifts being at most 4 left
  * and 3 right). */

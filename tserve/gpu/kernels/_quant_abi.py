@@ -164,11 +164,28 @@ class QuantLibrary:
     ) -> None:
         """Rows ``index`` (int64 ``[r]``) of the weight at ``data`` into ``out``
         (fp32 ``[r, k]``, contiguous), whichever layout it is in."""
-        where = (data, k, _address(index), len(index), _address(out))
+        self.dequantize_at(fmt, data, k, _address(index), len(index), _address(out), packed=packed)
+
+    def dequantize_at(
+        self,
+        fmt: int,
+        data: int,
+        k: int,
+        index: int,
+        count: int,
+        out: int,
+        *,
+        packed: bool,
+        isa: Isa | None = None,
+    ) -> None:
+        """:meth:`dequantize_rows` over raw addresses: ``count`` rows at ``index``
+        (int64; 0: rows 0..count-1) into ``out``, on ``isa`` (default: the best)."""
+        where = (data, k, index, count, out)
+        chosen = self.best_isa if isa is None else isa
         if packed:
-            self.unpack(self.best_isa, fmt, *where)
+            self.unpack(chosen, fmt, *where)
         elif fmt in K_FORMATS:
-            self.kdequantize(self.best_isa, fmt, *where)
+            self.kdequantize(chosen, fmt, *where)
         else:
             self.dequantize(fmt, *where)
 

@@ -272,14 +272,6 @@ static int64_t panel_block_bytes(int fmt) {
 /* Where a packed block's quants start (after the scales, and the offsets if any). */
 static int64_t panel_quants_at(int fmt) { return has_min(fmt) ? 32 : 16; }
 
-/* Where byte j of row i's quants lies in a packed block's quants. */
-static int64_t panel_quant_at(int i, int j) { return j / GROUP * GROUP_BYTES + GROUP * i + j % GROUP; }
-
-/* Where the fifth bit of element e (of 32) of a Q5 row lies in its 4 bytes of the
- * packed layout: byte fifth_byte(e), bit fifth_shift(e). */
-static int fifth_byte(int e) { return e % 16 % GROUP; }
-static int fifth_shift(int e) { return 2 * (e % 16 / GROUP) + e / 16; }
-
 /* A row's 32 fifth bits (the file's `qh`, bit e for element e) as its 4 packed bytes. */
 static void pack_fifth_bits(uint32_t qh, uint8_t *out) {
     memset(out, 0, GROUP);

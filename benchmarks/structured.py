@@ -28,11 +28,15 @@ through the ``openai`` SDK, on /v1/chat/completions, at temperature 0.8:
     that, what the grammar itself costs.
 (c) hostile storm: the same plain stream's time to first token and ITL p99,
     alone and while 16 expensive grammars compile and mask, sent just before
-    it: 8 new 128-tool schemas (compiles) and 8 regexes whose every mask takes
-    about a second (``((a{100}){100}){100}``-like, each its own), which the
-    engine ends once their masks keep exceeding ``--grammar-mask-budget``.
+    it: 8 new 128-tool schemas (compiles) and 8 regexes whose lexers blow up
+    (``((a{100}){100}){100}``-like, each its own), which a server may refuse
+    (tserve's check does, with a 400, after a tenth of a second of its grammar
+    worker) or run until their masks exceed its budget.
     ``--storm-rounds`` of each, alternating; ratios = storm ÷ alone for the
-    median TTFT and the pooled ITL p99 (target <= 2 for both). How the storm's
+    median TTFT and the pooled ITL p99 (target <= 2 for both). The storm's
+    requests come from a second client process, as other users' would: this
+    process's event loop reads the stream alone (parsing the storm's answers
+    in it delayed the stream's chunks by milliseconds). How the storm's
     requests ended (status codes) is in the JSON. A third stream of each
     round runs beside the 8 schema requests' bodies without their grammars
     (the 8 regex requests are refused at their check, so they decode
@@ -56,8 +60,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -253,8 +259,12 @@ async def timed_stream(
     return times[0] - start, [b - a for a, b in itertools.pairwise(times)]
 
 
-async def storm(client: openai.AsyncOpenAI, model: str, tokens: int, rounds: int) -> dict[str, Any]:
-    """Part (c): TTFT and ITL of a plain stream alone and beside 16 hostile grammars."""
+async def storm(
+    client: openai.AsyncOpenAI, model: str, tokens: int, rounds: int, base_url: str
+) -> dict[str, Any]:
+    """Part (c): TTFT and ITL of a plain stream alone and beside 16 hostile grammars,
+    those sent by a process of their own (``--send-storm``), as other clients'
+    would be: this process's event loop reads the stream and nothing else."""
     ttft_alone: list[float] = []
     ttft_storm: list[float] = []
     alone: list[float] = []
@@ -262,22 +272,42 @@ async def storm(client: openai.AsyncOpenAI, model: str, tokens: int, rounds: int
     plain: list[float] = []
     endings: list[str] = []
     stamp = str(int(time.time()))
+    sender = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "benchmarks.structured",
+        "--send-storm",
+        "--base-url",
+        base_url,
+        "--served-model",
+        model,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert sender.stdin is not None and sender.stdout is not None
+    stdin, stdout = sender.stdin, sender.stdout
+    assert json.loads(await stdout.readline()) == "ready"
 
     async def beside_requests(extras: list[dict[str, Any]]) -> tuple[float, list[float], list[str]]:
-        tasks = [asyncio.create_task(hostile(client, model, extra)) for extra in extras]
+        stdin.write(json.dumps(extras).encode() + b"\n")
+        await stdin.drain()
         await asyncio.sleep(0.2)  # the requests are in: their checks and compiles have begun
         first, gaps = await timed_stream(client, model, tokens)
-        return first, gaps, list(await asyncio.gather(*tasks))
+        return first, gaps, json.loads(await stdout.readline())
 
-    for r in range(rounds):
-        first, gaps = await timed_stream(client, model, tokens)
-        ttft_alone.append(first)
-        alone += gaps
-        first, gaps, ended = await beside_requests(storm_requests(f"{stamp}r{r}"))
-        ttft_storm.append(first)
-        beside += gaps
-        endings += ended
-        plain += (await beside_requests([{} for _ in range(8)]))[1]
+    try:
+        for r in range(rounds):
+            first, gaps = await timed_stream(client, model, tokens)
+            ttft_alone.append(first)
+            alone += gaps
+            first, gaps, ended = await beside_requests(storm_requests(f"{stamp}r{r}"))
+            ttft_storm.append(first)
+            beside += gaps
+            endings += ended
+            plain += (await beside_requests([{} for _ in range(8)]))[1]
+    finally:
+        stdin.close()
+        await sender.wait()
     ttft_ratio = statistics.median(ttft_storm) / statistics.median(ttft_alone)
     return {
         "rounds": rounds,
@@ -291,7 +321,24 @@ async def storm(client: openai.AsyncOpenAI, model: str, tokens: int, rounds: int
         "itl_p99_plain_storm_ms": p99(plain) * 1e3,
         "itl_ratio_vs_plain_storm": p99(beside) / p99(plain),
         "storm_endings": {e: endings.count(e) for e in sorted(set(endings))},
+        "storm_sender": "a process of its own",
     }
+
+
+async def send_storm(base_url: str, model: str) -> None:
+    """``--send-storm``: the storm's sender. Prints "ready" (JSON) once warm, then
+    for each line of stdin (a JSON list of extra bodies) sends those requests
+    at once and prints how each ended (a JSON list), until stdin ends."""
+    loop = asyncio.get_running_loop()
+    async with openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600
+    ) as client:
+        await asyncio.gather(*(chat(client, model, "Hello", 1) for _ in range(8)))  # 8 connections
+        print(json.dumps("ready"), flush=True)
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            extras = json.loads(line)
+            ended = await asyncio.gather(*(hostile(client, model, extra) for extra in extras))
+            print(json.dumps(ended), flush=True)
 
 
 def p99(values: list[float]) -> float:
@@ -390,7 +437,7 @@ async def measure(args: argparse.Namespace, base_url: str, model: str) -> dict[s
         # The side requests' prompts are in the prefix cache before (b) and (c).
         await asyncio.gather(*(chat(client, model, p, 1) for p in (SIDE_PROMPT, STORM_PROMPT)))
         part_b = await latency(client, model, args.stream_tokens, args.rounds)
-        part_c = await storm(client, model, args.stream_tokens, args.storm_rounds)
+        part_c = await storm(client, model, args.stream_tokens, args.storm_rounds, base_url)
         result = {
             "name": args.name,
             "model": model,
@@ -416,10 +463,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="latency rounds")
     parser.add_argument("--throughput-rounds", type=int, default=3)
     parser.add_argument("--storm-rounds", type=int, default=3, help="hostile-storm rounds")
+    parser.add_argument("--send-storm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     process = None
     base_url = args.base_url
     model = args.served_model or args.name
+    if args.send_storm:  # part (c)'s sender, started by part (c)
+        asyncio.run(send_storm(base_url, model))
+        return
     if base_url is None:
         stem = result_stem(f"structured-{args.name}")
         log = stem.with_suffix(".log")

@@ -20,13 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent / "tserve"
 # Which packages each package may import (besides the standard library,
 # third-party code, and its own modules). STYLE.md: web → nursery → mux →
 # protocol ← gpu; the leaves (protocol, engine_config, sampling, validity,
-# grammar, _host, _model_json, _errors) import no package but each other, and
-# _curve only the root of the error types.
+# grammar, _grammar_worker, _host, _model_json, _errors) import no package but
+# each other, and _curve only the root of the error types.
 _UNDER_THE_MUX = {"protocol", "sampling", "validity", "_host", "_curve", "_errors"}
 """What the mux may import; the packages above it (nursery, web) may import it too."""
 LAYERS: dict[str, set[str]] = {
     "web": {"nursery", "mux", "grammar", *_UNDER_THE_MUX},
-    "nursery": {"mux", "grammar", "_model_json", "_gc", *_UNDER_THE_MUX},
+    "nursery": {"mux", "grammar", "_grammar_worker", "_model_json", "_gc", *_UNDER_THE_MUX},
     "mux": _UNDER_THE_MUX,
     "gpu": {"protocol", "sampling", "validity", "grammar", "_host", "_model_json", "_curve", "_gc"},
     "bench": {"_host"},
@@ -35,6 +35,7 @@ LAYERS: dict[str, set[str]] = {
     "sampling": set(),
     "validity": {"sampling"},
     "grammar": {"sampling", "validity"},
+    "_grammar_worker": {"grammar", "sampling", "validity", "_host"},
     "_host": set(),
     "_model_json": set(),
     "_curve": {"_errors"},

@@ -14,7 +14,8 @@ once the options are parsed), ``_models_dir`` (the models of ``--models-dir``),
 (how to start an engine), ``sampling`` (how a request samples: its
 parameters, constraints and the model's defaults), ``validity`` (the one
 rule for a valid request), ``grammar`` (structured-output constraints as
-llguidance grammars), ``_host`` (fd limit, pid probe, log format), ``_gc`` (the cyclic GC's
+llguidance grammars), ``_grammar_worker`` (the process an API process
+checks them in), ``_host`` (fd limit, pid probe, log format), ``_gc`` (the cyclic GC's
 settings while serving), ``_model_json`` (a model
 directory's JSON files, as both processes read them), ``_curve`` (the CURVE
 key files of an engine on the network), ``_metrics_dir`` (the API processes'

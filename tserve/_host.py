@@ -1,6 +1,7 @@
 """This process and its neighbours on the host: the fd limit, whether a pid
 lives, the priority of background threads, the process group of a child
-process, and the log format every tserve process writes to stderr.
+process, the C heap's freed pages, and the log format every tserve process
+writes to stderr.
 
 A stdlib-only leaf: the engine process, the API processes and the benchmark
 client all import it.
@@ -8,20 +9,24 @@ client all import it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
 import signal
 import sys
 import threading
+from typing import Any
 
 __all__ = [
     "BACKGROUND_NICENESS",
     "configure_logging",
+    "libc_function",
     "lower_thread_priority",
     "own_process_group",
     "pid_alive",
     "raise_fd_limit",
+    "trim_heap",
 ]
 
 BACKGROUND_NICENESS = 10
@@ -104,3 +109,23 @@ def configure_logging(level: str, who: str = "%(process)d %(name)s") -> None:
         format=f"%(asctime)s {who} %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+
+
+def libc_function(name: str) -> Any:
+    """glibc's function ``name`` (ctypes), or None where the C library is another."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):  # not glibc: its own policy stands
+        return None
+
+
+def trim_heap() -> None:
+    """Give every arena's free pages back to the kernel (``malloc_trim(0)``):
+    what a load freed (a parsed file, a tokenizer's parse) stops being resident.
+
+    Blocks for a few milliseconds; safe from any thread. Call it after a
+    load, not per step (a step would fault the pages back in).
+    """
+    malloc_trim = libc_function("malloc_trim")
+    if malloc_trim is not None:
+        malloc_trim(0)

@@ -36,9 +36,10 @@ while it works), so callers run them off their event loop or step loop.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from tserve.sampling import Choice, Constraint, JsonSchema, LarkGrammar, Regex
 from tserve.validity import Problem
@@ -52,6 +53,7 @@ __all__ = [
     "JSON_OPTIONS",
     "LEXER_FUEL",
     "NUMBER_BOUND",
+    "RunHeld",
     "bounded_schema",
     "checked_text",
     "constraint_problem",
@@ -188,11 +190,21 @@ def checked_text(constraint: Constraint) -> str | Problem:
         return Problem("constraint", f"{_kind(constraint)}: {exc}")
 
 
+RunHeld: TypeAlias = Callable[[Callable[[], bool]], bool]
+"""Runs one of llguidance's calls that hold the GIL and returns its result
+(:func:`start_problem`'s ``run_held``)."""
+
+
+def _run_here(call: Callable[[], bool]) -> bool:
+    return call()
+
+
 def text_problem(
     constraint: Constraint, text: str, tokenizer: llguidance.LLTokenizer | None = None
 ) -> Problem | None:
     """:func:`constraint_problem` for ``constraint`` whose grammar text is ``text``
-    (:func:`checked_text`'s). Blocking: llguidance's work, which releases the GIL."""
+    (:func:`checked_text`'s). Blocking: llguidance's work, which releases the
+    GIL but while it feeds forced tokens to the matcher (:func:`start_problem`)."""
     import llguidance
 
     if tokenizer is None:
@@ -219,7 +231,11 @@ FORCED_WALK: Final = 8
 """Forced tokens :func:`start_problem` follows from a grammar's start, at most."""
 
 
-def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> str | None:
+def start_problem(
+    matcher: llguidance.LLMatcher,
+    tokenizer: llguidance.LLTokenizer,
+    run_held: RunHeld = _run_here,
+) -> str | None:
     """Why a freshly compiled ``matcher`` can write no useful output, or None.
 
     It follows the tokens the grammar forces from its start (a mask that
@@ -230,9 +246,14 @@ def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokeniz
     an empty character class); it accepts only the empty string when EOS is
     all its start allows. ``matcher`` is consumed (use a copy). Blocking: a
     mask per forced token (llguidance releases the GIL while it computes one;
-    bounded by its own limits); between them it holds the GIL only for calls
-    into C, never a loop over the vocabulary in Python, so a low-priority
-    thread running it does not keep a busy thread of its process waiting.
+    bounded by its own limits). Feeding a forced token to the matcher holds
+    the GIL (its lexer's new states: 5 ms for a token of many bytes through
+    ``((a{100}){100}){100}``), so that call goes through ``run_held``: a
+    low-priority caller passes a thread at its process's own priority, since
+    a low-priority thread that holds the GIL while a busy machine keeps it off
+    the CPU keeps its process's other threads waiting as long. Between those
+    calls it holds the GIL only for calls into C, never a loop over the
+    vocabulary in Python.
     """
     eos = set(tokenizer.eos_tokens)
     forced: list[int] = []
@@ -254,7 +275,7 @@ def start_problem(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokeniz
         # The one allowed token (no EOS is): the first non-zero byte, found in C,
         # so a compile thread holds the GIL for microseconds, not a Python scan.
         token = len(allowed) - len(allowed.lstrip(b"\x00"))
-        if not matcher.consume_token(token):
+        if not run_held(functools.partial(matcher.consume_token, token)):
             return f"the grammar fails at {where}: {first_line(matcher.get_error())}"
         forced.append(token)
     return None

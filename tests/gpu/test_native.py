@@ -335,7 +335,8 @@ def test_prefix_caching_hits_on_the_native_runner_and_changes_no_token(
 _SERVE_DEFAULT = """
 import sys
 from tserve.gpu.engine._engine_core import EngineCore
-from tserve.gpu.kernels._heap import keep_freed_heap, trim_heap
+from tserve._host import trim_heap
+from tserve.gpu.kernels._heap import keep_freed_heap
 from tserve.protocol import AddRequest, EngineConfig, SamplingParams
 
 def rss():

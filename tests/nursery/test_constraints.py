@@ -8,6 +8,7 @@ serving.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 import tserve
 from tests.nursery.conftest import ENGINE, settled
+from tests.processes import process_gone
 from tserve import LLM, InvalidRequest, SamplingParams, open_llm
 
 pytestmark = pytest.mark.anyio
@@ -108,13 +110,19 @@ async def test_logit_bias_is_checked_and_applied(llm: LLM) -> None:
     await settled(llm)
 
 
-async def test_the_grammar_tokenizer_is_built_at_startup(tiny_model_dir: Path) -> None:
-    """llguidance's view of the vocabulary is built when the LLM opens, before
-    any constrained request, so the first one does not stall the process."""
+async def test_the_grammar_worker_starts_with_the_llm_and_ends_with_it(
+    tiny_model_dir: Path,
+) -> None:
+    """The grammar worker process, and llguidance's view of the vocabulary in it,
+    start when the LLM opens, before any constrained request, so the first one
+    does not wait for them; the worker ends when the LLM closes."""
     async with open_llm(tiny_model_dir, **ENGINE) as llm:
         prepared = llm.constraints.prepared
         assert prepared is not None  # started by open_llm, no request sent
         await anyio.to_thread.run_sync(prepared.result)
-        assert llm.constraints._tokenizer is not None
+        worker = llm.constraints.worker_pid
+        assert worker is not None and worker != os.getpid()
         choice = SamplingParams(max_tokens=20, constraint=tserve.Choice(("yes", "no")))
         assert (await llm.complete("Is it?", choice)).text in {"yes", "no"}
+        assert llm.constraints.worker_pid == worker
+    assert process_gone(worker)

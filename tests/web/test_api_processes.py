@@ -40,6 +40,25 @@ def wait_until_gone(pids: list[int], timeout: float = 60.0) -> list[int]:
     return [p for p in pids if not process_gone(p)]
 
 
+def grammar_workers(server: Server, worker: int, timeout: float = 60.0) -> list[int]:
+    """The API processes' grammar worker processes, once the second API process
+    has started its own (it prepares its model's at startup; the first starts
+    one at its first constrained request). A hang guard, not a timing check."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [
+            pid
+            for api in (server.process.pid, worker)
+            for pid, cmd in children(api).items()
+            if "tserve._grammar_worker" in cmd
+        ]
+        mine = [pid for pid in found if pid in children(worker)]
+        if mine or time.monotonic() > deadline:
+            assert mine, found
+            return found
+        time.sleep(0.1)
+
+
 def stream_one(url: str, i: int) -> tuple[int, int]:
     """One streaming completion on a fresh connection: (status, completion tokens)."""
     body = {
@@ -81,8 +100,10 @@ def test_two_api_processes_share_the_port_and_the_engine(
 ) -> None:
     """64 concurrent streams over fresh connections: every one 200 with exactly
     TOKENS tokens, served by both processes (the request log carries the pid);
-    then SIGTERM drains both, stops the engine, exits 0 and leaves no child."""
+    then SIGTERM drains both, stops the engine, exits 0 and leaves no child
+    (the API processes' grammar workers included)."""
     server, worker, engine = start(tiny_model_dir, tmp_path)
+    checkers = grammar_workers(server, worker)
     try:
         with ThreadPoolExecutor(64) as pool:
             results = list(pool.map(lambda i: stream_one(server.url, i), range(64)))
@@ -90,7 +111,7 @@ def test_two_api_processes_share_the_port_and_the_engine(
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(120) == 0
-        assert wait_until_gone([worker, engine]) == []
+        assert wait_until_gone([worker, engine, *checkers]) == []
     finally:
         server.stop(signal.SIGKILL)
     served_by = [
@@ -107,9 +128,10 @@ def test_kill_9_of_the_main_process_ends_the_workers_the_metrics_process_and_the
 ) -> None:
     server, worker, engine = start(tiny_model_dir, tmp_path, "--metrics-port", "0")
     (metrics,) = [p for p, cmd in children(server.process.pid).items() if "_metrics_main" in cmd]
+    checkers = grammar_workers(server, worker)
     server.process.kill()
     server.process.wait(60)
-    assert wait_until_gone([worker, metrics, engine]) == []
+    assert wait_until_gone([worker, metrics, engine, *checkers]) == []
 
 
 def test_api_processes_appear_in_help() -> None:

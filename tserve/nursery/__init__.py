@@ -21,8 +21,8 @@ Modules, each with one job (imports run down this list, never up)::
     _embedder.py        Embedder: embedding calls, their inputs and EmbeddingResult
     _client.py          EngineClient (identity, liveness, ids, its admission)
                         and ClientSettings, shared by LLM and Embedder
-    _constraint.py      ConstraintCheck: a request's grammar validated off the
-                        event loop, verdicts cached
+    _constraint.py      ConstraintCheck: a request's grammar validated in a
+                        grammar worker process, verdicts cached
     _tokenizer.py       tokenizer policy: inline vs worker thread, decoding,
                         the chat template, loading both models' tokenizers
     _model_tokenizer.py a model's tokenizer without torch or transformers:

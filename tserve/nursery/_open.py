@@ -185,10 +185,11 @@ class EngineOwner:
         """:func:`open_llm` for ``config`` (its rules), with these settings; ``freeze_gc``
         is the serving GC settings of ``_gc.py``, for a process that serves one model.
         ``prepare_grammars`` builds llguidance's tokenizer as the LLM opens, in
-        this process (:meth:`ConstraintCheck.prepare`) and in the engine before
-        it answers ready (``Hello(grammars=True)``); a model loaded on demand beside others
-        leaves it to its first constrained request, since the build holds the
-        GIL, and so every model's streams, for a third of a second or more."""
+        this process's grammar worker (:meth:`ConstraintCheck.prepare`) and in
+        the engine before it answers ready (``Hello(grammars=True)``); a model
+        loaded on demand beside others leaves both to its first constrained
+        request, since the engine's build holds its GIL, and so its streams,
+        for a third of a second or more, and the worker is a process more."""
         settings, grace, level = self.settings, self.shutdown_grace, self.log_level
         options = msgspec.structs.asdict(config)
         async with (
@@ -362,13 +363,16 @@ async def _connect_llm(
         llm.embedder = embedder
         if prepare_grammars:
             llm.constraints.prepare()
-        with (
-            contextlib.nullcontext()
-            if embedder is None
-            else dying_with(llm.session.mux, embedder.session.mux, "generation engine"),
-            serving_gc() if freeze_gc else contextlib.nullcontext(),
-        ):
-            yield llm
+        try:
+            with (
+                contextlib.nullcontext()
+                if embedder is None
+                else dying_with(llm.session.mux, embedder.session.mux, "generation engine"),
+                serving_gc() if freeze_gc else contextlib.nullcontext(),
+            ):
+                yield llm
+        finally:
+            llm.constraints.close()  # its grammar worker process
 
 
 @contextlib.asynccontextmanager

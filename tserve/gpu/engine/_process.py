@@ -54,12 +54,13 @@ import zmq
 
 from tserve._curve import ServerKeys
 from tserve._gc import serving_gc
+from tserve._host import trim_heap
 from tserve.gpu.engine._bind import bind_engine_socket
 from tserve.gpu.engine._core import Core, tokenizer_bundle
 from tserve.gpu.engine._lifeline import Lifeline, ParentLifeline, SignalLifeline, Stopped
 from tserve.gpu.engine._outbox import Outbox
 from tserve.gpu.engine._pulse import Pulse
-from tserve.gpu.kernels._heap import keep_freed_heap, trim_heap
+from tserve.gpu.kernels._heap import keep_freed_heap
 from tserve.gpu.models._directory import ModelLoadError
 from tserve.protocol import (
     EngineConfig,

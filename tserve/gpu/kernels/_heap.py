@@ -11,7 +11,7 @@ to :data:`MALLOC_MMAP_THRESHOLD` kept in the heap and up to
 Kept heap is also kept garbage: what loading a model frees (a GGUF file's
 parsed metadata, the layers' tuning scratch, the parse of a tokenizer) would
 stay resident for the process's life, about 80 MB for the default model.
-:func:`trim_heap` gives the free part back once, after loading; the steps'
+:func:`tserve._host.trim_heap` gives the free part back once, after loading; the steps'
 memory is kept as before. Elsewhere than glibc both are no-ops.
 
 A KV pool is neither: :func:`untouched_pages` maps it fresh from the kernel,
@@ -20,16 +20,15 @@ so that only the pages K/V are written to become resident.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
-from typing import Any
+
+from tserve._host import libc_function
 
 __all__ = [
     "MALLOC_MMAP_THRESHOLD",
     "MALLOC_TRIM_THRESHOLD",
     "keep_freed_heap",
-    "trim_heap",
     "untouched_pages",
 ]
 
@@ -39,33 +38,15 @@ MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
 MALLOC_TRIM_THRESHOLD = 1 << 30
 
 
-def _libc_function(name: str) -> Any:
-    try:
-        return getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError):  # not glibc: its own policy stands
-        return None
-
-
 def keep_freed_heap() -> None:
     """Tell glibc's malloc to keep a step's memory (see above)."""
-    mallopt = _libc_function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is None:
         return
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
     ok = mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
     if not (ok and mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD)):
         log.warning("mallopt refused the heap settings; the engine may spend time in page faults")
-
-
-def trim_heap() -> None:
-    """Give every arena's free pages back to the kernel (``malloc_trim(0)``).
-
-    Blocks for a few milliseconds; safe from any thread. Call it after a
-    load, not per step (a step would fault the pages back in).
-    """
-    malloc_trim = _libc_function("malloc_trim")
-    if malloc_trim is not None:
-        malloc_trim(0)
 
 
 def untouched_pages(nbytes: int) -> mmap.mmap:

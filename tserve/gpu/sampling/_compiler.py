@@ -20,13 +20,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final, TypeAlias
 
 import msgspec
 
-from tserve._host import lower_thread_priority
-from tserve.gpu.kernels._heap import trim_heap
+from tserve._host import lower_thread_priority, trim_heap
 from tserve.grammar import grammar_text, llg_tokenizer, start_problem
 from tserve.grammar import matcher as new_matcher
 from tserve.sampling import Constraint
@@ -67,7 +66,8 @@ class GrammarCompiler:
     the CPU keeps the step loop waiting for as long. So the grammar text,
     Python over the whole schema (milliseconds for a 128-tool one), is made
     in a second thread at the process's own priority, which the compile
-    thread waits for.
+    thread waits for, and so are llguidance's calls that hold the GIL
+    (``start_problem``'s ``run_held``).
     """
 
     def __init__(
@@ -89,7 +89,8 @@ class GrammarCompiler:
         self._tokenizer_json = tokenizer_json
         self._vocab_size = vocab_size
         self._eos_order = tuple(eos_token_ids)
-        # The grammar texts. Bound: one at a time, for the one compile running.
+        # The grammar texts and llguidance's calls that hold the GIL. Bound: one
+        # at a time, for the one compile running.
         self._texts = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="tserve-grammar-text"
         )
@@ -170,6 +171,11 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._texts.shutdown(wait=False, cancel_futures=True)
 
+    def _run_held(self, call: Callable[[], bool]) -> bool:
+        """One of llguidance's calls that hold the GIL, in the text thread (at the
+        process's own priority); the compile thread waits for it."""
+        return self._texts.submit(call).result()
+
     def _remember(self, key: bytes, compiled: Compiled) -> None:
         self._cache[key] = compiled
         while len(self._cache) > self._cache_size:
@@ -187,7 +193,7 @@ class GrammarCompiler:
             matcher = new_matcher(self.tokenizer, text)
             if matcher.is_error():
                 return f"the grammar does not compile: {matcher.get_error().strip()}"
-            problem = start_problem(matcher.deep_copy(), self.tokenizer)
+            problem = start_problem(matcher.deep_copy(), self.tokenizer, self._run_held)
         except Exception as exc:  # llguidance's or the tokenizer's error, whatever its type
             return f"{type(exc).__name__}: {exc}"
         return matcher if problem is None else problem

@@ -73,6 +73,8 @@ def engine_pids(api_pid: int) -> dict[str, int]:
     found: dict[str, int] = {}
     for pid in pids:
         command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"-m\0tserve.gpu\0" not in command:
+            continue  # an API worker, a grammar worker
         found["embedding" if b'"task":"embed"' in command else "generation"] = pid
     return found
 

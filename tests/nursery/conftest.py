@@ -103,8 +103,13 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> Iterator[Wire]:
 
 async def settled(llm: LLM) -> None:
     """Wait until the engine is idle with its whole KV budget free and has
-    reported every abort this process sent."""
+    reported every abort this process sent, and until the grammar worker
+    that opening the LLM started (its pipes are fds of this process) is ready."""
     mux = llm._mux
+    prepared = llm.constraints.prepared
+    if prepared is not None:
+        with anyio.fail_after(HANG_GUARD):
+            await anyio.to_thread.run_sync(prepared.result)
 
     def idle() -> bool:
         engine = mux.engine_stats

@@ -57,7 +57,9 @@ async def test_ten_thousand_concurrent_generates(llm: LLM, wire: Wire) -> None:
     n_requests, n_tokens = 10_000, 6
     params = SamplingParams(max_tokens=n_tokens, ignore_eos=True, temperature=0)
     rng = random.Random(1)
-    # One request in flight, with the tokenizer's thread started: the baseline.
+    # One request in flight, with the tokenizer's thread and the grammar
+    # worker started: the baseline.
+    await settled(llm)
     async with llm.generate("warm up", params) as stream:
         await stream.__anext__()
         baseline = fd_count()

@@ -74,6 +74,7 @@ async def test_two_thousand_generates_wait_their_turn(tiny: LLM) -> None:
 
 
 async def test_twenty_thousand_generates_on_the_echo_engine(echo: LLM) -> None:
+    await settled(echo)
     baseline = fd_count()
     counts, peak = await _run_all(echo, 20_000, 3)
     assert counts == [3] * 20_000

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.guards import HANG_GUARD
-from tests.processes import child_pids
+from tests.processes import child_pids, command_line
 from tserve._host import raise_fd_limit
 
 API_KEY = "sk-test-key"
@@ -77,8 +77,13 @@ class Server:
 
     @property
     def engine_pid(self) -> int:
-        """The engine process: the server's only python child."""
-        pids = list(child_pids(self.process.pid))
+        """The engine process: the server's only ``-m tserve.gpu`` child (its
+        grammar worker, once a constrained request started it, is another)."""
+        pids = [
+            pid
+            for pid in child_pids(self.process.pid)
+            if b"-m\0tserve.gpu\0" in (command_line(pid) or b"")
+        ]
         assert len(pids) == 1, pids
         return pids[0]
 

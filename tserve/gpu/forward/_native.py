@@ -76,7 +76,7 @@ from tserve.gpu.kernels._decoder_abi import (
     product_route,
     run_product,
 )
-from tserve.gpu.kernels._heap import untouched_pages
+from tserve.gpu.kernels._heap import WeightArena, untouched_pages
 from tserve.gpu.kernels._library import KV_CODES
 from tserve.gpu.kernels._quant_abi import Activations, QuantLibrary, quant_library
 from tserve.gpu.models._architectures import soft_cap
@@ -145,6 +145,10 @@ class NativeModel:
         self._file = file
         self._activations = activations
         self._held: list[np.ndarray] = []  # every array a pointer below points into
+        # The products' weights, in the order a step reads them, on huge pages
+        # (packed, or copied from the file). Bound: the file's size and a margin
+        # for packing (at most 3 % more) and alignment; past it, the heap.
+        self._arena = WeightArena(int(file.path.stat().st_size * 1.05) + (8 << 20))
         self.product_bytes = 0
         """Bytes of the products' weights: what one decode step reads."""
         self.rope_cos, self.rope_sin = (self._hold(t) for t in rope_tables(config))
@@ -184,7 +188,10 @@ class NativeModel:
         for fmt, rows in self._file.parts(names, permutes):
             n = rows.shape[0]
             route, packed = product_route(fmt, self._activations)
-            data = self._hold(self.quant.pack(fmt, rows, n, k) if packed else rows)
+            arena = self._arena
+            data = self._hold(
+                arena.copy(rows) if not packed else self.quant.pack(fmt, rows, n, k, arena.take)
+            )
             self.product_bytes += data.nbytes
             parts.append(Part(_address(data), n, route, fmt))
             packs.append(packed)

@@ -22,6 +22,7 @@ import ctypes
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from typing import Final, Literal
 
 import numpy as np
@@ -151,11 +152,20 @@ class QuantLibrary:
         self._pack = declare(library.tserve_pack, c_int, ptr, i64, i64, ptr)
         self._packed_bytes = declare(library.tserve_packed_bytes, c_int, i64, i64, restype=i64)
 
-    def pack(self, fmt: int, rows: np.ndarray, n: int, k: int) -> np.ndarray:
+    def pack(
+        self,
+        fmt: int,
+        rows: np.ndarray,
+        n: int,
+        k: int,
+        take: Callable[[int], np.ndarray] | None = None,
+    ) -> np.ndarray:
         """``rows`` (uint8 ``[n, row_bytes]``, a format with an int8 kernel) in the
-        int8 kernel's layout: a new 1-D uint8 array (about the same size)."""
+        int8 kernel's layout: a new 1-D uint8 array (about the same size), from
+        ``take(nbytes)`` (a contiguous uint8 array of that size) if given."""
         source = np.ascontiguousarray(rows)
-        out = np.empty(self._packed_bytes(fmt, n, k), dtype=np.uint8)
+        nbytes = self._packed_bytes(fmt, n, k)
+        out = np.empty(nbytes, dtype=np.uint8) if take is None else take(nbytes)
         self._pack(fmt, _address(source), n, k, _address(out))
         return out
 

@@ -32,13 +32,16 @@ import sys
 import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
 from tserve._host import lower_thread_priority, own_process_group, trim_heap
 from tserve.sampling import Constraint
 from tserve.validity import Problem
+
+if TYPE_CHECKING:  # imported in the worker alone: its parent never needs it
+    import llguidance
 
 __all__ = ["CHECK_THREADS", "WORKER_COMMAND", "GrammarWorker", "WorkerGone"]
 
@@ -180,16 +183,12 @@ class GrammarWorker:
                 future.set_exception(WorkerGone(reason))
 
 
-def _verdict(constraint: bytes, tokenizer: object) -> Problem | None:
+def _verdict(constraint: bytes, tokenizer: llguidance.LLTokenizer | None) -> Problem | None:
     """In a check thread of the worker: ``constraint``'s problem, or None."""
-    from tserve.grammar import checked_text, text_problem
+    from tserve.grammar import constraint_problem
 
     try:
-        decoded = _CONSTRAINT.decode(constraint)
-        text = checked_text(decoded)
-        if isinstance(text, Problem):
-            return text
-        return text_problem(decoded, text, tokenizer)  # type: ignore[arg-type]
+        return constraint_problem(_CONSTRAINT.decode(constraint), tokenizer)
     except Exception as exc:  # llguidance's error, whatever its type: this grammar's
         return Problem("constraint", f"the grammar could not be checked: {exc}")
 

@@ -190,7 +190,7 @@ class NativeModel:
             route, packed = product_route(fmt, self._activations)
             arena = self._arena
             data = self._hold(
-                arena.copy(rows) if not packed else self.quant.pack(fmt, rows, n, k, arena.take)
+                self.quant.pack(fmt, rows, n, k, arena.take) if packed else arena.copy(rows)
             )
             self.product_bytes += data.nbytes
             parts.append(Part(_address(data), n, route, fmt))

@@ -100,7 +100,9 @@ async def test_a_constraint_whose_workers_all_end_is_refused_and_not_remembered(
         return worker
 
     constraint = Regex("[a-z]+ twice")
-    check = ConstraintCheck(lambda: "{}", lambda: 256, start)
+    vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    text = (tiny_model_dir / "tokenizer.json").read_text()
+    check = ConstraintCheck(lambda: text, lambda: vocab_size, start)
     try:
         with anyio.fail_after(HANG_GUARD):
             with pytest.raises(InvalidRequest, match=r"could not be checked.*ended") as refused:
@@ -108,8 +110,6 @@ async def test_a_constraint_whose_workers_all_end_is_refused_and_not_remembered(
             assert refused.value.param == "constraint"
             assert len(started) == CHECK_ATTEMPTS
             healthy = True
-            text = (tiny_model_dir / "tokenizer.json").read_text()
-            check._tokenizer_json = lambda: text
             await check.check(constraint)  # not remembered: a new worker checks it
             assert len(started) == CHECK_ATTEMPTS + 1
     finally:

@@ -17,13 +17,17 @@ import pytest
 
 from tests.web.conftest import Server
 
-# About 64 x 64 chunks of some 2 KB each (20 alternatives per token): far more
-# than the kernel's buffers between the server and a reader that never reads
-# (a send buffer grows to tcp_wmem's 4 MiB here), so the server's writes stall.
+# About 64 x 128 chunks of some 2 KB each (20 alternatives per token, every
+# choice to its max_tokens): some 17 MB, twice what a response's 4 MiB send
+# buffer and the kernel's (tcp_wmem's 4 MiB here) hold between the server and a
+# reader that never reads, so the server's writes stall. (At 64 tokens the two
+# came within a few hundred KB of the whole response: a run whose choices
+# were short could fit, finish, and leave its connection open.)
 BIG_STREAM = {
     "messages": [{"role": "user", "content": "hi"}],
     "n": 64,
-    "max_tokens": 64,
+    "max_tokens": 128,
+    "ignore_eos": True,
     "logprobs": True,
     "top_logprobs": 20,
 }

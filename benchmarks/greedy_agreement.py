@@ -2,7 +2,8 @@
 beside how often two other engines on the same weights agree.
 
 Run: ``python -m benchmarks.greedy_agreement --llama-server PATH [--gguf PATH]
-[--tokens 32] [--threads 1] [--engines tserve,tserve-fp32,llama-server,transformers]``
+[--tokens 32] [--threads 1] [--engines tserve,tserve-fp32,llama-server,transformers]
+[--llama-server-b PATH]``
 
 Every engine gets the same prompt ids: llama-server's ``/tokenize`` of each
 of :data:`PROMPTS`, with the BOS token first where the file asks for one
@@ -17,6 +18,10 @@ token as it would when serving. Engines:
 * ``llama-server``: ``llama-server -m FILE -t T -np 1`` (``/completion``,
   ``temperature`` 0: its greedy argmax); its activations are rounded to
   8 bits per block, as tserve's default;
+* ``llama-server-b`` (with ``--llama-server-b``): a second llama.cpp build
+  (for example one without AVX-512, whose dot products sum in another order),
+  the same way: two quantized engines on the same file and the same 8-bit
+  activations, whose agreement is the bar for tserve's with llama-server;
 * ``transformers``: transformers' own model class for the architecture
   over the file dequantized to fp32 (its GGUF loader; eager attention), an
   argmax loop with its KV cache: no quantized activations at all.
@@ -233,6 +238,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="at most this many per completion")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--engines", default=",".join(_ENGINES), help=f"of {', '.join(_ENGINES)}")
+    parser.add_argument(
+        "--llama-server-b", type=Path, default=None, help="a second llama.cpp build, compared too"
+    )
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     if "llama-server" not in engines or any(e not in _ENGINES for e in engines):
@@ -260,11 +268,21 @@ def main() -> int:
         finally:
             server.stop()
         seconds["llama-server"] = time.perf_counter() - start
+        if args.llama_server_b is not None:
+            start = time.perf_counter()
+            log = Path(tmp) / "llama-b.log"
+            server = _LlamaServer(args.llama_server_b, gguf, args.threads, log)
+            try:
+                completions["llama-server-b"] = texts(_llama(server, ids, args.tokens))
+            finally:
+                server.stop()
+            seconds["llama-server-b"] = time.perf_counter() - start
         meta = {
             "gguf": str(gguf),
             "tokens": args.tokens,
             "threads": args.threads,
             "llama_server": str(args.llama_server),
+            "llama_server_b": str(args.llama_server_b) if args.llama_server_b else None,
             "seconds": seconds,
             "python": sys.version.split()[0],
         }

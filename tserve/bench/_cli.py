@@ -55,8 +55,8 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--tokenizer",
         default=None,
-        help="local tokenizer/model directory for the datasets (default: --model if it is "
-        "a directory, else the server's /tokenize and /detokenize)",
+        help="local tokenizer/model directory or GGUF file for the datasets (default: "
+        "--model if it is a directory, else the server's /tokenize and /detokenize)",
     )
     srv.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key")
 
@@ -122,7 +122,10 @@ def _server_model(base_url: str, headers: dict[str, str]) -> str:
 def _tokenizer(args: argparse.Namespace, model: str) -> Tokenizer:
     source = args.tokenizer or (model if Path(model).is_dir() else None)
     if source is not None:
-        return LocalTokenizer(source)
+        try:
+            return LocalTokenizer(source)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--tokenizer {source}: {exc}") from None
     try:
         return ServerTokenizer(args.base_url.rstrip("/"), model, _headers(args))
     except httpx.HTTPError as exc:

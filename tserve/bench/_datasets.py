@@ -58,10 +58,22 @@ class Tokenizer(Protocol):
 
 
 class LocalTokenizer:
-    """The tokenizer of a local model directory."""
+    """The tokenizer of a local model directory, or of a GGUF file (its vocabulary,
+    written once as tokenizer files into tserve's cache, as the server does).
+    Raises OSError or ValueError for a path it cannot read a tokenizer from."""
 
     def __init__(self, directory: str | Path) -> None:
         path = Path(directory)
+        if path.is_file() and path.suffix == ".gguf":
+            from tserve.gpu.gguf._file import tokenizer_dir
+            from tserve.gpu.models._directory import ModelLoadError, default_cache_root
+
+            try:
+                path = tokenizer_dir(path, default_cache_root(), lambda message: None)
+            except ModelLoadError as exc:
+                raise ValueError(str(exc)) from None
+        elif not path.is_dir():
+            raise ValueError("not a tokenizer or model directory, nor a GGUF file")
         self._fast: Any = None  # a tokenizers.Tokenizer, when tokenizer.json exists
         self._auto: Any = None  # else a transformers tokenizer
         if (path / "tokenizer.json").is_file():

@@ -3,7 +3,7 @@ beside how often two other engines on the same weights agree.
 
 Run: ``python -m benchmarks.greedy_agreement --llama-server PATH [--gguf PATH]
 [--tokens 32] [--threads 1] [--engines tserve,tserve-fp32,llama-server,transformers]
-[--llama-server-b PATH]``
+[--llama-server-b PATH] [--tserve-options "..."]``
 
 Every engine gets the same prompt ids: llama-server's ``/tokenize`` of each
 of :data:`PROMPTS`, with the BOS token first where the file asks for one
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shlex
 import socket
 import subprocess
 import sys
@@ -97,10 +98,13 @@ def _free_port() -> int:
         return port
 
 
-def _tserve(gguf: Path, threads: int, fp32: bool, ids: list[list[int]], n: int) -> list[Any]:
-    """Each prompt's completion by ``python -m tserve serve``: its tokens' texts.
-    SystemExit if its ``/tokenize`` of a prompt differs from ``ids``."""
+def _tserve(
+    gguf: Path, threads: int, fp32: bool, ids: list[list[int]], n: int, extra: list[str]
+) -> list[Any]:
+    """Each prompt's completion by ``python -m tserve serve`` (with ``extra`` options):
+    its tokens' texts. SystemExit if its ``/tokenize`` of a prompt differs from ``ids``."""
     options = ["--threads", str(threads)] + (["--gguf-activations", "fp32"] if fp32 else [])
+    options += extra
     with tempfile.TemporaryDirectory() as tmp:
         process, url = serve(str(gguf), Path(tmp) / "tserve.log", *options)
         try:
@@ -241,6 +245,7 @@ def main() -> int:
     parser.add_argument(
         "--llama-server-b", type=Path, default=None, help="a second llama.cpp build, compared too"
     )
+    parser.add_argument("--tserve-options", default="", help="more options for tserve serve")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     if "llama-server" not in engines or any(e not in _ENGINES for e in engines):
@@ -281,6 +286,7 @@ def main() -> int:
             "gguf": str(gguf),
             "tokens": args.tokens,
             "threads": args.threads,
+            "tserve_options": args.tserve_options,
             "llama_server": str(args.llama_server),
             "llama_server_b": str(args.llama_server_b) if args.llama_server_b else None,
             "seconds": seconds,
@@ -294,7 +300,8 @@ def main() -> int:
                 completions[engine] = texts(done)
             elif engine.startswith("tserve"):
                 fp32 = engine == "tserve-fp32"
-                completions[engine] = _tserve(gguf, args.threads, fp32, ids, args.tokens)
+                extra = shlex.split(args.tserve_options)
+                completions[engine] = _tserve(gguf, args.threads, fp32, ids, args.tokens, extra)
             else:
                 continue
             seconds[engine] = time.perf_counter() - start

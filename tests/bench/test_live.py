@@ -21,7 +21,6 @@ from tserve.bench._client import RunConfig, run_benchmark
 from tserve.bench._datasets import BenchRequest
 from tserve.bench._metrics import summarize
 from tserve.bench.echo_server import serve
-from tserve.gpu.models._directory import default_gguf
 
 
 async def _echo_run(config: RunConfig, requests: list[BenchRequest]) -> tuple[int, ...]:
@@ -141,27 +140,12 @@ def test_cli_sweep_writes_json_and_png(echo_url: str, tiny_model_dir: Path, tmp_
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
-def test_cli_tokenizer_from_a_gguf_file(
-    echo_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``--tokenizer FILE.gguf`` reads the file's vocabulary, built into the cache once."""
-    monkeypatch.setenv("TSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    argv = [
-        "--base-url", echo_url, "--tokenizer", str(default_gguf()),
-        "--num-prompts", "4", "--max-concurrency", "2", "--dataset-name", "sonnet",
-        "--sonnet-input-len", "80", "--sonnet-prefix-len", "40", "--sonnet-output-len", "4",
-        "--result-dir", str(tmp_path), "--result-filename", "gguf", "--disable-tqdm",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    [run] = json.loads((tmp_path / "gguf.json").read_text())["runs"]
-    assert (run["summary"]["completed"], run["summary"]["failed"]) == (4, 0)
-    assert list((tmp_path / "cache" / "gguf-tokenizers").iterdir())
-
-
-@pytest.mark.parametrize("name", ["missing", "notes.txt"])
+@pytest.mark.parametrize("name", ["missing", "model.gguf", "empty"])
 def test_cli_unreadable_tokenizer_is_one_line(echo_url: str, tmp_path: Path, name: str) -> None:
-    """A ``--tokenizer`` that is no directory or GGUF file ends the run with one line."""
-    (tmp_path / "notes.txt").write_text("not a tokenizer")
+    """A ``--tokenizer`` that is no tokenizer directory (a missing path, a file, a
+    directory without one) ends the run with one line, not a traceback."""
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "empty").mkdir()
     source = tmp_path / name
     argv = ["--base-url", echo_url, "--tokenizer", str(source), "--num-prompts", "1"]
     with pytest.raises(SystemExit) as ended:

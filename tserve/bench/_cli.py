@@ -55,8 +55,8 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--tokenizer",
         default=None,
-        help="local tokenizer/model directory or GGUF file for the datasets (default: "
-        "--model if it is a directory, else the server's /tokenize and /detokenize)",
+        help="local tokenizer/model directory for the datasets (default: --model if it is "
+        "a directory, else the server's /tokenize and /detokenize)",
     )
     srv.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key")
 
@@ -125,7 +125,8 @@ def _tokenizer(args: argparse.Namespace, model: str) -> Tokenizer:
         try:
             return LocalTokenizer(source)
         except (OSError, ValueError) as exc:
-            raise SystemExit(f"--tokenizer {source}: {exc}") from None
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise SystemExit(f"--tokenizer {source}: {first}") from None
     try:
         return ServerTokenizer(args.base_url.rstrip("/"), model, _headers(args))
     except httpx.HTTPError as exc:

@@ -57,23 +57,23 @@ class Tokenizer(Protocol):
         ...
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
+"""A directory LocalTokenizer can read holds one of these."""
+
+
 class LocalTokenizer:
-    """The tokenizer of a local model directory, or of a GGUF file (its vocabulary,
-    written once as tokenizer files into tserve's cache, as the server does).
-    Raises OSError or ValueError for a path it cannot read a tokenizer from."""
+    """The tokenizer of a local model directory. Raises OSError or ValueError for a
+    path it cannot read one from."""
 
     def __init__(self, directory: str | Path) -> None:
         path = Path(directory)
-        if path.is_file() and path.suffix == ".gguf":
-            from tserve.gpu.gguf._file import tokenizer_dir
-            from tserve.gpu.models._directory import ModelLoadError, default_cache_root
-
-            try:
-                path = tokenizer_dir(path, default_cache_root(), lambda message: None)
-            except ModelLoadError as exc:
-                raise ValueError(str(exc)) from None
-        elif not path.is_dir():
-            raise ValueError("not a tokenizer or model directory, nor a GGUF file")
+        if not path.is_dir():
+            raise ValueError(
+                "not a tokenizer or model directory (for a GGUF file, leave --tokenizer "
+                "out: the server's /tokenize and /detokenize serve its vocabulary)"
+            )
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise ValueError(f"none of {', '.join(_TOKENIZER_FILES)} in it")
         self._fast: Any = None  # a tokenizers.Tokenizer, when tokenizer.json exists
         self._auto: Any = None  # else a transformers tokenizer
         if (path / "tokenizer.json").is_file():

@@ -264,24 +264,21 @@ def main() -> int:
             # Each token alone, special ones skipped: what tserve's logprobs carry.
             return [[tokenizer.decode([t], skip_special_tokens=True) for t in c] for c in ids]
 
-        start = time.perf_counter()
-        server = _LlamaServer(args.llama_server, gguf, args.threads, Path(tmp) / "llama.log")
-        try:
-            ids = [server.post("/tokenize", {"content": p, "add_special": True})["tokens"]
-                   for p in PROMPTS]  # fmt: skip
-            completions["llama-server"] = texts(_llama(server, ids, args.tokens))
-        finally:
-            server.stop()
-        seconds["llama-server"] = time.perf_counter() - start
-        if args.llama_server_b is not None:
+        ids: list[list[int]] = []
+        builds = {"llama-server": args.llama_server, "llama-server-b": args.llama_server_b}
+        for name, binary in builds.items():
+            if binary is None:
+                continue
             start = time.perf_counter()
-            log = Path(tmp) / "llama-b.log"
-            server = _LlamaServer(args.llama_server_b, gguf, args.threads, log)
+            server = _LlamaServer(binary, gguf, args.threads, Path(tmp) / f"{name}.log")
             try:
-                completions["llama-server-b"] = texts(_llama(server, ids, args.tokens))
+                if not ids:  # the first build's ids serve every engine
+                    ids = [server.post("/tokenize", {"content": p, "add_special": True})["tokens"]
+                           for p in PROMPTS]  # fmt: skip
+                completions[name] = texts(_llama(server, ids, args.tokens))
             finally:
                 server.stop()
-            seconds["llama-server-b"] = time.perf_counter() - start
+            seconds[name] = time.perf_counter() - start
         meta = {
             "gguf": str(gguf),
             "tokens": args.tokens,
@@ -293,6 +290,7 @@ def main() -> int:
             "python": sys.version.split()[0],
         }
         stem = result_stem("greedy_agreement")
+        extra = shlex.split(args.tserve_options)
         for engine in engines:
             start = time.perf_counter()
             if engine == "transformers":
@@ -300,7 +298,6 @@ def main() -> int:
                 completions[engine] = texts(done)
             elif engine.startswith("tserve"):
                 fp32 = engine == "tserve-fp32"
-                extra = shlex.split(args.tserve_options)
                 completions[engine] = _tserve(gguf, args.threads, fp32, ids, args.tokens, extra)
             else:
                 continue

@@ -124,11 +124,12 @@ def test_the_fused_kernels_and_torch_agree_over_the_same_pool(
     torch_calls = _runner(smollm2_tiny_dir, "auto", KV_DTYPES[kv])
     assert isinstance(torch_calls.model, PagedLlama) and torch_calls.model.ops is not TORCH_OPS
     torch_calls.model.ops = TORCH_OPS
-    ours, theirs = _tf_logits(fused, prompt, forced), _tf_logits(torch_calls, prompt, forced)
+    fused_logits = _tf_logits(fused, prompt, forced)
+    torch_logits = _tf_logits(torch_calls, prompt, forced)
     reference = _tf_logits(_runner(smollm2_tiny_dir, "auto", torch.float32), prompt, forced)
-    rounding = float((ours - reference).abs().max())
+    rounding = float((fused_logits - reference).abs().max())
     assert rounding > 0
-    apart = float((ours - theirs).abs().max())
+    apart = float((fused_logits - torch_logits).abs().max())
     assert apart <= 0.1 * rounding, f"{kv}: paths {apart:.3g} apart, rounding {rounding:.3g}"
     for ours, theirs in ((fused.pool.k, torch_calls.pool.k), (fused.pool.v, torch_calls.pool.v)):
         assert ours.dtype == theirs.dtype == KV_DTYPES[kv]

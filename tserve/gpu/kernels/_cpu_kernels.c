@@ -368,19 +368,20 @@ static inline __attribute__((always_inline)) void kv_prefetch_key(const void *k_
  * (head_dim apart) and keys p = first .. len - 1: NK keys at a time, NH x NK
  * sums of 8 lanes in registers over head_dim (a multiple of 8), reduced four
  * at a time by sum4. A key row of another type than fp32 is widened once
- * into one of `widened`'s NK rows and serves all NH heads. While key p is
- * scored, the K and V rows of key p + KV_AHEAD are asked for. */
+ * into one of `widened`'s NK rows and serves all NH heads. With `ask`
+ * (a KV head's first pass; later ones find the rows in cache), the K and V
+ * rows of key p + KV_AHEAD are asked for while key p is scored. */
 static inline __attribute__((always_inline)) void score_heads(
-    int nh, const float *q, const void *k_pool, const void *v_pool, slot_walk walk,
+    int nh, const float *q, const void *k_pool, const void *v_pool, int ask, slot_walk walk,
     int64_t first, int64_t len, int64_t head_dim, float scale, int kv_type, float *widened,
     float *scores) {
     enum { NK = 4 };
     slot_walk ahead = walk; /* KV_AHEAD keys on, never past the last: the table ends there */
-    for (int64_t p = first; p < first + KV_AHEAD && p < len; p++)
+    for (int64_t p = first; ask && p < first + KV_AHEAD && p < len; p++)
         kv_prefetch_key(k_pool, v_pool, walk_next(&ahead), head_dim, kv_type);
     for (int64_t p = first; p < len; p += NK) {
         int nk = len - p < NK ? (int)(len - p) : NK;
-        for (int c = 0; c < nk && p + c + KV_AHEAD < len; c++)
+        for (int c = 0; ask && c < nk && p + c + KV_AHEAD < len; c++)
             kv_prefetch_key(k_pool, v_pool, walk_next(&ahead), head_dim, kv_type);
         const float *k[NK];
         k[0] = kv_row(k_pool, walk_next(&walk), head_dim, kv_type, widened);
@@ -539,7 +540,7 @@ static inline __attribute__((always_inline)) void paged_decode(
                 nh = heads_in_pass(group, j, pass, most);
                 const float *qj = qg + j * head_dim;
                 float *s = scores + j * len;
-#define S_ARGS qj, k_pool, v_pool, walk, first, len, head_dim, scale, kv_type, widened, s
+#define S_ARGS qj, k_pool, v_pool, pass == 0, walk, first, len, head_dim, scale, kv_type, widened, s
                 switch (nh) { /* heads as constants: registers */
                 case 1: score_heads(1, S_ARGS); break;
                 case 2: score_heads(2, S_ARGS); break;

@@ -2,7 +2,7 @@
 
 Run: ``python -m benchmarks.gguf_engine [--gguf PATH] [--prompt 64] [--gen 32]
 [--threads 1] [--repeats 3] [--streams 1] [--llama-bench PATH]
-[--sides native,int8,fp32,dequantized]``
+[--sides native,int8,fp32,dequantized] [--versus PATH] [--clock wall|cpu]``
 
 The measurements of ``llama-bench -p P -n G -t T``, on the same file, in
 one process per side, alternating sides within each repeat (a shared
@@ -27,6 +27,14 @@ weight bytes a decode step reads divided by its time, beside this machine's
 one-core read bandwidth (``benchmarks/read_bandwidth.c``, the best of its
 measurements between rounds);
 writes JSON under ``results/``.
+
+``--versus PATH`` runs every side on a second file too (``SIDE@NAME``), in the
+same process and the same rounds, and prints each side's decode bytes per
+second on it over the first file's: tokens per second per weight byte (1.0:
+the second file's steps read their weights as fast). ``--clock cpu`` times the
+steps by this thread's CPU time instead of the wall clock: with ``--threads
+1`` every kernel runs on this thread, so what other work on a shared machine
+takes does not count.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import platform
 import random
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +77,24 @@ def _core(gguf: Path, threads: int, batch_tokens: int, side: str, streams: int) 
     return EngineCore(config, progress=lambda line: print(f"  {line}"))
 
 
-def _measure(core: EngineCore, prompts: list[list[int]], gen: int, tag: str) -> tuple[float, float]:
+def _measure(
+    core: EngineCore,
+    prompts: list[list[int]],
+    gen: int,
+    tag: str,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) of ``prompts`` added at once to an idle core."""
     params = SamplingParams(max_tokens=gen + 1, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         core.add(AddRequest(f"{tag}-{i}", prompt, params), b"bench")
     started: set[str] = set()
     tokens = decoded = 0
-    start = time.perf_counter()
+    start = clock()
     first = end = start
     while core.has_work:
         outputs = core.step()
-        now = time.perf_counter()
+        now = clock()
         step_tokens = sum(len(out.token_ids) for _, out in outputs)
         tokens += step_tokens
         if len(started) == len(prompts):
@@ -141,6 +156,8 @@ def main() -> int:
     parser.add_argument(
         "--sides", default=",".join(_SIDES), help=f"tserve's sides, of {', '.join(_SIDES)}"
     )
+    parser.add_argument("--versus", type=Path, default=None, help="a second GGUF, every side")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = parser.parse_args()
     sides = [side for side in args.sides.split(",") if side]
     if not sides or any(side not in _SIDES for side in sides):
@@ -154,7 +171,14 @@ def main() -> int:
     cores = {
         side: _core(gguf, args.threads, args.batch_tokens, side, args.streams) for side in sides
     }
-    vocab = cores[sides[0]].vocab_size
+    versus = {}
+    if args.versus is not None:
+        other = args.versus.resolve()
+        versus = {f"{side}@{other.stem}": side for side in sides}
+        for name, side in versus.items():
+            cores[name] = _core(other, args.threads, args.batch_tokens, side, args.streams)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    vocab = min(core.vocab_size for core in cores.values())
     bandwidth = _read_bandwidth()
     rng = random.Random(0)
     best: dict[str, list[float]] = {}
@@ -164,7 +188,7 @@ def main() -> int:
             prompts = [
                 [rng.randrange(vocab) for _ in range(args.prompt)] for _ in range(args.streams)
             ]
-            rates = _measure(core, prompts, args.gen, f"{side}-{repeat}")
+            rates = _measure(core, prompts, args.gen, f"{side}-{repeat}", clock)
             if repeat:
                 runs.append(
                     {"side": side, "repeat": repeat, "prefill": rates[0], "decode": rates[1]}
@@ -205,8 +229,14 @@ def main() -> int:
                 )
         fraction = step_bytes[side] * best[side][1] / bandwidth
         print(f"{side}: decode reads weights at {fraction:.2f} x one core's read bandwidth")
+    for name, side in versus.items():
+        per_byte = step_bytes[name] * best[name][1] / (step_bytes[side] * best[side][1])
+        ratios[f"{name}/{side}"] = {"decode_per_weight_byte": per_byte}
+        print(f"{name} / {side}: decode tok/s per weight byte {per_byte:.2f}")
     meta = {
         "gguf": str(gguf),
+        "versus": str(args.versus) if args.versus else None,
+        "clock": args.clock,
         "prompt": args.prompt,
         "gen": args.gen,
         "threads": args.threads,

@@ -122,12 +122,13 @@ def test_int8_activations_are_the_product_with_the_rounded_activations(
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *kquant_blocks.FORMATS])
-@pytest.mark.parametrize("rows", [1, 4, 8, 11])
+@pytest.mark.parametrize("rows", [1, 4, 11, 12, 19, 31, 32, 35])
 def test_a_panel_gives_the_same_outputs_beside_another(
     kernels: QuantKernels, fmt: str, rows: int
 ) -> None:
-    """From 4 rows of x, AVX-512 runs two adjacent panels in one pass of 512-bit
-    registers and a last odd panel alone: W's first 8 rows give bitwise the same outputs whether
+    """From 12 rows of x (the K-quants from 32), AVX-512 runs two adjacent panels in one
+    pass of 512-bit registers and a last odd panel alone (below, every panel alone):
+    W's first 8 rows give bitwise the same outputs whether
     they are a weight of their own (one panel) or the first of 16 (a pair), and
     so do its next 8 (the second of a pair, then a panel alone)."""
     k = _k(fmt, 6 if fmt in _GGUF_QUANTIZED else 2)

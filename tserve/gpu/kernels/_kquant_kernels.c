@@ -676,8 +676,8 @@ AVX512 INLINE __m512i madd_vnni_512(__m512i acc, __m512i a, __m512i b) {
         for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * psb;                                             \
-            prefetch_ahead(src, psb);                                                         \
-            if (twin) prefetch_ahead(src + twin, psb);                                        \
+            if (twin) prefetch_pair(src, b * psb, psb, twin);                                 \
+            else prefetch_ahead(src, psb);                                                    \
             __m##W##i isum[INT8_TILE_ROWS], imin[INT8_TILE_ROWS];                             \
             for (int r = 0; r < rows; r++) isum[r] = imin[r] = _mm##W##_setzero_si##W();      \
             for (int g = 0; g < GROUPS; g++) {                                                \
@@ -921,12 +921,12 @@ static void kpanel_tile(const void *sweep, const uint8_t *panel, int64_t twin, i
 
 /* y[M, N] = x W^T for W [N, k] packed by tserve_kpack and fp32 x [M, k] (M >= 1),
  * quantized per super-block (quantize_q8k) into a scratch copy; the panels (from
- * PAIR_MIN_ROWS rows of x on AVX-512, pairs of them) swept as tserve_qlinear_int8's
+ * KPAIR_MIN_ROWS rows of x on AVX-512, pairs of them) swept as tserve_qlinear_int8's
  * are. Returns 0, or -1 when the scratch cannot be allocated (y untouched). */
 int tserve_kqlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,
                          const float *x, int64_t m, float *y) {
     int64_t nb = k / QK, supers = m * nb;
-    kpanel_fn fast = fast_kpanel(isa, fmt), pair = m >= PAIR_MIN_ROWS ? fast_kpair(isa, fmt) : 0;
+    kpanel_fn fast = fast_kpanel(isa, fmt), pair = m >= KPAIR_MIN_ROWS ? fast_kpair(isa, fmt) : 0;
     int8_t *xq = scratch(m * k + supers * (int64_t)(sizeof(float) + SUMS * sizeof(int16_t)));
     if (!xq) return -1;
     float *xd = (float *)(xq + m * k); /* m * k: a multiple of 256 */

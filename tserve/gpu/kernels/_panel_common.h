@@ -18,7 +18,16 @@
 #define PANEL 8         /* rows of W per panel */
 #define GROUP 4         /* bytes of a row per 32-bit lane */
 #define GROUP_BYTES (GROUP * PANEL) /* one group of every row of a panel */
-#define PAIR_MIN_ROWS 4 /* rows of x from which AVX-512 takes two panels at a time */
+/* Rows of x from which AVX-512 takes two panels at a time (the block formats;
+ * the K-quants). Below, a pair's 512-bit loads and lane inserts cost more than
+ * its wider products save, and the product waits on W from memory: a decode
+ * step of the Q4_1 SmolLM2 at 4 streams ran 1.4 times as fast on single panels
+ * (Zen 4, weights read from memory). Per product from memory, single panels
+ * against pairs: block formats even at 8 rows, pairs ahead from 10; K-quants
+ * single 1.1 to 1.9 times as fast up to 16 rows, even at 32, pairs 4 to 6 %
+ * ahead at 64. */
+#define PAIR_MIN_ROWS 12
+#define KPAIR_MIN_ROWS 32
 
 /* Where byte j of row i's quants lies in a packed block's quants (a K-quant's
  * group's nibbles likewise). */

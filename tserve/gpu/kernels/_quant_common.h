@@ -112,6 +112,18 @@ AVX2 INLINE void prefetch_ahead(const uint8_t *block, int64_t bytes) {
         _mm_prefetch((const char *)block + PREFETCH_BYTES + line, _MM_HINT_T0);
 }
 
+/* prefetch_ahead for a pair of panels read side by side (src at `offset` bytes
+ * into the first, src + twin as far into the second; the next pair follows the
+ * second). The second stream runs on into the next pair's first panel; the
+ * first one, past its end, would ask for the second panel that its twin reads
+ * already, so it asks for the next pair's second panel instead: each pair then
+ * starts with both panels on their way from memory. */
+AVX2 INLINE void prefetch_pair(const uint8_t *src, int64_t offset, int64_t bytes, int64_t twin) {
+    const uint8_t *first = offset + PREFETCH_BYTES < twin ? src : src + 2 * twin;
+    prefetch_ahead(first, bytes);
+    prefetch_ahead(src + twin, bytes);
+}
+
 AVX2 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

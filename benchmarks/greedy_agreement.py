@@ -3,13 +3,15 @@ beside how often two other engines on the same weights agree.
 
 Run: ``python -m benchmarks.greedy_agreement --llama-server PATH [--gguf PATH]
 [--tokens 32] [--threads 1] [--engines tserve,tserve-fp32,llama-server,transformers]
-[--llama-server-b PATH] [--tserve-options "..."]``
+[--llama-server-b PATH] [--tserve-options "..."] [--prompts 24]``
 
 Every engine gets the same prompt ids: llama-server's ``/tokenize`` of each
-of :data:`PROMPTS`, with the BOS token first where the file asks for one
-(tserve's ``/tokenize`` must give the same ids). Each engine completes each prompt
-greedily for up to ``--tokens`` tokens, stopping at an end-of-generation
-token as it would when serving. Engines:
+of :func:`prompt_set`'s ``--prompts`` texts (:data:`PROMPTS`, then the
+openings of lines of ``benchmarks/sonnet.txt``), with the BOS token first
+where the file asks for one (tserve's ``/tokenize`` must give the same
+ids). Each engine completes each prompt greedily for up to ``--tokens``
+tokens, stopping at an end-of-generation token as it would when serving.
+Engines:
 
 * ``tserve``: ``python -m tserve serve FILE --threads T`` as a user runs it
   (``/v1/completions``, ``temperature`` 0);
@@ -33,13 +35,18 @@ identical, and the mean number of leading tokens the two completions share.
 Greedy decoding amplifies the smallest difference in logits once two
 candidates are near-tied, so even two exact implementations of the same
 weights part on some prompts; the pairs without tserve say how often.
-Prints the table; writes JSON (every completion too) under ``results/``.
+With ``--llama-server-b``, each tserve engine's agreement with llama-server
+is set beside the two builds' own, prompt by prompt: the prompts where only
+one of the two pairs agrees, and the two-sided sign test's p-value over them
+(how likely a split at least as uneven is if both pairs agree equally often).
+Prints the tables; writes JSON (every completion too) under ``results/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import shlex
 import socket
 import subprocess
@@ -90,6 +97,30 @@ PROMPTS: tuple[str, ...] = (
 """English facts, stories, code, lists, arithmetic and a question; French,
 German, Spanish, Japanese, Chinese and Russian."""
 
+_SONNET = Path(__file__).with_name("sonnet.txt")
+
+
+def prompt_set(count: int) -> list[str]:
+    """:data:`PROMPTS`, then (past their 24) the first 4 to 8 words of lines of
+    the sonnets, spread evenly over the file: always the same ``count`` texts."""
+    prompts = list(PROMPTS[:count])
+    lines = [line.split() for line in _SONNET.read_text().splitlines() if len(line.split()) >= 8]
+    more = count - len(prompts)
+    if more > len(lines):
+        raise SystemExit(f"--prompts: at most {len(PROMPTS) + len(lines)}")
+    for i in range(more):
+        words = lines[i * len(lines) // more] if more else []
+        prompts.append(" ".join(words[: 4 + i % 5]))
+    return prompts
+
+
+def sign_test(only_a: int, only_b: int) -> float:
+    """The two-sided exact sign test's p-value for ``only_a`` against ``only_b``
+    discordant prompts (1.0 when there are none)."""
+    n, low = only_a + only_b, min(only_a, only_b)
+    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2**n
+    return float(min(1.0, 2 * tail))
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -99,7 +130,13 @@ def _free_port() -> int:
 
 
 def _tserve(
-    gguf: Path, threads: int, fp32: bool, ids: list[list[int]], n: int, extra: list[str]
+    gguf: Path,
+    threads: int,
+    fp32: bool,
+    prompts: list[str],
+    ids: list[list[int]],
+    n: int,
+    extra: list[str],
 ) -> list[Any]:
     """Each prompt's completion by ``python -m tserve serve`` (with ``extra`` options):
     its tokens' texts. SystemExit if its ``/tokenize`` of a prompt differs from ``ids``."""
@@ -110,7 +147,7 @@ def _tserve(
         try:
             out = []
             with httpx.Client(base_url=url, timeout=600) as client:
-                for text, prompt in zip(PROMPTS, ids, strict=True):
+                for text, prompt in zip(prompts, ids, strict=True):
                     own = client.post("/tokenize", json={"prompt": text}).raise_for_status()
                     if own.json()["tokens"] != prompt:
                         raise SystemExit(f"tserve tokenizes {text!r} as {own.json()['tokens']}")
@@ -219,8 +256,36 @@ def agreement(completions: dict[str, list[list[str]]]) -> dict[str, dict[str, fl
     return pairs
 
 
+def against_builds(completions: dict[str, list[list[str]]]) -> dict[str, dict[str, float]]:
+    """Each tserve engine's identical completions with llama-server beside the
+    two llama.cpp builds' (``llama-server-b`` present): counts, the prompts where
+    only one pair agrees, and the sign test over those."""
+    if "llama-server-b" not in completions:
+        return {}
+    llama = completions["llama-server"]
+    builds = [x == y for x, y in zip(llama, completions["llama-server-b"], strict=True)]
+    out: dict[str, dict[str, float]] = {}
+    for engine in (e for e in completions if e.startswith("tserve")):
+        ours = [x == y for x, y in zip(completions[engine], llama, strict=True)]
+        only_ours = sum(a and not b for a, b in zip(ours, builds, strict=True))
+        only_builds = sum(b and not a for a, b in zip(ours, builds, strict=True))
+        out[engine] = {
+            "prompts": len(ours),
+            "identical": sum(ours),
+            "builds_identical": sum(builds),
+            "only_this_pair": only_ours,
+            "only_the_builds": only_builds,
+            "sign_test_p": sign_test(only_ours, only_builds),
+        }
+    return out
+
+
 def _write(
-    stem: Path, meta: dict[str, Any], ids: list[list[int]], completions: dict[str, list[list[str]]]
+    stem: Path,
+    meta: dict[str, Any],
+    prompts: list[str],
+    ids: list[list[int]],
+    completions: dict[str, list[list[str]]],
 ) -> dict[str, dict[str, float]]:
     """Write ``<stem>.json`` (the agreement of the engines so far, and every
     completion); return the agreement."""
@@ -228,7 +293,8 @@ def _write(
     record = {
         "meta": meta,
         "pairs": pairs,
-        "prompts": [{"text": p, "ids": i} for p, i in zip(PROMPTS, ids, strict=True)],
+        "against_builds": against_builds(completions),
+        "prompts": [{"text": p, "ids": i} for p, i in zip(prompts, ids, strict=True)],
         "completions": completions,
     }
     write_json(stem, record)
@@ -246,7 +312,11 @@ def main() -> int:
         "--llama-server-b", type=Path, default=None, help="a second llama.cpp build, compared too"
     )
     parser.add_argument("--tserve-options", default="", help="more options for tserve serve")
+    parser.add_argument(
+        "--prompts", type=int, default=len(PROMPTS), help="how many of prompt_set's texts"
+    )
     args = parser.parse_args()
+    prompts = prompt_set(args.prompts)
     engines = [e for e in args.engines.split(",") if e]
     if "llama-server" not in engines or any(e not in _ENGINES for e in engines):
         parser.error(f"--engines: llama-server and others of {', '.join(_ENGINES)}")
@@ -274,7 +344,7 @@ def main() -> int:
             try:
                 if not ids:  # the first build's ids serve every engine
                     ids = [server.post("/tokenize", {"content": p, "add_special": True})["tokens"]
-                           for p in PROMPTS]  # fmt: skip
+                           for p in prompts]  # fmt: skip
                 completions[name] = texts(_llama(server, ids, args.tokens))
             finally:
                 server.stop()
@@ -282,6 +352,7 @@ def main() -> int:
         meta = {
             "gguf": str(gguf),
             "tokens": args.tokens,
+            "prompts": len(prompts),
             "threads": args.threads,
             "tserve_options": args.tserve_options,
             "llama_server": str(args.llama_server),
@@ -298,18 +369,27 @@ def main() -> int:
                 completions[engine] = texts(done)
             elif engine.startswith("tserve"):
                 fp32 = engine == "tserve-fp32"
-                completions[engine] = _tserve(gguf, args.threads, fp32, ids, args.tokens, extra)
+                completions[engine] = _tserve(
+                    gguf, args.threads, fp32, prompts, ids, args.tokens, extra
+                )
             else:
                 continue
             seconds[engine] = time.perf_counter() - start
             print(f"{engine}: {len(ids)} completions ({seconds[engine]:.0f} s)", flush=True)
-            _write(stem, meta, ids, completions)  # so far: a later engine may fail
-    pairs = _write(stem, meta, ids, completions)
+            _write(stem, meta, prompts, ids, completions)  # so far: a later engine may fail
+    pairs = _write(stem, meta, prompts, ids, completions)
     width = max(map(len, pairs))
     print(f"{'pair':<{width}}  identical  common prefix (tokens, of {args.tokens})")
     for pair, figures in pairs.items():
         print(
             f"{pair:<{width}}  {figures['identical']:>9.0%}  {figures['mean_common_prefix']:>6.1f}"
+        )
+    for engine, split in against_builds(completions).items():
+        print(
+            f"{engine} | llama-server identical on {split['identical']:.0f} of "
+            f"{split['prompts']:.0f}, the two builds on {split['builds_identical']:.0f}; "
+            f"only {engine}'s pair {split['only_this_pair']:.0f}, only the builds' "
+            f"{split['only_the_builds']:.0f}: sign test p = {split['sign_test_p']:.2f}"
         )
     print(f"wrote {stem.with_suffix('.json')}")
     return 0

@@ -109,7 +109,7 @@ def prompt_set(count: int) -> list[str]:
     if more > len(lines):
         raise SystemExit(f"--prompts: at most {len(PROMPTS) + len(lines)}")
     for i in range(more):
-        words = lines[i * len(lines) // more] if more else []
+        words = lines[i * len(lines) // more]
         prompts.append(" ".join(words[: 4 + i % 5]))
     return prompts
 

@@ -676,8 +676,7 @@ AVX512 INLINE __m512i madd_vnni_512(__m512i acc, __m512i a, __m512i b) {
         for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * psb;                                             \
-            if (twin) prefetch_pair(src, b * psb, psb, twin);                                 \
-            else prefetch_ahead(src, psb);                                                    \
+            prefetch_panels(src, b * psb, psb, twin);                                         \
             __m##W##i isum[INT8_TILE_ROWS], imin[INT8_TILE_ROWS];                             \
             for (int r = 0; r < rows; r++) isum[r] = imin[r] = _mm##W##_setzero_si##W();      \
             for (int g = 0; g < GROUPS; g++) {                                                \

@@ -112,13 +112,19 @@ AVX2 INLINE void prefetch_ahead(const uint8_t *block, int64_t bytes) {
         _mm_prefetch((const char *)block + PREFETCH_BYTES + line, _MM_HINT_T0);
 }
 
-/* prefetch_ahead for a pair of panels read side by side (src at `offset` bytes
- * into the first, src + twin as far into the second; the next pair follows the
- * second). The second stream runs on into the next pair's first panel; the
- * first one, past its end, would ask for the second panel that its twin reads
- * already, so it asks for the next pair's second panel instead: each pair then
- * starts with both panels on their way from memory. */
-AVX2 INLINE void prefetch_pair(const uint8_t *src, int64_t offset, int64_t bytes, int64_t twin) {
+/* prefetch_ahead for a panel, or a pair of panels read side by side (src at
+ * `offset` bytes into the first, src + twin as far into the second; the next
+ * pair follows the second; twin 0: one panel). The second stream runs on into
+ * the next pair's first panel; the first one, past its end, would ask for the
+ * second panel that its twin reads already, so it asks for the next pair's
+ * second panel instead: each pair then starts with both panels on their way
+ * from memory. */
+AVX2 INLINE void prefetch_panels(const uint8_t *src, int64_t offset, int64_t bytes,
+                                 int64_t twin) {
+    if (!twin) {
+        prefetch_ahead(src, bytes);
+        return;
+    }
     const uint8_t *first = offset + PREFETCH_BYTES < twin ? src : src + 2 * twin;
     prefetch_ahead(first, bytes);
     prefetch_ahead(src + twin, bytes);

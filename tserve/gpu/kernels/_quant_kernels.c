@@ -727,8 +727,7 @@ Q4_GROUPS(512, AVX512)
         for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm##W##_setzero_ps();             \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * pb;                                              \
-            if (twin) prefetch_pair(src, b * pb, pb, twin);                                   \
-            else prefetch_ahead(src, pb);                                                     \
+            prefetch_panels(src, b * pb, pb, twin);                                           \
             __m##W mw, dw = q4_scales_##W(fmt, src, twin, &mw);                               \
             __m##W##i lo[4], hi[4];                                                           \
             q4_groups_##W(fmt, src + quants, twin, lo, hi);                                   \
@@ -773,8 +772,7 @@ Q4_GROUPS(512, AVX512)
         for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * pb;                                              \
-            if (twin) prefetch_pair(src, b * pb, pb, twin);                                   \
-            else prefetch_ahead(src, pb);                                                     \
+            prefetch_panels(src, b * pb, pb, twin);                                           \
             __m##W dw = halves_##W(src, twin);                                                \
             __m##W##i w[8], w_sum[2] = {_mm##W##_setzero_si##W(), _mm##W##_setzero_si##W()};  \
             for (int g = 0; g < 8; g++) {                                                     \

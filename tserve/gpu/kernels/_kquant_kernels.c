@@ -631,10 +631,10 @@ static void kpanel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, 
     }
 }
 
-/* A packed K-quant kernel: (panel, twin, k, rows, x, xd, sums, y, y_stride, cols), as
- * _quant_kernels.c's panel_fn with x's sums per 16 for its sums per 32. */
-typedef void (*kpanel_fn)(const uint8_t *, int64_t, int64_t, int, const int8_t *, const float *,
-                          const int16_t *, float *, int64_t, int);
+/* A packed K-quant kernel: (panel, twin, next, k, rows, x, xd, sums, y, y_stride, cols),
+ * as _quant_kernels.c's panel_fn with x's sums per 16 for its sums per 32. */
+typedef void (*kpanel_fn)(const uint8_t *, int64_t, int64_t, int64_t, int, const int8_t *,
+                          const float *, const int16_t *, float *, int64_t, int);
 
 #if defined(__x86_64__)
 
@@ -665,7 +665,8 @@ AVX512 INLINE __m512i madd_vnni_512(__m512i acc, __m512i a, __m512i b) {
 /* A packed panel (or pair) against `rows` int8 rows of x, at W bits a vector. */
 #define K_PANEL(W, TARGET, SUFFIX)                                                            \
     TARGET INLINE void kpanel_##SUFFIX##_##W(int fmt, const uint8_t *panel, int64_t twin,    \
-                                             int64_t k, int rows, const int8_t *x,           \
+                                             int64_t next, int64_t k, int rows,              \
+                                             const int8_t *x,                                \
                                              const float *xd, const int16_t *sums, float *y, \
                                              int64_t y_stride, int cols) {                   \
         const int64_t nb = k / QK, psb = kpanel_super_bytes(fmt);                             \
@@ -676,7 +677,7 @@ AVX512 INLINE __m512i madd_vnni_512(__m512i acc, __m512i a, __m512i b) {
         for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * psb;                                             \
-            prefetch_panels(src, b * psb, psb, twin);                                         \
+            prefetch_panels(src, b * psb, psb, twin, next);                                   \
             __m##W##i isum[INT8_TILE_ROWS], imin[INT8_TILE_ROWS];                             \
             for (int r = 0; r < rows; r++) isum[r] = imin[r] = _mm##W##_setzero_si##W();      \
             for (int g = 0; g < GROUPS; g++) {                                                \
@@ -748,13 +749,17 @@ K_PANEL(512, AVX512, vnni)
 /* kpanel_<SUFFIX><W>_<FMT>: one format, width and instruction set (a kpanel_fn), the
  * tile's row count a constant in each instance: AVX2 (16 registers) tiles of
  * TILE_ROWS, VNNI (32) of INT8_TILE_ROWS. */
-#define K_TILE_avx2256(R) kpanel_avx2_256(FORMAT, panel, twin, k, R, x, xd, sums, y, y_stride, cols)
-#define K_TILE_vnni256(R) kpanel_vnni_256(FORMAT, panel, twin, k, R, x, xd, sums, y, y_stride, cols)
-#define K_TILE_vnni512(R) kpanel_vnni_512(FORMAT, panel, twin, k, R, x, xd, sums, y, y_stride, cols)
+#define K_TILE_avx2256(R)                                                                     \
+    kpanel_avx2_256(FORMAT, panel, twin, next, k, R, x, xd, sums, y, y_stride, cols)
+#define K_TILE_vnni256(R)                                                                     \
+    kpanel_vnni_256(FORMAT, panel, twin, next, k, R, x, xd, sums, y, y_stride, cols)
+#define K_TILE_vnni512(R)                                                                     \
+    kpanel_vnni_512(FORMAT, panel, twin, next, k, R, x, xd, sums, y, y_stride, cols)
 
 #define K_KERNEL(TARGET, SUFFIX, W, FMT, BY_ROWS)                                             \
     TARGET static void kpanel_##SUFFIX##W##_##FMT(const uint8_t *panel, int64_t twin,         \
-                                                  int64_t k, int rows, const int8_t *x,       \
+                                                  int64_t next, int64_t k, int rows,          \
+                                                  const int8_t *x,                            \
                                                   const float *xd, const int16_t *sums,       \
                                                   float *y, int64_t y_stride, int cols) {     \
         enum { FORMAT = FMT };                                                                \
@@ -905,15 +910,15 @@ typedef struct {
 } kpanel_sweep;
 
 /* A tile_fn: a panel (or pair) against rows r.. of x. */
-static void kpanel_tile(const void *sweep, const uint8_t *panel, int64_t twin, int64_t r,
-                        int rows, float *y, int cols) {
+static void kpanel_tile(const void *sweep, const uint8_t *panel, int64_t twin, int64_t next,
+                        int64_t r, int rows, float *y, int cols) {
     const kpanel_sweep *s = sweep;
     kpanel_fn run = twin ? s->pair : s->fast;
     const int8_t *xr = s->xq + r * s->k;
     const float *dr = s->xd + r * s->nb;
     const int16_t *sr = s->sums + r * s->nb * SUMS;
     if (run)
-        run(panel, twin, s->k, rows, xr, dr, sr, y, s->n, cols);
+        run(panel, twin, next, s->k, rows, xr, dr, sr, y, s->n, cols);
     else
         kpanel_portable(s->fmt, panel, s->k, rows, xr, dr, sr, y, s->n, cols);
 }

@@ -51,14 +51,16 @@ static inline int fifth_shift(int e) { return 2 * (e % 16 / GROUP) + e / 16; }
 
 /* A sweep's work for one tile: `rows` rows of x from row r against the panel at
  * `panel` (with twin nonzero, the pair of it and the panel `twin` bytes on), its
- * `cols` outputs of each row into y (row stride: the product's n). `sweep`: the
- * caller's own description of the product (its kernels and activations). */
-typedef void (*tile_fn)(const void *sweep, const uint8_t *panel, int64_t twin, int64_t r,
-                        int rows, float *y, int cols);
+ * `cols` outputs of each row into y (row stride: the product's n); `next`: what its
+ * pass asks memory for (prefetch_panels). `sweep`: the caller's own description of
+ * the product (its kernels and activations). */
+typedef void (*tile_fn)(const void *sweep, const uint8_t *panel, int64_t twin, int64_t next,
+                        int64_t r, int rows, float *y, int cols);
 
 /* Within a parallel region (an orphaned `omp for`): y [m, n] from W [n, *] packed in
  * panels of `panel_bytes`, taken `step` (1, or 2: pairs, a last odd one alone) at a
- * time against tiles of `tile` rows of x, CHUNK_ROWS rows at a time; shares of
+ * time against tiles of `tile` rows of x, CHUNK_ROWS rows at a time (the second
+ * tile's pass asks memory for the next panel or pair: prefetch_panels); shares of
  * SHARE_ROWS rows of W go to whichever thread is free, and each output is computed by
  * the same code whichever thread runs it. No barrier at the end: chunks write apart. */
 static inline void sweep_panels(const uint8_t *packed, int64_t n, int64_t m, int64_t panel_bytes,
@@ -75,7 +77,9 @@ static inline void sweep_panels(const uint8_t *packed, int64_t n, int64_t m, int
             int cols = n - p * PANEL < width ? (int)(n - p * PANEL) : (int)width;
             for (int64_t r = m0; r < m1; r += tile) {
                 int rows = m1 - r < tile ? (int)(m1 - r) : (int)tile;
-                run(sweep, packed + p * panel_bytes, twin, r, rows, y + r * n + p * PANEL, cols);
+                int64_t next = r == m0 ? 0 : r == m0 + tile ? step * panel_bytes : -1;
+                run(sweep, packed + p * panel_bytes, twin, next, r, rows, y + r * n + p * PANEL,
+                    cols);
             }
         }
     }

@@ -107,9 +107,13 @@ static inline int threads_for(int64_t work) {
  * fault. */
 #define PREFETCH_BYTES 2048
 
-AVX2 INLINE void prefetch_ahead(const uint8_t *block, int64_t bytes) {
+AVX2 INLINE void prefetch_lines(const uint8_t *at, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64)
-        _mm_prefetch((const char *)block + PREFETCH_BYTES + line, _MM_HINT_T0);
+        _mm_prefetch((const char *)at + line, _MM_HINT_T0);
+}
+
+AVX2 INLINE void prefetch_ahead(const uint8_t *block, int64_t bytes) {
+    prefetch_lines(block + PREFETCH_BYTES, bytes);
 }
 
 /* prefetch_ahead for a panel, or a pair of panels read side by side (src at
@@ -118,9 +122,22 @@ AVX2 INLINE void prefetch_ahead(const uint8_t *block, int64_t bytes) {
  * the next pair's first panel; the first one, past its end, would ask for the
  * second panel that its twin reads already, so it asks for the next pair's
  * second panel instead: each pair then starts with both panels on their way
- * from memory. */
+ * from memory.
+ *
+ * That is a panel's first pass over W (`next` 0): the one that reads it from
+ * memory. Where more tiles of x follow, the first pass waits on memory and the
+ * others find W in L1, so the second (`next` the bytes from this panel or pair
+ * to the next one) asks for the next one's block at the same offset: the next
+ * first pass then finds its W in cache, and the wait overlaps the work. Later
+ * passes (`next` below 0) ask for nothing. */
 AVX2 INLINE void prefetch_panels(const uint8_t *src, int64_t offset, int64_t bytes,
-                                 int64_t twin) {
+                                 int64_t twin, int64_t next) {
+    if (next) {
+        if (next < 0) return;
+        prefetch_lines(src + next, bytes);
+        if (twin) prefetch_lines(src + twin + next, bytes);
+        return;
+    }
     if (!twin) {
         prefetch_ahead(src, bytes);
         return;

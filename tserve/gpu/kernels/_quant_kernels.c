@@ -417,11 +417,12 @@ static void panel_portable(int fmt, const uint8_t *panel, int64_t k, int rows, c
 }
 
 typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, float *, int64_t);
-/* An int8 panel kernel: (panel, twin, k, rows, x, xd, xs, y, y_stride, cols). A
- * 512-bit one takes a pair of panels, the second `twin` bytes after the first,
- * and `cols` of 16 outputs; the others one panel (twin unused), `cols` of 8. */
-typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, int, const int8_t *, const float *,
-                         const float *, float *, int64_t, int);
+/* An int8 panel kernel: (panel, twin, next, k, rows, x, xd, xs, y, y_stride, cols).
+ * A 512-bit one takes a pair of panels, the second `twin` bytes after the first,
+ * and `cols` of 16 outputs; the others one panel (twin unused), `cols` of 8.
+ * `next`: what its pass asks memory for (prefetch_panels). */
+typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, int64_t, int, const int8_t *,
+                         const float *, const float *, float *, int64_t, int);
 
 /* ------------------------------------------------------------------ AVX2 */
 #if defined(__x86_64__)
@@ -608,16 +609,16 @@ Q4_GROUPS(256, AVX2)
  * meets its 4 bytes of x broadcast to every lane (maddubs), the int16 sums add
  * up (each at most 2 * 15 * 127, Q5 2 * 31 * 127: eight of them fit, Q5 four),
  * and one madd with ones leaves each row's block sum in its lane. */
-AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int rows,
-                               const int8_t *x, const float *xd, const float *xs, float *y,
-                               int64_t y_stride, int cols) {
+AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t next, int64_t k,
+                               int rows, const int8_t *x, const float *xd, const float *xs,
+                               float *y, int64_t y_stride, int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE_ROWS], acc_m[TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
-        prefetch_ahead(src, pb);
+        prefetch_panels(src, b * pb, pb, 0, next);
         __m256 mw, dw = q4_scales_256(fmt, src, 0, &mw);
         __m256i lo[4], hi[4];
         q4_groups_256(fmt, src + quants, 0, lo, hi);
@@ -646,15 +647,16 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t k, int row
 /* A Q8_0 panel against `rows` int8 rows of x: per group, |w| times x with w's
  * sign (maddubs takes one unsigned operand; a pair is at most 2 * 128 * 127, so
  * each goes to int32 by a madd with ones at once), each row's sum in its lane. */
-AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const int8_t *x,
-                               const float *xd, float *y, int64_t y_stride, int cols) {
+AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t next, int64_t k, int rows,
+                               const int8_t *x, const float *xd, float *y, int64_t y_stride,
+                               int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
-        prefetch_ahead(src, pb);
+        prefetch_panels(src, b * pb, pb, 0, next);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
         const __m256i *w = (const __m256i *)(src + 16);
         __m256i magnitude[8];
@@ -679,12 +681,13 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t k, int rows, const 
  * (panel_q8_<SUFFIX> or panel_q4_<SUFFIX>), the format and the tile's row count
  * constants in each instance. */
 #define PANEL_TILE(SUFFIX, R)                                                                 \
-    (FORMAT == Q8_0 ? panel_q8_##SUFFIX(panel, k, R, x, xd, y, y_stride, cols)                \
-                    : panel_q4_##SUFFIX(FORMAT, panel, k, R, x, xd, xs, y, y_stride, cols))
+    (FORMAT == Q8_0 ? panel_q8_##SUFFIX(panel, next, k, R, x, xd, y, y_stride, cols)          \
+                    : panel_q4_##SUFFIX(FORMAT, panel, next, k, R, x, xd, xs, y, y_stride, cols))
 
 #define PANEL_KERNEL(TARGET, SUFFIX, FMT, BY_ROWS)                                            \
-    TARGET static void panel_##SUFFIX##_##FMT(const uint8_t *panel, int64_t twin, int64_t k,  \
-                                              int rows, const int8_t *x, const float *xd,     \
+    TARGET static void panel_##SUFFIX##_##FMT(const uint8_t *panel, int64_t twin,             \
+                                              int64_t next, int64_t k, int rows,              \
+                                              const int8_t *x, const float *xd,               \
                                               const float *xs, float *y, int64_t y_stride,    \
                                               int cols) {                                     \
         enum { FORMAT = FMT };                                                                \
@@ -718,8 +721,8 @@ Q4_GROUPS(512, AVX512)
 /* A Q4_0/Q4_1/Q5_0/Q5_1 panel (or pair) against `rows` int8 rows of x
  * (panel_q4_avx2's layout and scales). */
 #define Q4_VNNI(W)                                                                            \
-    AVX512 INLINE void q4_vnni_##W(int fmt, const uint8_t *panel, int64_t twin, int64_t k,   \
-                                   int rows, const int8_t *x, const float *xd,                \
+    AVX512 INLINE void q4_vnni_##W(int fmt, const uint8_t *panel, int64_t twin, int64_t next, \
+                                   int64_t k, int rows, const int8_t *x, const float *xd,     \
                                    const float *xs, float *y, int64_t y_stride, int cols) {   \
         const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt);                            \
         const int64_t quants = panel_quants_at(fmt);                                          \
@@ -727,7 +730,7 @@ Q4_GROUPS(512, AVX512)
         for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm##W##_setzero_ps();             \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * pb;                                              \
-            prefetch_panels(src, b * pb, pb, twin);                                           \
+            prefetch_panels(src, b * pb, pb, twin, next);                                     \
             __m##W mw, dw = q4_scales_##W(fmt, src, twin, &mw);                               \
             __m##W##i lo[4], hi[4];                                                           \
             q4_groups_##W(fmt, src + quants, twin, lo, hi);                                   \
@@ -762,9 +765,9 @@ Q4_GROUPS(512, AVX512)
  * row and block: 8 vpdpbusd and 7 other vector operations, against 8 more for
  * the sign trick of AVX2 (|w| times x with w's sign). */
 #define Q8_VNNI(W)                                                                            \
-    AVX512 INLINE void q8_vnni_##W(const uint8_t *panel, int64_t twin, int64_t k, int rows,  \
-                                   const int8_t *x, const float *xd, float *y,                \
-                                   int64_t y_stride, int cols) {                              \
+    AVX512 INLINE void q8_vnni_##W(const uint8_t *panel, int64_t twin, int64_t next,          \
+                                   int64_t k, int rows, const int8_t *x, const float *xd,     \
+                                   float *y, int64_t y_stride, int cols) {                    \
         const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);                           \
         const uint8_t *xu = (const uint8_t *)x;                                               \
         const __m##W##i ones = _mm##W##_set1_epi8(1);                                         \
@@ -772,7 +775,7 @@ Q4_GROUPS(512, AVX512)
         for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * pb;                                              \
-            prefetch_panels(src, b * pb, pb, twin);                                           \
+            prefetch_panels(src, b * pb, pb, twin, next);                                     \
             __m##W dw = halves_##W(src, twin);                                                \
             __m##W##i w[8], w_sum[2] = {_mm##W##_setzero_si##W(), _mm##W##_setzero_si##W()};  \
             for (int g = 0; g < 8; g++) {                                                     \
@@ -807,14 +810,14 @@ Q8_VNNI(512)
 /* vnni<W>_<FMT>: the kernel of one format and width (a panel_fn), the tile's row
  * count a constant in each instance. */
 #define VNNI_TILE(W, R)                                                                       \
-    (FORMAT == Q8_0 ? q8_vnni_##W(panel, twin, k, R, x, xd, y, y_stride, cols)                \
-                    : q4_vnni_##W(FORMAT, panel, twin, k, R, x, xd, xs, y, y_stride, cols))
+    (FORMAT == Q8_0 ? q8_vnni_##W(panel, twin, next, k, R, x, xd, y, y_stride, cols)          \
+                    : q4_vnni_##W(FORMAT, panel, twin, next, k, R, x, xd, xs, y, y_stride, cols))
 #define VNNI_TILE_256(R) VNNI_TILE(256, R)
 #define VNNI_TILE_512(R) VNNI_TILE(512, R)
 
 #define VNNI_KERNEL(W, FMT)                                                                   \
-    AVX512 static void vnni##W##_##FMT(const uint8_t *panel, int64_t twin, int64_t k,         \
-                                       int rows, const int8_t *x, const float *xd,            \
+    AVX512 static void vnni##W##_##FMT(const uint8_t *panel, int64_t twin, int64_t next,      \
+                                       int64_t k, int rows, const int8_t *x, const float *xd, \
                                        const float *xs, float *y, int64_t y_stride,           \
                                        int cols) {                                            \
         enum { FORMAT = FMT };                                                                \
@@ -1007,13 +1010,13 @@ typedef struct {
 } block_sweep;
 
 /* A tile_fn: a panel (or pair) against rows r.. of x. */
-static void block_tile(const void *sweep, const uint8_t *panel, int64_t twin, int64_t r,
-                       int rows, float *y, int cols) {
+static void block_tile(const void *sweep, const uint8_t *panel, int64_t twin, int64_t next,
+                       int64_t r, int rows, float *y, int cols) {
     const block_sweep *s = sweep;
     panel_fn run = twin ? s->pair : s->fast;
     const float *dr = s->xd + r * s->nb, *sr = s->xs + r * s->nb;
     if (run)
-        run(panel, twin, s->k, rows, s->xin + r * s->k, dr, sr, y, s->n, cols);
+        run(panel, twin, next, s->k, rows, s->xin + r * s->k, dr, sr, y, s->n, cols);
     else
         panel_portable(s->fmt, panel, s->k, rows, s->xq + r * s->k, dr, sr, y, s->n, cols);
 }

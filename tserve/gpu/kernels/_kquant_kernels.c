@@ -693,11 +693,11 @@ AVX512 INLINE __m512i madd_vnni_512(__m512i acc, __m512i a, __m512i b) {
                         __m##W##i v = bytes_##W(group + GROUP_BYTES * t, twin);               \
                         q[t] = _mm##W##_and_si##W(h ? _mm##W##_srli_epi16(v, 4) : v, low);    \
                         if (fmt == Q5_K)                                                      \
-                            q[t] = _mm##W##_or_si##W(                                         \
-                                q[t], _mm##W##_and_si##W(FIFTH_TO_4(W, bits, 2 * t + h), high)); \
+                            q[t] = OR_MASKED_##SUFFIX##_##W(q[t], FIFTH_TO_4(W, bits, 2 * t + h), \
+                                                            high);                            \
                         else if (fmt == Q6_K)                                                 \
-                            q[t] = _mm##W##_or_si##W(                                         \
-                                q[t], _mm##W##_and_si##W(FIFTH_TO_4(W, bits, 2 * t), high));  \
+                            q[t] = OR_MASKED_##SUFFIX##_##W(q[t], FIFTH_TO_4(W, bits, 2 * t), \
+                                                            high);                            \
                     }                                                                         \
                     for (int r = 0; r < rows; r++) {                                          \
                         const int8_t *xb = x + r * k + b * QK + 32 * g + 16 * h;              \

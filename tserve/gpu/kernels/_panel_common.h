@@ -122,6 +122,12 @@ AVX2 INLINE __m256 halves_256(const uint8_t *p, int64_t twin) {
 #define x4_256 broadcast4
 #define store_256 store_panel
 
+/* q | (bits & mask), a Q5 or Q6 quant's high bits over its nibbles: two operations
+ * on AVX2, one vpternlogd with AVX-512 (VL at 256 bits; 0xF8: A | (B & C)). */
+#define OR_MASKED_avx2_256(q, bits, mask) _mm256_or_si256(q, _mm256_and_si256(bits, mask))
+#define OR_MASKED_vnni_256(q, bits, mask) _mm256_ternarylogic_epi32(q, bits, mask, 0xF8)
+#define OR_MASKED_vnni_512(q, bits, mask) _mm512_ternarylogic_epi32(q, bits, mask, 0xF8)
+
 /* bytes_256 and the rest for a pair: panel p's at `p`, its twin's `twin` bytes on. */
 AVX512 INLINE __m512i bytes_512(const uint8_t *p, int64_t twin) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),

@@ -567,10 +567,10 @@ AVX2_ROW(F32)
 /* A Q4/Q5 panel block's quants as 32 bytes per group and panel, a row per 32-bit
  * lane: lo[g] elements 4g..4g+3 of each row (the low nibbles), hi[g] elements
  * 16 + 4g.. (the high ones); Q5: each with its fifth bit (the packed fifth
- * bits after the quants, a row per lane as loaded). */
-#define Q4_GROUPS(W, TARGET)                                                                  \
-    TARGET INLINE void q4_groups_##W(int fmt, const uint8_t *quants, int64_t twin,           \
-                                      __m##W##i lo[4], __m##W##i hi[4]) {                     \
+ * bits after the quants, a row per lane as loaded, merged by OR_MASKED_<ISA>). */
+#define Q4_GROUPS(W, TARGET, ISA)                                                             \
+    TARGET INLINE void q4_groups_##ISA(int fmt, const uint8_t *quants, int64_t twin,         \
+                                       __m##W##i lo[4], __m##W##i hi[4]) {                    \
         const __m##W##i low = _mm##W##_set1_epi8(0x0f);                                       \
         for (int g = 0; g < 4; g++) {                                                         \
             __m##W##i v = bytes_##W(quants + GROUP_BYTES * g, twin);                          \
@@ -581,14 +581,13 @@ AVX2_ROW(F32)
         __m##W##i bits = bytes_##W(quants + PANEL * 16, twin);                                \
         const __m##W##i fifth = _mm##W##_set1_epi8(0x10);                                     \
         for (int g = 0; g < 4; g++) {                                                         \
-            lo[g] = _mm##W##_or_si##W(lo[g], _mm##W##_and_si##W(FIFTH_TO_4(W, bits, 2 * g), fifth)); \
-            hi[g] = _mm##W##_or_si##W(hi[g],                                                  \
-                                      _mm##W##_and_si##W(FIFTH_TO_4(W, bits, 2 * g + 1), fifth)); \
+            lo[g] = OR_MASKED_##ISA(lo[g], FIFTH_TO_4(W, bits, 2 * g), fifth);                \
+            hi[g] = OR_MASKED_##ISA(hi[g], FIFTH_TO_4(W, bits, 2 * g + 1), fifth);            \
         }                                                                                     \
     }
 
 Q4_SCALES(256, AVX2)
-Q4_GROUPS(256, AVX2)
+Q4_GROUPS(256, AVX2, avx2_256)
 
 /* The offsets' term of x row r's block b (Q4_1's and Q5_1's m times the
  * block's sum of x), at W bits a vector: up to two rows into an accumulator of
@@ -605,7 +604,7 @@ Q4_GROUPS(256, AVX2)
     } while (0)
 
 /* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x. Per block: four
- * 32-byte loads hold the eight rows' nibbles (q4_groups_256); per x row, each group
+ * 32-byte loads hold the eight rows' nibbles (q4_groups_avx2_256); per x row, each group
  * meets its 4 bytes of x broadcast to every lane (maddubs), the int16 sums add
  * up (each at most 2 * 15 * 127, Q5 2 * 31 * 127: eight of them fit, Q5 four),
  * and one madd with ones leaves each row's block sum in its lane. */
@@ -621,7 +620,7 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t next, int6
         prefetch_panels(src, b * pb, pb, 0, next);
         __m256 mw, dw = q4_scales_256(fmt, src, 0, &mw);
         __m256i lo[4], hi[4];
-        q4_groups_256(fmt, src + quants, 0, lo, hi);
+        q4_groups_avx2_256(fmt, src + quants, 0, lo, hi);
         for (int r = 0; r < rows; r++) {
             const int8_t *xb = x + r * k + b * BLOCK;
             __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], broadcast4(xb)),
@@ -716,7 +715,8 @@ PANEL_KERNEL(AVX2, avx2, Q8_0, BY_TILE_ROWS)
  * is bitwise the same. */
 
 Q4_SCALES(512, AVX512)
-Q4_GROUPS(512, AVX512)
+Q4_GROUPS(256, AVX512, vnni_256)
+Q4_GROUPS(512, AVX512, vnni_512)
 
 /* A Q4_0/Q4_1/Q5_0/Q5_1 panel (or pair) against `rows` int8 rows of x
  * (panel_q4_avx2's layout and scales). */
@@ -733,7 +733,7 @@ Q4_GROUPS(512, AVX512)
             prefetch_panels(src, b * pb, pb, twin, next);                                     \
             __m##W mw, dw = q4_scales_##W(fmt, src, twin, &mw);                               \
             __m##W##i lo[4], hi[4];                                                           \
-            q4_groups_##W(fmt, src + quants, twin, lo, hi);                                   \
+            q4_groups_vnni_##W(fmt, src + quants, twin, lo, hi);                              \
             for (int r = 0; r < rows; r++) {                                                  \
                 const int8_t *xb = x + r * k + b * BLOCK;                                     \
                 __m##W##i d[4];                                                               \

@@ -3,8 +3,8 @@
  * y[M, N] = x[M, K] W^T, W one row per output feature in one of GGML's
  * formats (codes are GGML's type ids). Every weight byte is read once per
  * call whatever M is: a few hundred bytes of W stay in L1 while tiles of up
- * to TILE_ROWS rows of x (INT8_TILE_ROWS for the AVX-512 VNNI panels, which
- * have 32 registers) run over them in turn, CHUNK_ROWS rows of x at a time.
+ * to TILE_ROWS rows of x (INT8_TILE_ROWS or PANEL_TILE_ROWS for the AVX-512
+ * VNNI panels, which have 32 registers) run over them in turn, CHUNK_ROWS rows of x at a time.
  *
  * Two activation paths:
  *
@@ -706,13 +706,33 @@ PANEL_KERNEL(AVX2, avx2, Q8_0, BY_TILE_ROWS)
  * The packed panels of the block formats with vpdpbusd (u8 x s8, four
  * products summed into each int32): the AVX2 kernels' loop, each maddubs and
  * madd pair one instruction, the sums in four independent chains, and tiles
- * of INT8_TILE_ROWS rows of x (the quants unpacked once per tile). The same
+ * of PANEL_TILE_ROWS rows of x (pairs: INT8_TILE_ROWS; the quants unpacked
+ * once per tile). The same
  * products as the AVX2 kernels', exact in integers. Each kernel is written
  * once and built at two widths: 256-bit registers take one panel, 512-bit
  * ones a pair (two adjacent panels, 16 rows of W), so that every unpacking,
  * vpdpbusd and float step serves 16 outputs. Each lane sees the same integer
  * sums and float operations in the same order at either width: every output
  * is bitwise the same. */
+
+/* Rows of x in a tile of the single-panel (256-bit) kernels: below PAIR_MIN_ROWS
+ * every row of x fits one tile, so W is unpacked once per block, and no lone
+ * row makes a pass of its own, its products waiting on one chain. 9 rows of the
+ * Q4_1 SmolLM2's shapes from memory took 6.0 ms against 7.1 in tiles of 8 + 1
+ * (Zen 4); the accumulators, the unpacked quants and the sums' chains still fit
+ * the 32 registers. Pairs keep INT8_TILE_ROWS: their tiles of 12 measured no
+ * faster at 12 and 16 rows. */
+#define PANEL_TILE_ROWS 12
+
+/* CALL(R) for a tile of `rows` rows (1..PANEL_TILE_ROWS), R a constant in each branch. */
+#define BY_PANEL_TILE_ROWS(rows, CALL)                                                        \
+    switch (rows) {                                                                           \
+    case 12: CALL(12); break;                                                                 \
+    case 11: CALL(11); break;                                                                 \
+    case 10: CALL(10); break;                                                                 \
+    case 9: CALL(9); break;                                                                   \
+    default: BY_INT8_TILE_ROWS(rows, CALL);                                                   \
+    }
 
 Q4_SCALES(512, AVX512)
 Q4_GROUPS(256, AVX512, vnni_256)
@@ -726,7 +746,7 @@ Q4_GROUPS(512, AVX512, vnni_512)
                                    const float *xs, float *y, int64_t y_stride, int cols) {   \
         const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt);                            \
         const int64_t quants = panel_quants_at(fmt);                                          \
-        __m##W acc[INT8_TILE_ROWS], acc_m[INT8_TILE_ROWS];                                    \
+        __m##W acc[PANEL_TILE_ROWS], acc_m[PANEL_TILE_ROWS];                                  \
         for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm##W##_setzero_ps();             \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * pb;                                              \
@@ -771,7 +791,7 @@ Q4_GROUPS(512, AVX512, vnni_512)
         const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);                           \
         const uint8_t *xu = (const uint8_t *)x;                                               \
         const __m##W##i ones = _mm##W##_set1_epi8(1);                                         \
-        __m##W acc[INT8_TILE_ROWS];                                                           \
+        __m##W acc[PANEL_TILE_ROWS];                                                          \
         for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * pb;                                              \
@@ -815,26 +835,26 @@ Q8_VNNI(512)
 #define VNNI_TILE_256(R) VNNI_TILE(256, R)
 #define VNNI_TILE_512(R) VNNI_TILE(512, R)
 
-#define VNNI_KERNEL(W, FMT)                                                                   \
+#define VNNI_KERNEL(W, FMT, BY_ROWS)                                                          \
     AVX512 static void vnni##W##_##FMT(const uint8_t *panel, int64_t twin, int64_t next,      \
                                        int64_t k, int rows, const int8_t *x, const float *xd, \
                                        const float *xs, float *y, int64_t y_stride,           \
                                        int cols) {                                            \
         enum { FORMAT = FMT };                                                                \
         (void)xs;                                                                             \
-        BY_INT8_TILE_ROWS(rows, VNNI_TILE_##W)                                                \
+        BY_ROWS(rows, VNNI_TILE_##W)                                                          \
     }
 
-VNNI_KERNEL(256, Q4_0)
-VNNI_KERNEL(256, Q4_1)
-VNNI_KERNEL(256, Q5_0)
-VNNI_KERNEL(256, Q5_1)
-VNNI_KERNEL(256, Q8_0)
-VNNI_KERNEL(512, Q4_0)
-VNNI_KERNEL(512, Q4_1)
-VNNI_KERNEL(512, Q5_0)
-VNNI_KERNEL(512, Q5_1)
-VNNI_KERNEL(512, Q8_0)
+VNNI_KERNEL(256, Q4_0, BY_PANEL_TILE_ROWS)
+VNNI_KERNEL(256, Q4_1, BY_PANEL_TILE_ROWS)
+VNNI_KERNEL(256, Q5_0, BY_PANEL_TILE_ROWS)
+VNNI_KERNEL(256, Q5_1, BY_PANEL_TILE_ROWS)
+VNNI_KERNEL(256, Q8_0, BY_PANEL_TILE_ROWS)
+VNNI_KERNEL(512, Q4_0, BY_INT8_TILE_ROWS)
+VNNI_KERNEL(512, Q4_1, BY_INT8_TILE_ROWS)
+VNNI_KERNEL(512, Q5_0, BY_INT8_TILE_ROWS)
+VNNI_KERNEL(512, Q5_1, BY_INT8_TILE_ROWS)
+VNNI_KERNEL(512, Q8_0, BY_INT8_TILE_ROWS)
 
 /* ------------------------------------------------------------------ AVX-512, fp32 activations
  *
@@ -1049,7 +1069,8 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
                 for (int64_t j = 0; j < k; j++) xin[r * k + j] = (int8_t)(xq[r * k + j] ^ 0x80);
         }
         sweep_panels(packed, n, m, nb * panel_block_bytes(fmt), pair ? 2 : 1,
-                     wide ? INT8_TILE_ROWS : TILE_ROWS, y, block_tile, &sweep);
+                     !wide ? TILE_ROWS : pair ? INT8_TILE_ROWS : PANEL_TILE_ROWS, y, block_tile,
+                     &sweep);
     }
     free(scales);
     return 0;

@@ -28,8 +28,17 @@ from tests.gpu.quant_products import (
 )
 from tserve.gpu.forward._quant import QuantKernels
 
-_SHAPES = [(1, 1, 256), (1, 33, 768), (5, 7, 512), (13, 40, 256), (67, 9, 512), (130, 3, 256)]
-"""(rows, n, k): one row, a partial tile, more rows than a tile (4) and a chunk (64)."""
+_SHAPES = [
+    (1, 1, 256),
+    (1, 33, 768),
+    (5, 7, 512),
+    (11, 17, 512),
+    (13, 40, 256),
+    (67, 9, 512),
+    (130, 3, 256),
+]
+"""(rows, n, k): one row, a partial tile, more rows than a tile (4; 8), the widest
+single-panel tile (AVX-512 below 12 rows), a chunk (64)."""
 
 
 @pytest.fixture(scope="module")

@@ -673,12 +673,12 @@ AVX512 INLINE __m512i madd_vnni_512(__m512i acc, __m512i a, __m512i b) {
         const int64_t head = kpanel_head(fmt), gb = kpanel_group_bytes(fmt);                  \
         const __m##W##i low = _mm##W##_set1_epi8(0x0f);                                       \
         const __m##W##i high = _mm##W##_set1_epi8(fmt == Q6_K ? 0x30 : 0x10);                 \
-        __m##W acc[INT8_TILE_ROWS];                                                           \
+        __m##W acc[PANEL_TILE_ROWS];                                                          \
         for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * psb;                                             \
             prefetch_panels(src, b * psb, psb, twin, next);                                   \
-            __m##W##i isum[INT8_TILE_ROWS], imin[INT8_TILE_ROWS];                             \
+            __m##W##i isum[PANEL_TILE_ROWS], imin[PANEL_TILE_ROWS];                           \
             for (int r = 0; r < rows; r++) isum[r] = imin[r] = _mm##W##_setzero_si##W();      \
             for (int g = 0; g < GROUPS; g++) {                                                \
                 const uint8_t *group = src + head + g * gb;                                   \
@@ -748,7 +748,8 @@ K_PANEL(512, AVX512, vnni)
 
 /* kpanel_<SUFFIX><W>_<FMT>: one format, width and instruction set (a kpanel_fn), the
  * tile's row count a constant in each instance: AVX2 (16 registers) tiles of
- * TILE_ROWS, VNNI (32) of INT8_TILE_ROWS. */
+ * TILE_ROWS, VNNI (32) of INT8_TILE_ROWS (single panels below PAIR_MIN_ROWS rows
+ * of x: panel_tile's). */
 #define K_TILE_avx2256(R)                                                                     \
     kpanel_avx2_256(FORMAT, panel, twin, next, k, R, x, xd, sums, y, y_stride, cols)
 #define K_TILE_vnni256(R)                                                                     \
@@ -769,9 +770,9 @@ K_PANEL(512, AVX512, vnni)
 K_KERNEL(AVX2, avx2, 256, Q4_K, BY_TILE_ROWS)
 K_KERNEL(AVX2, avx2, 256, Q5_K, BY_TILE_ROWS)
 K_KERNEL(AVX2, avx2, 256, Q6_K, BY_TILE_ROWS)
-K_KERNEL(AVX512, vnni, 256, Q4_K, BY_INT8_TILE_ROWS)
-K_KERNEL(AVX512, vnni, 256, Q5_K, BY_INT8_TILE_ROWS)
-K_KERNEL(AVX512, vnni, 256, Q6_K, BY_INT8_TILE_ROWS)
+K_KERNEL(AVX512, vnni, 256, Q4_K, BY_PANEL_TILE_ROWS)
+K_KERNEL(AVX512, vnni, 256, Q5_K, BY_PANEL_TILE_ROWS)
+K_KERNEL(AVX512, vnni, 256, Q6_K, BY_PANEL_TILE_ROWS)
 K_KERNEL(AVX512, vnni, 512, Q4_K, BY_INT8_TILE_ROWS)
 K_KERNEL(AVX512, vnni, 512, Q5_K, BY_INT8_TILE_ROWS)
 K_KERNEL(AVX512, vnni, 512, Q6_K, BY_INT8_TILE_ROWS)
@@ -937,10 +938,10 @@ int tserve_kqlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int
     int16_t *sums = (int16_t *)(xd + supers);
     quantize_q8k(isa, x, m, k, xq, xd, sums);
     kpanel_sweep sweep = {fmt, n, k, nb, fast, pair, xq, xd, sums};
+    int64_t tile = !fast || pair ? INT8_TILE_ROWS : isa < ISA_AVX512_VNNI ? TILE_ROWS : panel_tile(m);
     int threads = threads_for(n * (k / 32) * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    sweep_panels(packed, n, m, nb * kpanel_super_bytes(fmt), pair ? 2 : 1,
-                 fast && isa < ISA_AVX512_VNNI ? TILE_ROWS : INT8_TILE_ROWS, y, kpanel_tile,
+    sweep_panels(packed, n, m, nb * kpanel_super_bytes(fmt), pair ? 2 : 1, tile, y, kpanel_tile,
                  &sweep);
     free(xq);
     return 0;

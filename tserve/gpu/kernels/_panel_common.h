@@ -29,6 +29,32 @@
 #define PAIR_MIN_ROWS 12
 #define KPAIR_MIN_ROWS 32
 
+/* Rows of x in a tile of the AVX-512 single-panel kernels below PAIR_MIN_ROWS
+ * rows (from it, INT8_TILE_ROWS): every row of x in one tile, so W is unpacked
+ * once per block and no lone row makes a pass of its own, its products waiting
+ * on one chain. From memory on Zen 4, 9 rows of a Q4_1 weight of SmolLM2's
+ * shapes took 6.0 ms against 7.1 in tiles of 8 + 1, and of a Q4_K weight 5.9 to
+ * 6.3 against 6.6 to 9.5. More rows in a tile cost more than they save: the
+ * K-quants' three accumulators a row no longer fit the 32 registers (Q4_K at
+ * 16 rows in tiles of 12 + 4: 11.5 ms against 9.7 in 8 + 8), and the block
+ * formats' pairs of 12-row tiles measured no faster at 12 and 16 rows. */
+#define PANEL_TILE_ROWS 12
+
+/* The tile for a product of `rows` rows of x on a single-panel AVX-512 kernel. */
+static inline int64_t panel_tile(int64_t rows) {
+    return rows < PAIR_MIN_ROWS ? PANEL_TILE_ROWS : INT8_TILE_ROWS;
+}
+
+/* CALL(R) for a tile of `rows` rows (1..PANEL_TILE_ROWS), R a constant in each branch. */
+#define BY_PANEL_TILE_ROWS(rows, CALL)                                                        \
+    switch (rows) {                                                                           \
+    case 12: CALL(12); break;                                                                 \
+    case 11: CALL(11); break;                                                                 \
+    case 10: CALL(10); break;                                                                 \
+    case 9: CALL(9); break;                                                                   \
+    default: BY_INT8_TILE_ROWS(rows, CALL);                                                   \
+    }
+
 /* Where byte j of row i's quants lies in a packed block's quants (a K-quant's
  * group's nibbles likewise). */
 static inline int64_t panel_quant_at(int i, int j) {

@@ -706,33 +706,14 @@ PANEL_KERNEL(AVX2, avx2, Q8_0, BY_TILE_ROWS)
  * The packed panels of the block formats with vpdpbusd (u8 x s8, four
  * products summed into each int32): the AVX2 kernels' loop, each maddubs and
  * madd pair one instruction, the sums in four independent chains, and tiles
- * of PANEL_TILE_ROWS rows of x (pairs: INT8_TILE_ROWS; the quants unpacked
- * once per tile). The same
+ * of up to PANEL_TILE_ROWS rows of x (pairs: INT8_TILE_ROWS; the quants
+ * unpacked once per tile). The same
  * products as the AVX2 kernels', exact in integers. Each kernel is written
  * once and built at two widths: 256-bit registers take one panel, 512-bit
  * ones a pair (two adjacent panels, 16 rows of W), so that every unpacking,
  * vpdpbusd and float step serves 16 outputs. Each lane sees the same integer
  * sums and float operations in the same order at either width: every output
  * is bitwise the same. */
-
-/* Rows of x in a tile of the single-panel (256-bit) kernels: below PAIR_MIN_ROWS
- * every row of x fits one tile, so W is unpacked once per block, and no lone
- * row makes a pass of its own, its products waiting on one chain. 9 rows of the
- * Q4_1 SmolLM2's shapes from memory took 6.0 ms against 7.1 in tiles of 8 + 1
- * (Zen 4); the accumulators, the unpacked quants and the sums' chains still fit
- * the 32 registers. Pairs keep INT8_TILE_ROWS: their tiles of 12 measured no
- * faster at 12 and 16 rows. */
-#define PANEL_TILE_ROWS 12
-
-/* CALL(R) for a tile of `rows` rows (1..PANEL_TILE_ROWS), R a constant in each branch. */
-#define BY_PANEL_TILE_ROWS(rows, CALL)                                                        \
-    switch (rows) {                                                                           \
-    case 12: CALL(12); break;                                                                 \
-    case 11: CALL(11); break;                                                                 \
-    case 10: CALL(10); break;                                                                 \
-    case 9: CALL(9); break;                                                                   \
-    default: BY_INT8_TILE_ROWS(rows, CALL);                                                   \
-    }
 
 Q4_SCALES(512, AVX512)
 Q4_GROUPS(256, AVX512, vnni_256)
@@ -1069,7 +1050,7 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
                 for (int64_t j = 0; j < k; j++) xin[r * k + j] = (int8_t)(xq[r * k + j] ^ 0x80);
         }
         sweep_panels(packed, n, m, nb * panel_block_bytes(fmt), pair ? 2 : 1,
-                     !wide ? TILE_ROWS : pair ? INT8_TILE_ROWS : PANEL_TILE_ROWS, y, block_tile,
+                     !wide ? TILE_ROWS : pair ? INT8_TILE_ROWS : panel_tile(m), y, block_tile,
                      &sweep);
     }
     free(scales);

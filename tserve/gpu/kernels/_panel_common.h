@@ -33,11 +33,12 @@
  * rows (from it, INT8_TILE_ROWS): every row of x in one tile, so W is unpacked
  * once per block and no lone row makes a pass of its own, its products waiting
  * on one chain. From memory on Zen 4, 9 rows of a Q4_1 weight of SmolLM2's
- * shapes took 6.0 ms against 7.1 in tiles of 8 + 1, and of a Q4_K weight 5.9 to
+ * shapes took 6.0 ms against 7.1 in tiles of 8 + 1, and of a Q4_K weight 5.8 to
  * 6.3 against 6.6 to 9.5. More rows in a tile cost more than they save: the
  * K-quants' three accumulators a row no longer fit the 32 registers (Q4_K at
- * 16 rows in tiles of 12 + 4: 11.5 ms against 9.7 in 8 + 8), and the block
- * formats' pairs of 12-row tiles measured no faster at 12 and 16 rows. */
+ * 16 rows in tiles of 12 + 4: 11.2 to 11.5 ms against 9.7 to 10.9 in 8 + 8),
+ * and the block formats' pairs of 12-row tiles measured no faster at 12 and 16
+ * rows. */
 #define PANEL_TILE_ROWS 12
 
 /* The tile for a product of `rows` rows of x on a single-panel AVX-512 kernel. */

@@ -938,7 +938,7 @@ int tserve_kqlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int
     int16_t *sums = (int16_t *)(xd + supers);
     quantize_q8k(isa, x, m, k, xq, xd, sums);
     kpanel_sweep sweep = {fmt, n, k, nb, fast, pair, xq, xd, sums};
-    int64_t tile = !fast || pair ? INT8_TILE_ROWS : isa < ISA_AVX512_VNNI ? TILE_ROWS : panel_tile(m);
+    int64_t tile = !fast ? INT8_TILE_ROWS : isa < ISA_AVX512_VNNI ? TILE_ROWS : panel_tile(m);
     int threads = threads_for(n * (k / 32) * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     sweep_panels(packed, n, m, nb * kpanel_super_bytes(fmt), pair ? 2 : 1, tile, y, kpanel_tile,

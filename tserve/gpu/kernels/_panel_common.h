@@ -41,7 +41,9 @@
  * rows. */
 #define PANEL_TILE_ROWS 12
 
-/* The tile for a product of `rows` rows of x on a single-panel AVX-512 kernel. */
+/* The tile for a product of `rows` rows of x on the AVX-512 int8 kernels: below
+ * PAIR_MIN_ROWS the single panels' PANEL_TILE_ROWS, from it INT8_TILE_ROWS (the
+ * pairs', and the K-quants' single panels up to KPAIR_MIN_ROWS). */
 static inline int64_t panel_tile(int64_t rows) {
     return rows < PAIR_MIN_ROWS ? PANEL_TILE_ROWS : INT8_TILE_ROWS;
 }

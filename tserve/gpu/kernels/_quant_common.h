@@ -132,8 +132,8 @@ AVX2 INLINE void prefetch_ahead(const uint8_t *block, int64_t bytes) {
  * passes (`next` below 0) ask for nothing. */
 AVX2 INLINE void prefetch_panels(const uint8_t *src, int64_t offset, int64_t bytes,
                                  int64_t twin, int64_t next) {
-    if (next) {
-        if (next < 0) return;
+    if (next < 0) return;
+    if (next > 0) {
         prefetch_lines(src + next, bytes);
         if (twin) prefetch_lines(src + twin + next, bytes);
         return;

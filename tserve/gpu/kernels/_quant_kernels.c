@@ -3,8 +3,8 @@
  * y[M, N] = x[M, K] W^T, W one row per output feature in one of GGML's
  * formats (codes are GGML's type ids). Every weight byte is read once per
  * call whatever M is: a few hundred bytes of W stay in L1 while tiles of up
- * to TILE_ROWS rows of x (INT8_TILE_ROWS or PANEL_TILE_ROWS for the AVX-512
- * VNNI panels, which have 32 registers) run over them in turn, CHUNK_ROWS rows of x at a time.
+ * to TILE_ROWS rows of x (panel_tile's for the AVX-512 VNNI panels, which
+ * have 32 registers) run over them in turn, CHUNK_ROWS rows of x at a time.
  *
  * Two activation paths:
  *
@@ -706,8 +706,7 @@ PANEL_KERNEL(AVX2, avx2, Q8_0, BY_TILE_ROWS)
  * The packed panels of the block formats with vpdpbusd (u8 x s8, four
  * products summed into each int32): the AVX2 kernels' loop, each maddubs and
  * madd pair one instruction, the sums in four independent chains, and tiles
- * of up to PANEL_TILE_ROWS rows of x (pairs: INT8_TILE_ROWS; the quants
- * unpacked once per tile). The same
+ * of panel_tile's rows of x (the quants unpacked once per tile). The same
  * products as the AVX2 kernels', exact in integers. Each kernel is written
  * once and built at two widths: 256-bit registers take one panel, 512-bit
  * ones a pair (two adjacent panels, 16 rows of W), so that every unpacking,
@@ -1050,8 +1049,7 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
                 for (int64_t j = 0; j < k; j++) xin[r * k + j] = (int8_t)(xq[r * k + j] ^ 0x80);
         }
         sweep_panels(packed, n, m, nb * panel_block_bytes(fmt), pair ? 2 : 1,
-                     !wide ? TILE_ROWS : pair ? INT8_TILE_ROWS : panel_tile(m), y, block_tile,
-                     &sweep);
+                     wide ? panel_tile(m) : TILE_ROWS, y, block_tile, &sweep);
     }
     free(scales);
     return 0;

@@ -1087,6 +1087,9 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     float *xd = scales, *xs = scales + m * nb;
     int8_t *xq = (int8_t *)(scales + 2 * m * nb), *xin = x_bytes ? xq + m * k : xq;
     block_sweep sweep = {fmt, n, k, nb, fast, pair, xq, xin, k * (x_bytes ? x_bytes : 1), xd, xs};
+    /* rows of x a tile: VNNI's panel_tile; AVX2's Q8_0 4 (two sums a row), Q4/Q5 8 (half
+     * blocks); the portable panel any */
+    int64_t tile = wide ? panel_tile(m) : int16_x ? TILE_ROWS : INT8_TILE_ROWS;
     int threads = threads_for(n * nb * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -1101,9 +1104,8 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
                     memcpy(xin + 2 * (r * k + j), &wide_value, sizeof wide_value);
                 }
         }
-        sweep_panels(packed, n, m, nb * panel_block_bytes(fmt), pair ? 2 : 1,
-                     wide ? panel_tile(m) : int16_x ? TILE_ROWS : INT8_TILE_ROWS, y, block_tile,
-                     &sweep);
+        sweep_panels(packed, n, m, nb * panel_block_bytes(fmt), pair ? 2 : 1, tile, y,
+                     block_tile, &sweep);
     }
     free(scales);
     return 0;

@@ -565,29 +565,33 @@ AVX2_ROW(F32)
         return dw;                                                                            \
     }
 
-/* A Q4/Q5 panel block's quants as 32 bytes per group and panel, a row per 32-bit
- * lane: lo[g] elements 4g..4g+3 of each row (the low nibbles), hi[g] elements
- * 16 + 4g.. (the high ones); Q5: each with its fifth bit (the packed fifth
- * bits after the quants, a row per lane as loaded, merged by OR_MASKED_<ISA>). */
+/* Half h of a Q4/Q5 panel block's quants as 32 bytes per group and panel, a row per
+ * 32-bit lane: q[g] elements 16h + 4g..16h + 4g + 3 of each row (h = 0 the low
+ * nibbles, 1 the high ones); Q5: each with its fifth bit (the packed fifth bits
+ * after the quants, a row per lane as loaded, merged by OR_MASKED_<ISA>).
+ * q4_groups_<ISA>: both halves, lo and hi. */
 #define Q4_GROUPS(W, TARGET, ISA)                                                             \
-    TARGET INLINE void q4_groups_##ISA(int fmt, const uint8_t *quants, int64_t twin,         \
-                                       __m##W##i lo[4], __m##W##i hi[4]) {                    \
+    TARGET INLINE void q4_half_##ISA(int fmt, const uint8_t *quants, int64_t twin, int h,     \
+                                     __m##W##i q[4]) {                                        \
         const __m##W##i low = _mm##W##_set1_epi8(0x0f);                                       \
         for (int g = 0; g < 4; g++) {                                                         \
             __m##W##i v = bytes_##W(quants + GROUP_BYTES * g, twin);                          \
-            lo[g] = _mm##W##_and_si##W(v, low);                                               \
-            hi[g] = _mm##W##_and_si##W(_mm##W##_srli_epi16(v, 4), low);                       \
+            q[g] = _mm##W##_and_si##W(h ? _mm##W##_srli_epi16(v, 4) : v, low);                \
         }                                                                                     \
         if (!is_q5(fmt)) return;                                                              \
         __m##W##i bits = bytes_##W(quants + PANEL * 16, twin);                                \
         const __m##W##i fifth = _mm##W##_set1_epi8(0x10);                                     \
-        for (int g = 0; g < 4; g++) {                                                         \
-            lo[g] = OR_MASKED_##ISA(lo[g], FIFTH_TO_4(W, bits, 2 * g), fifth);                \
-            hi[g] = OR_MASKED_##ISA(hi[g], FIFTH_TO_4(W, bits, 2 * g + 1), fifth);            \
-        }                                                                                     \
+        for (int g = 0; g < 4; g++)                                                           \
+            q[g] = OR_MASKED_##ISA(q[g], FIFTH_TO_4(W, bits, 2 * g + h), fifth);              \
+    }                                                                                         \
+    TARGET INLINE void q4_groups_##ISA(int fmt, const uint8_t *quants, int64_t twin,         \
+                                       __m##W##i lo[4], __m##W##i hi[4]) {                    \
+        q4_half_##ISA(fmt, quants, twin, 0, lo);                                              \
+        q4_half_##ISA(fmt, quants, twin, 1, hi);                                              \
     }
 
 Q4_SCALES(256, AVX2)
+Q4_GROUPS(256, AVX2, avx2_256)
 
 /* The offsets' term of x row r's block b (Q4_1's and Q5_1's m times the
  * block's sum of x), at W bits a vector: up to two rows into an accumulator of
@@ -607,26 +611,11 @@ Q4_SCALES(256, AVX2)
  * into a tree and keeps every product on the stack. */
 #define ADD_EPI32_IN_PLACE(sum, v) __asm__("vpaddd %1, %0, %0" : "+x"(sum) : "x"(v))
 
-/* Half h of a Q4/Q5 panel block's quants: q[g] elements 16h + 4g.. of each row
- * (h = 0 the low nibbles, 1 the high), Q5 with their fifth bits. */
-AVX2 INLINE void q4_half_avx2(int fmt, const uint8_t *quants, int h, __m256i q[4]) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int g = 0; g < 4; g++) {
-        __m256i v = bytes_256(quants + GROUP_BYTES * g, 0);
-        q[g] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
-    }
-    if (!is_q5(fmt)) return;
-    __m256i bits = bytes_256(quants + PANEL * 16, 0);
-    const __m256i fifth = _mm256_set1_epi8(0x10);
-    for (int g = 0; g < 4; g++)
-        q[g] = OR_MASKED_avx2_256(q[g], FIFTH_TO_4(256, bits, 2 * g + h), fifth);
-}
-
 /* A Q4_0/Q4_1/Q5_0/Q5_1 panel against `rows` int8 rows of x, each block in two
  * halves of 16 elements, so that AVX2's 16 registers hold a half's four groups and
  * a tile of INT8_TILE_ROWS rows' block sums (a whole block's eight groups left room
  * for tiles of 4, each unpacking the quants again). Per half: four 32-byte loads
- * hold the eight W rows' nibbles (q4_half_avx2); each group meets its 4 bytes of x
+ * hold the eight W rows' nibbles (q4_half_avx2_256); each group meets its 4 bytes of x
  * broadcast to every lane (maddubs), and the four int16 sums add up (each at most
  * 2 * 31 * 127). A madd with ones widens a row's sums into its block sum: Q4's
  * eight once (they fit 16 bits), Q5's each half. The same integer sums and float
@@ -646,7 +635,7 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t next, int6
         __m256i sums[INT8_TILE_ROWS];
         for (int h = 0; h < 2; h++) {
             __m256i q[4];
-            q4_half_avx2(fmt, src + quants, h, q);
+            q4_half_avx2_256(fmt, src + quants, 0, h, q);
             for (int r = 0; r < rows; r++) {
                 const int8_t *xh = x + r * k + b * BLOCK + 16 * h;
                 __m256i part = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], broadcast4(xh)),

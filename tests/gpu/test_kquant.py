@@ -37,8 +37,8 @@ _SHAPES = [
     (67, 9, 512),
     (130, 3, 256),
 ]
-"""(rows, n, k): one row, a partial tile, more rows than a tile (4; 8), the widest
-single-panel tile (AVX-512 below 12 rows), a chunk (64)."""
+"""(rows, n, k): one row, a partial tile, more rows than a tile (AVX2 6, AVX-512 8),
+the widest single-panel tile (AVX-512 below 12 rows), a chunk (64)."""
 
 
 @pytest.fixture(scope="module")

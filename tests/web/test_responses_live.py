@@ -663,3 +663,26 @@ def test_the_codex_request_replays_as_a_well_formed_stream(long_server: Server) 
             assert item["name"] in ("exec_command", "close_agent")
             assert ("namespace" in item) == (item["name"] == "close_agent")
     openai_error(long_server.client.get(f"/v1/responses/{final['id']}"), 404)  # store: false
+
+
+def test_a_background_response_the_engine_refuses_is_failed_with_the_reason(
+    server: Server,
+) -> None:
+    """A refusal found only when the request is run (an input past the context) fails
+    the background response with that 400's message; it is not an internal error,
+    and nothing is logged as one."""
+    client = openai_client(server)
+    log_before = server.log.read_text(errors="replace")
+    queued = client.responses.create(
+        model="tiny", input="hello " * 20_000, max_output_tokens=4, background=True
+    )
+    done = client.responses.retrieve(queued.id)
+    deadline = 600  # polls, a hang guard
+    while done.status in ("queued", "in_progress") and deadline:
+        server.wait_for_metric("tserve_requests_live", 0)
+        done = client.responses.retrieve(queued.id)
+        deadline -= 1
+    assert done.status == "failed"
+    assert done.error is not None and "context length" in done.error.message
+    added = server.log.read_text(errors="replace")[len(log_before) :]
+    assert "internal error" not in added and "Traceback" not in added, added

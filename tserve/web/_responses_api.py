@@ -214,6 +214,7 @@ class Responses:
             return made[-1]
 
         status = 499
+        failure: Exception | None = None
         try:
             with running.scope:
                 async with trio.open_nursery() as watch:
@@ -222,10 +223,12 @@ class Responses:
                     try:
                         reply = await self._generation.run_chat(record, chat, tracked)
                         status = reply.status_code
-                    except InvalidRequest as exc:
-                        raise _renamed(exc, req) from None
+                    except Exception as exc:  # raised below: the nursery would wrap it
+                        failure = _renamed(exc, req) if isinstance(exc, InvalidRequest) else exc
                     finally:
                         watch.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
         except Exception as exc:
             reply_ = error_reply(exc, record.request_id)
             status = reply_.status

@@ -175,6 +175,19 @@ AVX512 INLINE __m512i x4_512(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* acc + the unsigned bytes of w times 4 signed bytes at p broadcast to every lane:
+ * one vpdpbusd with an embedded broadcast (GCC would load the broadcast in an
+ * instruction of its own, one more a group of every row of x). */
+AVX512 INLINE __m256i dpbusd_x4_256(__m256i acc, __m256i w, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+
+AVX512 INLINE __m512i dpbusd_x4_512(__m512i acc, __m512i w, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+
 /* The first `cols` of a pair's 16 sums at y. */
 AVX512 INLINE void store_512(__m512 sums, float *y, int cols) {
     __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1));

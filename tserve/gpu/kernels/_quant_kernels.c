@@ -421,9 +421,12 @@ typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, float *, in
 /* An int8 panel kernel: (panel, twin, next, k, rows, x, xd, xs, y, y_stride, cols).
  * A 512-bit one takes a pair of panels, the second `twin` bytes after the first,
  * and `cols` of 16 outputs; the others one panel (twin unused), `cols` of 8.
- * `next`: what its pass asks memory for (prefetch_panels). */
+ * `next`: what its pass asks memory for (prefetch_panels). `xs`: per block of x,
+ * what the kernel needs of its sums: the scaled sums (float) for the offsets of
+ * Q4_0/Q4_1/Q5_0/Q5_1, -128 times the integer sums (int32) for VNNI's Q8_0
+ * (q8_vnni_256), nothing for the other Q8_0 kernels. */
 typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, int64_t, int, const int8_t *,
-                         const float *, const float *, float *, int64_t, int);
+                         const float *, const void *, float *, int64_t, int);
 
 /* ------------------------------------------------------------------ AVX2 */
 #if defined(__x86_64__)
@@ -722,7 +725,7 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t next, int64_t k, in
     TARGET static void panel_##SUFFIX##_##FMT(const uint8_t *panel, int64_t twin,             \
                                               int64_t next, int64_t k, int rows,              \
                                               const int8_t *x, const float *xd,               \
-                                              const float *xs, float *y, int64_t y_stride,    \
+                                              const void *xs, float *y, int64_t y_stride,     \
                                               int cols) {                                     \
         enum { FORMAT = FMT };                                                                \
         (void)xs, (void)twin;                                                                 \
@@ -773,14 +776,12 @@ Q4_GROUPS(512, AVX512, vnni_512)
                 const int8_t *xb = x + r * k + b * BLOCK;                                     \
                 __m##W##i d[4];                                                               \
                 for (int g = 0; g < 2; g++) {                                                 \
-                    d[g] = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), lo[g],             \
-                                                 x4_##W(xb + 4 * g));                         \
-                    d[2 + g] = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), hi[g],         \
-                                                     x4_##W(xb + 16 + 4 * g));                \
+                    d[g] = dpbusd_x4_##W(_mm##W##_setzero_si##W(), lo[g], xb + 4 * g);        \
+                    d[2 + g] = dpbusd_x4_##W(_mm##W##_setzero_si##W(), hi[g], xb + 16 + 4 * g); \
                 }                                                                             \
                 for (int g = 2; g < 4; g++) {                                                 \
-                    d[g - 2] = _mm##W##_dpbusd_epi32(d[g - 2], lo[g], x4_##W(xb + 4 * g));    \
-                    d[g] = _mm##W##_dpbusd_epi32(d[g], hi[g], x4_##W(xb + 16 + 4 * g));       \
+                    d[g - 2] = dpbusd_x4_##W(d[g - 2], lo[g], xb + 4 * g);                    \
+                    d[g] = dpbusd_x4_##W(d[g], hi[g], xb + 16 + 4 * g);                       \
                 }                                                                             \
                 __m##W##i sums = _mm##W##_add_epi32(_mm##W##_add_epi32(d[0], d[1]),           \
                                                     _mm##W##_add_epi32(d[2], d[3]));          \
@@ -793,43 +794,36 @@ Q4_GROUPS(512, AVX512, vnni_512)
             store_##W(_mm##W##_add_ps(acc[r], acc_m[r]), y + r * y_stride, cols);             \
     }
 
-/* A Q8_0 panel (or pair) against `rows` rows of x given as x + 128, unsigned
- * (the caller's copy, tserve_qlinear_int8): vpdpbusd multiplies them by w as
- * it is, signed, and sum (x + 128) w - 128 sum w = sum x w, exact in int32;
- * sum w comes once per block and tile (a vpdpbusd of ones per group). Per x
- * row and block: 8 vpdpbusd and 7 other vector operations, against 8 more for
- * the sign trick of AVX2 (|w| times x with w's sign). */
+/* A Q8_0 panel (or pair) against `rows` rows of x as quantized, signed. vpdpbusd
+ * takes one operand unsigned: w + 128 (w with its sign bit flipped, once per block
+ * and tile), so that x, the signed one, is read straight from memory broadcast to
+ * every lane in the multiply-add itself. sum (w + 128) x - 128 sum x = sum w x,
+ * exact in int32; the caller gives -128 sum x per block (`x_bias`), which starts
+ * the first chain. Per x row and block: 8 vpdpbusd and 6 other vector operations. */
 #define Q8_VNNI(W)                                                                            \
     AVX512 INLINE void q8_vnni_##W(const uint8_t *panel, int64_t twin, int64_t next,          \
                                    int64_t k, int rows, const int8_t *x, const float *xd,     \
-                                   float *y, int64_t y_stride, int cols) {                    \
+                                   const int32_t *x_bias, float *y, int64_t y_stride,         \
+                                   int cols) {                                                \
         const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);                           \
-        const uint8_t *xu = (const uint8_t *)x;                                               \
-        const __m##W##i ones = _mm##W##_set1_epi8(1);                                         \
+        const __m##W##i sign = _mm##W##_set1_epi8((char)0x80);                                \
         __m##W acc[PANEL_TILE_ROWS];                                                          \
         for (int r = 0; r < rows; r++) acc[r] = _mm##W##_setzero_ps();                        \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             const uint8_t *src = panel + b * pb;                                              \
             prefetch_panels(src, b * pb, pb, twin, next);                                     \
             __m##W dw = halves_##W(src, twin);                                                \
-            __m##W##i w[8], w_sum[2] = {_mm##W##_setzero_si##W(), _mm##W##_setzero_si##W()};  \
-            for (int g = 0; g < 8; g++) {                                                     \
-                w[g] = bytes_##W(src + 16 + 32 * g, twin);                                    \
-                w_sum[g % 2] = _mm##W##_dpbusd_epi32(w_sum[g % 2], ones, w[g]);               \
-            }                                                                                 \
-            __m##W##i bias = _mm##W##_slli_epi32(_mm##W##_add_epi32(w_sum[0], w_sum[1]), 7);  \
+            __m##W##i w[8];                                                                   \
+            for (int g = 0; g < 8; g++)                                                       \
+                w[g] = _mm##W##_xor_si##W(bytes_##W(src + 16 + 32 * g, twin), sign);          \
             for (int r = 0; r < rows; r++) {                                                  \
-                const uint8_t *xb = xu + r * k + b * BLOCK;                                   \
+                const int8_t *xb = x + r * k + b * BLOCK;                                     \
                 __m##W##i d[4];                                                               \
-                for (int g = 0; g < 8; g++) {                                                 \
-                    __m##W##i xg = x4_##W((const int8_t *)xb + 4 * g);                        \
-                    d[g % 4] = _mm##W##_dpbusd_epi32(g < 4 ? _mm##W##_setzero_si##W()         \
-                                                           : d[g % 4], xg, w[g]);             \
-                }                                                                             \
-                __m##W##i sums = _mm##W##_sub_epi32(                                          \
-                    _mm##W##_add_epi32(_mm##W##_add_epi32(d[0], d[1]),                        \
-                                       _mm##W##_add_epi32(d[2], d[3])),                       \
-                    bias);                                                                    \
+                d[0] = _mm##W##_set1_epi32(x_bias[r * nb + b]);                               \
+                for (int g = 1; g < 4; g++) d[g] = _mm##W##_setzero_si##W();                  \
+                for (int g = 0; g < 8; g++) d[g % 4] = dpbusd_x4_##W(d[g % 4], w[g], xb + 4 * g); \
+                __m##W##i sums = _mm##W##_add_epi32(_mm##W##_add_epi32(d[0], d[1]),           \
+                                                    _mm##W##_add_epi32(d[2], d[3]));          \
                 __m##W scale = _mm##W##_mul_ps(dw, _mm##W##_set1_ps(xd[r * nb + b]));         \
                 acc[r] = _mm##W##_fmadd_ps(_mm##W##_cvtepi32_ps(sums), scale, acc[r]);        \
             }                                                                                 \
@@ -845,7 +839,7 @@ Q8_VNNI(512)
 /* vnni<W>_<FMT>: the kernel of one format and width (a panel_fn), the tile's row
  * count a constant in each instance. */
 #define VNNI_TILE(W, R)                                                                       \
-    (FORMAT == Q8_0 ? q8_vnni_##W(panel, twin, next, k, R, x, xd, y, y_stride, cols)          \
+    (FORMAT == Q8_0 ? q8_vnni_##W(panel, twin, next, k, R, x, xd, xs, y, y_stride, cols)      \
                     : q4_vnni_##W(FORMAT, panel, twin, next, k, R, x, xd, xs, y, y_stride, cols))
 #define VNNI_TILE_256(R) VNNI_TILE(256, R)
 #define VNNI_TILE_512(R) VNNI_TILE(512, R)
@@ -853,7 +847,7 @@ Q8_VNNI(512)
 #define VNNI_KERNEL(W, FMT, BY_ROWS)                                                          \
     AVX512 static void vnni##W##_##FMT(const uint8_t *panel, int64_t twin, int64_t next,      \
                                        int64_t k, int rows, const int8_t *x, const float *xd, \
-                                       const float *xs, float *y, int64_t y_stride,           \
+                                       const void *xs, float *y, int64_t y_stride,            \
                                        int cols) {                                            \
         enum { FORMAT = FMT };                                                                \
         (void)xs;                                                                             \
@@ -1043,6 +1037,7 @@ typedef struct {
     const int8_t *xq, *xin;   /* x rounded; as the fast kernels take it */
     int64_t x_stride;         /* bytes per row of xin */
     const float *xd, *xs;     /* per block: scales, scaled sums */
+    const int32_t *x_bias;    /* per block: -128 sum x, for the VNNI Q8_0 kernels (else NULL) */
 } block_sweep;
 
 /* A tile_fn: a panel (or pair) against rows r.. of x. */
@@ -1051,8 +1046,9 @@ static void block_tile(const void *sweep, const uint8_t *panel, int64_t twin, in
     const block_sweep *s = sweep;
     panel_fn run = twin ? s->pair : s->fast;
     const float *dr = s->xd + r * s->nb, *sr = s->xs + r * s->nb;
+    const void *sums = s->x_bias ? (const void *)(s->x_bias + r * s->nb) : (const void *)sr;
     if (run)
-        run(panel, twin, next, s->k, rows, s->xin + r * s->x_stride, dr, sr, y, s->n, cols);
+        run(panel, twin, next, s->k, rows, s->xin + r * s->x_stride, dr, sums, y, s->n, cols);
     else
         panel_portable(s->fmt, panel, s->k, rows, s->xq + r * s->k, dr, sr, y, s->n, cols);
 }
@@ -1066,16 +1062,21 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     int64_t nb = k / BLOCK;
     panel_fn fast = fast_panel(isa, fmt);
     int wide = fast && isa == ISA_AVX512_VNNI; /* 32 registers: tiles of INT8_TILE_ROWS */
-    int unsigned_x = wide && fmt == Q8_0;      /* q8_vnni_256 and _512 take x + 128 */
+    int biased_x = wide && fmt == Q8_0;        /* q8_vnni_256 and _512 take -128 sum x */
     int int16_x = fast && !wide && fmt == Q8_0; /* panel_q8_avx2 takes x widened */
     /* 512-bit registers: two panels at a time, from PAIR_MIN_ROWS rows of x */
     panel_fn pair = m >= PAIR_MIN_ROWS ? fast_pair(isa, fmt) : 0;
-    int64_t x_bytes = unsigned_x ? 1 : int16_x ? 2 : 0; /* per value of the kernels' copy */
-    float *scales = malloc((size_t)(2 * m * nb) * sizeof(float) + (size_t)(m * k) * (1 + x_bytes));
+    int64_t x_bytes = int16_x ? 2 : 0; /* per value of the kernels' copy */
+    /* xd, xs and (VNNI's Q8_0) x_bias per block, 4 bytes each; xq; the copy */
+    int64_t per_block = biased_x ? 3 : 2;
+    float *scales = malloc((size_t)(per_block * m * nb) * sizeof(float) +
+                           (size_t)(m * k) * (1 + x_bytes));
     if (!scales) return -1;
     float *xd = scales, *xs = scales + m * nb;
-    int8_t *xq = (int8_t *)(scales + 2 * m * nb), *xin = x_bytes ? xq + m * k : xq;
-    block_sweep sweep = {fmt, n, k, nb, fast, pair, xq, xin, k * (x_bytes ? x_bytes : 1), xd, xs};
+    int32_t *x_bias = biased_x ? (int32_t *)(scales + 2 * m * nb) : 0;
+    int8_t *xq = (int8_t *)(scales + per_block * m * nb), *xin = x_bytes ? xq + m * k : xq;
+    block_sweep sweep = {fmt,  n,  k,  nb, fast, pair, xq, xin, k * (x_bytes ? x_bytes : 1),
+                         xd,   xs, x_bias};
     /* rows of x a tile: VNNI's panel_tile; AVX2's Q8_0 4 (two sums a row), Q4/Q5 8 (half
      * blocks); the portable panel any */
     int64_t tile = wide ? panel_tile(m) : int16_x ? TILE_ROWS : INT8_TILE_ROWS;
@@ -1085,8 +1086,12 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
             tserve_quantize_q8(isa, x + r * k, 1, k, xq + r * k, xd + r * nb, xs + r * nb);
-            if (unsigned_x)
-                for (int64_t j = 0; j < k; j++) xin[r * k + j] = (int8_t)(xq[r * k + j] ^ 0x80);
+            if (biased_x)
+                for (int64_t b = 0; b < nb; b++) {
+                    int32_t sum = 0;
+                    for (int j = 0; j < BLOCK; j++) sum += xq[r * k + b * BLOCK + j];
+                    x_bias[r * nb + b] = -128 * sum;
+                }
             if (int16_x)
                 for (int64_t j = 0; j < k; j++) {
                     int16_t wide_value = xq[r * k + j];

@@ -337,31 +337,30 @@ static inline __attribute__((always_inline)) int64_t walk_next(slot_walk *w) {
  * fp32 keys were read at 6.1-6.4 GB/s (26 warm), 7.7-8.1 with these requests;
  * 16 of 500 to 700 keys at 6.5-6.8 and 8.4-8.8 (fp16 K/V 25-30 % faster
  * too); Gemma 3's fp32 rows (1 KiB) gained nothing, its fp16 ones 10-20 %
- * (benchmarks/decode_attention.py --cold). */
+ * (benchmarks/decode_attention.py --cold). Asked for 8 or 32 keys ahead, or
+ * 2 to 8 KiB of rows ahead, they measured alike. */
 #define KV_AHEAD 16
 
-/* Asks for every cache line of row `row` (`dim` values) of a pool of `kv_type`,
- * into L1 with `near`, else into L2: a prefetch, which neither faults nor waits. */
+/* Asks for every cache line of row `row` (`dim` values) of a pool of `kv_type`
+ * into L2: a prefetch, which neither faults nor waits. Not into L1: its few
+ * miss buffers held a key's K row (4 to 16 lines) each, and once they were
+ * full every further request waited for one of them to free, the scoring's
+ * loads behind it. Asking for K into L2 like V made the cold calls above 20 to
+ * 35 % faster (SmolLM2's 16 x 500-700 keys 1.69-1.78 -> 1.05-1.17 ms, 64 x
+ * 64-96 0.99-1.06 -> 0.71-0.87, Gemma 3's 64 x 64-96 1.58 -> 1.23). */
 static inline __attribute__((always_inline)) void kv_prefetch(const void *pool, int64_t row,
-                                                              int64_t dim, int kv_type,
-                                                              int near) {
+                                                              int64_t dim, int kv_type) {
     int64_t bytes = dim * (kv_type == KV_F32 ? (int64_t)sizeof(float) : 2);
     const char *at = (const char *)pool + row * bytes;
-    for (int64_t line = 0; line < bytes; line += 64) {
-        if (near)
-            __builtin_prefetch(at + line, 0, 3);
-        else
-            __builtin_prefetch(at + line, 0, 2);
-    }
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + line, 0, 2);
 }
 
-/* Asks for key `row`'s K row into L1 and its V row into L2 (weigh_heads reads it
- * after every score). */
+/* Asks for key `row`'s K and V rows (weigh_heads reads V after every score). */
 static inline __attribute__((always_inline)) void kv_prefetch_key(const void *k_pool,
                                                                   const void *v_pool, int64_t row,
                                                                   int64_t dim, int kv_type) {
-    kv_prefetch(k_pool, row, dim, kv_type, 1);
-    kv_prefetch(v_pool, row, dim, kv_type, 0);
+    kv_prefetch(k_pool, row, dim, kv_type);
+    kv_prefetch(v_pool, row, dim, kv_type);
 }
 
 /* scores[j * len + p] = (q_j . k_p) * scale for NH (1..4) query heads at q

@@ -422,9 +422,10 @@ typedef void (*row_fn)(const uint8_t *, int64_t, int, const float *, float *, in
  * A 512-bit one takes a pair of panels, the second `twin` bytes after the first,
  * and `cols` of 16 outputs; the others one panel (twin unused), `cols` of 8.
  * `next`: what its pass asks memory for (prefetch_panels). `xs`: per block of x,
- * what the kernel needs of its sums: the scaled sums (float) for the offsets of
- * Q4_0/Q4_1/Q5_0/Q5_1, -128 times the integer sums (int32) for VNNI's Q8_0
- * (q8_vnni_256), nothing for the other Q8_0 kernels. */
+ * what the kernel needs of its sums (x_sums_of): the scaled sums (float) for
+ * Q4_1's and Q5_1's offsets, the integer sums times minus a zero point (int32)
+ * for Q4_0 (8), Q5_0 (16) and VNNI's Q8_0 (128, q8_vnni_256), nothing for AVX2's
+ * Q8_0. */
 typedef void (*panel_fn)(const uint8_t *, int64_t, int64_t, int64_t, int, const int8_t *,
                          const float *, const void *, float *, int64_t, int);
 
@@ -600,10 +601,12 @@ Q4_GROUPS(256, AVX2, avx2_256)
  * block's sum of x), at W bits a vector: up to two rows into an accumulator of
  * its own, so that a row's two multiply-adds per block do not wait on each
  * other; from three rows on into the products' (the tile has enough chains,
- * and its accumulators stay in registers). */
+ * and its accumulators stay in registers). Q4_0's and Q5_0's offsets are in
+ * the integer sums (x_bias): nothing here. */
 #define OFFSET_TERM(W, r)                                                                     \
     do {                                                                                      \
-        __m##W x_sum = _mm##W##_set1_ps(xs[(r) * nb + b]);                                    \
+        if (!has_min(fmt)) break;                                                             \
+        __m##W x_sum = _mm##W##_set1_ps(x_sums[(r) * nb + b]);                                \
         if (rows <= 2)                                                                        \
             acc_m[r] = _mm##W##_fmadd_ps(mw, x_sum, acc_m[r]);                                \
         else                                                                                  \
@@ -626,9 +629,11 @@ Q4_GROUPS(256, AVX2, avx2_256)
  * Zen 4, Q5_0 4,096 x 640 at 16 / 64 rows: 0.589-0.607 / 2.36-2.38 ms in tiles of
  * 4, 0.562-0.565 / 2.19-2.21 ms here; Q4_0 and Q4_1 within 3 %. */
 AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t next, int64_t k,
-                               int rows, const int8_t *x, const float *xd, const float *xs,
+                               int rows, const int8_t *x, const float *xd, const void *xs,
                                float *y, int64_t y_stride, int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt), quants = panel_quants_at(fmt);
+    const float *x_sums = xs;   /* Q4_1, Q5_1 */
+    const int32_t *x_bias = xs; /* Q4_0, Q5_0 */
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[INT8_TILE_ROWS], acc_m[INT8_TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm256_setzero_ps();
@@ -651,6 +656,8 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t next, int6
                     sums[r] = _mm256_madd_epi16(part, ones);
                 else
                     ADD_EPI32_IN_PLACE(sums[r], _mm256_madd_epi16(part, ones));
+                if (h && !has_min(fmt))
+                    sums[r] = _mm256_add_epi32(sums[r], _mm256_set1_epi32(x_bias[r * nb + b]));
             }
         }
         __m256 mw, dw = q4_scales_256(fmt, src, 0, &mw);
@@ -761,8 +768,10 @@ Q4_GROUPS(512, AVX512, vnni_512)
 #define Q4_VNNI(W)                                                                            \
     AVX512 INLINE void q4_vnni_##W(int fmt, const uint8_t *panel, int64_t twin, int64_t next, \
                                    int64_t k, int rows, const int8_t *x, const float *xd,     \
-                                   const float *xs, float *y, int64_t y_stride, int cols) {   \
+                                   const void *xs, float *y, int64_t y_stride, int cols) {    \
         const int64_t nb = k / BLOCK, pb = panel_block_bytes(fmt);                            \
+        const float *x_sums = xs;   /* Q4_1, Q5_1 */                                          \
+        const int32_t *x_bias = xs; /* Q4_0, Q5_0: starts the first chain */                  \
         const int64_t quants = panel_quants_at(fmt);                                          \
         __m##W acc[PANEL_TILE_ROWS], acc_m[PANEL_TILE_ROWS];                                  \
         for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm##W##_setzero_ps();             \
@@ -776,7 +785,10 @@ Q4_GROUPS(512, AVX512, vnni_512)
                 const int8_t *xb = x + r * k + b * BLOCK;                                     \
                 __m##W##i d[4];                                                               \
                 for (int g = 0; g < 2; g++) {                                                 \
-                    d[g] = dpbusd_x4_##W(_mm##W##_setzero_si##W(), lo[g], xb + 4 * g);        \
+                    __m##W##i start = g || has_min(fmt)                                       \
+                                          ? _mm##W##_setzero_si##W()                          \
+                                          : _mm##W##_set1_epi32(x_bias[r * nb + b]);          \
+                    d[g] = dpbusd_x4_##W(start, lo[g], xb + 4 * g);                           \
                     d[2 + g] = dpbusd_x4_##W(_mm##W##_setzero_si##W(), hi[g], xb + 16 + 4 * g); \
                 }                                                                             \
                 for (int g = 2; g < 4; g++) {                                                 \
@@ -1029,6 +1041,16 @@ void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, co
     }
 }
 
+/* What the fast int8 kernels of `fmt` take of x's sums besides xs: x_bias, each
+ * block's integer sum times this (0: nothing). A zero point's offset, -zp d sum x
+ * for Q4_0 and Q5_0, is exact in the integer sums; VNNI's Q8_0 takes w + 128
+ * against x and subtracts 128 sum x likewise. Q4_1's and Q5_1's m is a float:
+ * their offsets stay in xs. */
+static int32_t x_sums_of(int fmt, int wide) {
+    if (fmt == Q4_0 || fmt == Q5_0) return -(int32_t)zero_point(fmt);
+    return fmt == Q8_0 && wide ? -128 : 0;
+}
+
 /* A product's kernels and activations, for block_tile. */
 typedef struct {
     int fmt;
@@ -1037,7 +1059,7 @@ typedef struct {
     const int8_t *xq, *xin;   /* x rounded; as the fast kernels take it */
     int64_t x_stride;         /* bytes per row of xin */
     const float *xd, *xs;     /* per block: scales, scaled sums */
-    const int32_t *x_bias;    /* per block: -128 sum x, for the VNNI Q8_0 kernels (else NULL) */
+    const int32_t *x_bias;    /* per block: x_sums_of's integer sums (else NULL) */
 } block_sweep;
 
 /* A tile_fn: a panel (or pair) against rows r.. of x. */
@@ -1062,18 +1084,18 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     int64_t nb = k / BLOCK;
     panel_fn fast = fast_panel(isa, fmt);
     int wide = fast && isa == ISA_AVX512_VNNI; /* 32 registers: tiles of INT8_TILE_ROWS */
-    int biased_x = wide && fmt == Q8_0;        /* q8_vnni_256 and _512 take -128 sum x */
+    int32_t bias_scale = fast ? x_sums_of(fmt, wide) : 0; /* the kernels' x_bias, if any */
     int int16_x = fast && !wide && fmt == Q8_0; /* panel_q8_avx2 takes x widened */
     /* 512-bit registers: two panels at a time, from PAIR_MIN_ROWS rows of x */
     panel_fn pair = m >= PAIR_MIN_ROWS ? fast_pair(isa, fmt) : 0;
     int64_t x_bytes = int16_x ? 2 : 0; /* per value of the kernels' copy */
-    /* xd, xs and (VNNI's Q8_0) x_bias per block, 4 bytes each; xq; the copy */
-    int64_t per_block = biased_x ? 3 : 2;
+    /* xd, xs and x_bias per block, 4 bytes each; xq; the copy */
+    int64_t per_block = bias_scale ? 3 : 2;
     float *scales = malloc((size_t)(per_block * m * nb) * sizeof(float) +
                            (size_t)(m * k) * (1 + x_bytes));
     if (!scales) return -1;
     float *xd = scales, *xs = scales + m * nb;
-    int32_t *x_bias = biased_x ? (int32_t *)(scales + 2 * m * nb) : 0;
+    int32_t *x_bias = bias_scale ? (int32_t *)(scales + 2 * m * nb) : 0;
     int8_t *xq = (int8_t *)(scales + per_block * m * nb), *xin = x_bytes ? xq + m * k : xq;
     block_sweep sweep = {fmt,  n,  k,  nb, fast, pair, xq, xin, k * (x_bytes ? x_bytes : 1),
                          xd,   xs, x_bias};
@@ -1086,11 +1108,11 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
             tserve_quantize_q8(isa, x + r * k, 1, k, xq + r * k, xd + r * nb, xs + r * nb);
-            if (biased_x)
+            if (bias_scale)
                 for (int64_t b = 0; b < nb; b++) {
                     int32_t sum = 0;
                     for (int j = 0; j < BLOCK; j++) sum += xq[r * k + b * BLOCK + j];
-                    x_bias[r * nb + b] = -128 * sum;
+                    x_bias[r * nb + b] = bias_scale * sum;
                 }
             if (int16_x)
                 for (int64_t j = 0; j < k; j++) {

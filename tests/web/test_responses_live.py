@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from openai.types.responses import Response
 
 from tests.web.conftest import Server, named_events, served, tiny_model_copy
 from tests.web.sdks import openai_client
@@ -500,6 +501,18 @@ def test_background_then_cancel_aborts_the_engine_request(start_server: StartSer
     assert again.status == "cancelled"
 
 
+def _settled(server: Server, client: openai.OpenAI, response_id: str) -> Response:
+    """The background response once it has left queued and in_progress: polled each
+    time the server has no request running, at most 600 times (a hang guard)."""
+    done = client.responses.retrieve(response_id)
+    polls = 600
+    while done.status in ("queued", "in_progress") and polls:
+        server.wait_for_metric("tserve_requests_live", 0)
+        done = client.responses.retrieve(response_id)
+        polls -= 1
+    return done
+
+
 def test_background_runs_to_completion_and_is_polled(server: Server) -> None:
     client = openai_client(server)
     queued = client.responses.create(
@@ -508,12 +521,7 @@ def test_background_runs_to_completion_and_is_polled(server: Server) -> None:
     assert queued.status in ("queued", "in_progress")
     whole = client.responses.create(model="tiny", input=HELLO, max_output_tokens=4, temperature=0)
     server.wait_for_metric("tserve_requests_live", 0)
-    done = client.responses.retrieve(queued.id)
-    deadline = 600  # polls, a hang guard
-    while done.status in ("queued", "in_progress") and deadline:
-        server.wait_for_metric("tserve_requests_live", 0)
-        done = client.responses.retrieve(queued.id)
-        deadline -= 1
+    done = _settled(server, client, queued.id)
     assert done.status == whole.status and done.output_text == whole.output_text
     body = {"model": "tiny", "input": "x", "background": True, "stream": True}
     assert openai_error(server.client.post("/v1/responses", json=body), 400)["param"] == "stream"
@@ -676,12 +684,7 @@ def test_a_background_response_the_engine_refuses_is_failed_with_the_reason(
     queued = client.responses.create(
         model="tiny", input="hello " * 20_000, max_output_tokens=4, background=True
     )
-    done = client.responses.retrieve(queued.id)
-    deadline = 600  # polls, a hang guard
-    while done.status in ("queued", "in_progress") and deadline:
-        server.wait_for_metric("tserve_requests_live", 0)
-        done = client.responses.retrieve(queued.id)
-        deadline -= 1
+    done = _settled(server, client, queued.id)
     assert done.status == "failed"
     assert done.error is not None and "context length" in done.error.message
     added = server.log.read_text(errors="replace")[len(log_before) :]

@@ -1,9 +1,9 @@
 /* The entry points of tserve's kernel library that another of its C files calls:
  * _cpu_kernels.c's fused steps, _attention_kernels.c's attention and the
  * products of _quant_kernels.c and _kquant_kernels.c, called by
- * _decoder_kernels.c (and tserve_quantize_q8, by _kquant_kernels.c;
- * tserve_paged_decode, by _attention_kernels.c). Included by the files that define them, so the compiler
- * checks each definition against its declaration here.
+ * _decoder_kernels.c (and tserve_paged_decode, by _attention_kernels.c). Included
+ * by the files that define them, so the compiler checks each definition against its
+ * declaration here.
  */
 #ifndef TSERVE_KERNELS_H
 #define TSERVE_KERNELS_H
@@ -38,7 +38,7 @@ int tserve_attend(int isa, const float *qkv, int64_t qkv_stride, int64_t tokens,
 
 /* _quant_kernels.c */
 void tserve_quantize_q8(int isa, const float *x, int64_t m, int64_t k, int8_t *q, float *d,
-                        float *s);
+                        float *s, int32_t *isum);
 void tserve_qlinear(int isa, int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x,
                     int64_t m, float *y);
 int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int64_t k,

@@ -119,7 +119,10 @@ static float float_at(int fmt, const uint8_t *row, int64_t j) {
 
 /* ------------------------------------------------------------------ activations to int8 */
 
-static void quantize_block_portable(const float *xb, int8_t *qb, float *d, float *s) {
+/* One block of 32: q = round(x / d) with d = max|x| / 127, s = d sum q, and sum q
+ * itself at `isum` unless NULL. */
+static void quantize_block_portable(const float *xb, int8_t *qb, float *d, float *s,
+                                    int32_t *isum) {
     float amax = 0.0f;
     for (int j = 0; j < BLOCK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
     float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -131,12 +134,14 @@ static void quantize_block_portable(const float *xb, int8_t *qb, float *d, float
     }
     *d = amax / 127.0f;
     *s = *d * (float)sum;
+    if (isum) *isum = sum;
 }
 
 #if defined(__x86_64__)
 
 /* The same numbers as quantize_block_portable (one multiply, round half to even). */
-AVX2 static void quantize_block_avx2(const float *xb, int8_t *qb, float *d, float *s) {
+AVX2 static void quantize_block_avx2(const float *xb, int8_t *qb, float *d, float *s,
+                                     int32_t *isum) {
     __m256 v[4], sign = _mm256_set1_ps(-0.0f);
     __m256 amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
@@ -165,21 +170,24 @@ AVX2 static void quantize_block_avx2(const float *xb, int8_t *qb, float *d, floa
     _mm256_storeu_si256((__m256i *)qb, packed);
     *d = top / 127.0f;
     *s = *d * (float)_mm_cvtsi128_si32(t);
+    if (isum) *isum = _mm_cvtsi128_si32(t);
 }
 #endif
 
-/* x [m, k] (k a multiple of 32) -> q [m, k] int8, d and s [m, k / 32]. */
+/* x [m, k] (k a multiple of 32) -> q [m, k] int8, d and s [m, k / 32], and the
+ * blocks' integer sums [m, k / 32] at `isum` unless NULL. */
 void tserve_quantize_q8(int isa, const float *x, int64_t m, int64_t k, int8_t *q, float *d,
-                        float *s) {
+                        float *s, int32_t *isum) {
     int64_t blocks = m * (k / BLOCK);
     for (int64_t i = 0; i < blocks; i++) {
+        int32_t *sum = isum ? isum + i : 0;
 #if defined(__x86_64__)
         if (isa >= ISA_AVX2) {
-            quantize_block_avx2(x + i * BLOCK, q + i * BLOCK, d + i, s + i);
+            quantize_block_avx2(x + i * BLOCK, q + i * BLOCK, d + i, s + i, sum);
             continue;
         }
 #endif
-        quantize_block_portable(x + i * BLOCK, q + i * BLOCK, d + i, s + i);
+        quantize_block_portable(x + i * BLOCK, q + i * BLOCK, d + i, s + i, sum);
     }
 }
 
@@ -1114,13 +1122,9 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
-            tserve_quantize_q8(isa, x + r * k, 1, k, xq + r * k, xd + r * nb, xs + r * nb);
-            if (bias_scale)
-                for (int64_t b = 0; b < nb; b++) {
-                    int32_t sum = 0;
-                    for (int j = 0; j < BLOCK; j++) sum += xq[r * k + b * BLOCK + j];
-                    x_bias[r * nb + b] = bias_scale * sum;
-                }
+            int32_t *bias = x_bias ? x_bias + r * nb : 0; /* the sums, then scaled */
+            tserve_quantize_q8(isa, x + r * k, 1, k, xq + r * k, xd + r * nb, xs + r * nb, bias);
+            for (int64_t b = 0; bias && b < nb; b++) bias[b] *= bias_scale;
             if (int16_x)
                 for (int64_t j = 0; j < k; j++) {
                     int16_t wide_value = xq[r * k + j];

@@ -280,14 +280,14 @@ def main() -> int:
     if args.ctx_size < need:
         raise SystemExit(f"--ctx-size {args.ctx_size} holds fewer than {need} tokens")
     exe = args.llama_server or ensure_llama_server(args.peer_cache)
+    setup = {
+        "llama-server": str(exe),
+        "tserve kernels": os.environ.get("TSERVE_MAX_ISA") or "the CPU's best",
+        "CPU": _cpu_model(),
+    }
     if args.long_prompts:
         ctx = max(args.long_prompts) + 16
         long_servers = _long_servers(gguf, exe, args.long_threads, ctx)
-        setup = {
-            "llama-server": str(exe),
-            "tserve kernels": os.environ.get("TSERVE_MAX_ISA") or "the CPU's best",
-            "CPU": _cpu_model(),
-        }
         long_prompt_rounds(long_servers, str(gguf), args.long_prompts, args.rounds, setup)
         return 0
     tokenizer = tokenizer_dir(gguf, default_cache_root(), print)
@@ -299,7 +299,8 @@ def main() -> int:
     rounds = run_rounds("vs_llamacpp", servers, str(gguf), tokenizer, work, pairs=pairs)
     bandwidth.append(read_bandwidth(args.bandwidth_mib))
     notes, extra = _bandwidth_notes(rounds, weights, bandwidth)
-    write_results("vs_llamacpp", rounds, notes=notes, extra={**extra, "llama_server": str(exe)})
+    notes.append("\n".join(f"* {key}: {value}" for key, value in setup.items()))
+    write_results("vs_llamacpp", rounds, notes=notes, extra={**extra, "setup": setup})
     return 0
 
 

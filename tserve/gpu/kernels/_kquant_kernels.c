@@ -754,16 +754,7 @@ K_PANEL(512, AVX512, vnni)
  * 1.668). */
 #define KAVX2_TILE_ROWS 6
 
-/* CALL(R) for a tile of `rows` rows (1..KAVX2_TILE_ROWS), R a constant in each branch. */
-#define BY_KAVX2_TILE_ROWS(rows, CALL)                                                        \
-    switch (rows) {                                                                           \
-    case 6: CALL(6); break;                                                                   \
-    case 5: CALL(5); break;                                                                   \
-    case 4: CALL(4); break;                                                                   \
-    case 3: CALL(3); break;                                                                   \
-    case 2: CALL(2); break;                                                                   \
-    default: CALL(1); break;                                                                  \
-    }
+#define BY_KAVX2_TILE_ROWS BY_SIX_ROWS /* tiles of 1..KAVX2_TILE_ROWS rows */
 
 /* kpanel_<SUFFIX><W>_<FMT>: one format, width and instruction set (a kpanel_fn), the
  * tile's row count a constant in each instance: AVX2 (16 registers) tiles of

@@ -45,23 +45,25 @@
     default: CALL(1); break;                                                                  \
     }
 
-/* Rows of x in a tile of the int8 kernels that have 32 vector registers (AVX-512
- * VNNI; the K-quants' on every x86-64 variant): a W panel's or super-block's
- * quants are unpacked once per tile, which for 4 rows cost about as much as
- * the products themselves. */
+/* Rows of x in a tile of the int8 kernels that unpack W's quants once per tile
+ * (AVX-512 VNNI's panels and K-quants; AVX2's Q4/Q5 panels, a half block at a
+ * time): unpacking for 4 rows cost about as much as the products themselves. */
 #define INT8_TILE_ROWS 8
+
+/* CALL(R) for a tile of `rows` rows (1..6), R a constant in each branch. */
+#define BY_SIX_ROWS(rows, CALL)                                                               \
+    switch (rows) {                                                                           \
+    case 6: CALL(6); break;                                                                   \
+    case 5: CALL(5); break;                                                                   \
+    default: BY_TILE_ROWS(rows, CALL);                                                        \
+    }
 
 /* CALL(R) for a tile of `rows` rows (1..INT8_TILE_ROWS), R a constant in each branch. */
 #define BY_INT8_TILE_ROWS(rows, CALL)                                                         \
     switch (rows) {                                                                           \
     case 8: CALL(8); break;                                                                   \
     case 7: CALL(7); break;                                                                   \
-    case 6: CALL(6); break;                                                                   \
-    case 5: CALL(5); break;                                                                   \
-    case 4: CALL(4); break;                                                                   \
-    case 3: CALL(3); break;                                                                   \
-    case 2: CALL(2); break;                                                                   \
-    default: CALL(1); break;                                                                  \
+    default: BY_SIX_ROWS(rows, CALL);                                                         \
     }
 
 static inline float half_to_float(uint16_t h) {

@@ -755,6 +755,7 @@ K_PANEL(512, AVX512, vnni)
 #define KAVX2_TILE_ROWS 6
 
 #define BY_KAVX2_TILE_ROWS BY_SIX_ROWS /* tiles of 1..KAVX2_TILE_ROWS rows */
+_Static_assert(KAVX2_TILE_ROWS == 6, "BY_KAVX2_TILE_ROWS dispatches tiles of 1..6 rows");
 
 /* kpanel_<SUFFIX><W>_<FMT>: one format, width and instruction set (a kpanel_fn), the
  * tile's row count a constant in each instance: AVX2 (16 registers) tiles of

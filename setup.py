@@ -17,8 +17,10 @@ setup(
                 "tserve/gpu/kernels/_kquant_kernels.c",
                 "tserve/gpu/kernels/_attention_kernels.c",
                 "tserve/gpu/kernels/_decoder_kernels.c",
+                "tserve/gpu/kernels/_sampling_kernels.c",
             ],
             depends=[
+                "tserve/gpu/kernels/_glue.h",
                 "tserve/gpu/kernels/_kernels.h",
                 "tserve/gpu/kernels/_quant_common.h",
                 "tserve/gpu/kernels/_panel_common.h",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ import torch.nn.functional as F
 from tserve.gpu.forward._step_ops import rotate
 from tserve.gpu.kernels import _cpu_kernels
 from tserve.gpu.kernels._cpu_kernels import CpuKernels, cpu_kernels
-from tserve.gpu.kernels._library import isa_cap, kernel_library
 from tserve.gpu.kernels._quant_abi import Isa
 
 KERNELS = cpu_kernels()
@@ -25,21 +23,10 @@ def kernels() -> CpuKernels:
     return KERNELS
 
 
-@pytest.fixture(params=[0, 1, 2], ids=["portable", "avx2", "avx512"])
-def glue(kernels: CpuKernels, request: pytest.FixtureRequest) -> Iterator[CpuKernels]:
-    """The kernels with their fused fp32 loops capped at one variant (those this
-    CPU runs), as ``TSERVE_MAX_ISA`` caps them; the cap restored after."""
-    library = kernel_library()
-    assert library is not None
-    library.tserve_set_isa_cap(isa_cap())
-    if library.tserve_glue_isa() < request.param:
-        pytest.skip("this CPU has no such variant")
-    library.tserve_set_isa_cap(request.param)
-    try:
-        assert library.tserve_glue_isa() == request.param
-        yield kernels
-    finally:
-        library.tserve_set_isa_cap(isa_cap())
+@pytest.fixture
+def glue(kernels: CpuKernels, glue_isa: int) -> CpuKernels:
+    """The kernels with their fused fp32 loops capped at one variant (conftest's glue_isa)."""
+    return kernels
 
 
 @pytest.mark.parametrize("dim", [16, 64, 96, 100, 576])

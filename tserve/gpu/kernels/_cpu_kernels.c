@@ -10,6 +10,7 @@
  * that touch it compute in fp32: a key or value row is widened as it is read
  * and rounded to nearest even as it is written, as torch's casts do.
  */
+#include "_glue.h"
 #include "_kernels.h"
 #include "_quant_common.h"
 
@@ -19,15 +20,13 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 /* Each exported loop's body is compiled for x86-64-v4 (AVX-512), x86-64-v3
- * (AVX2, FMA, F16C) and plain x86-64 (GLUE_ENTRY, at the end of this file),
- * and each call runs the best this CPU has, capped by tserve_set_isa_cap
+ * (AVX2, FMA, F16C) and plain x86-64 (_glue.h's GLUE_ENTRY, at the end of
+ * this file), and each call runs the best this CPU has, capped by tserve_set_isa_cap
  * (TSERVE_MAX_ISA), so a capped run is what a CPU without the rest would
  * run. Reading fp16 K/V widens 8 values an instruction with F16C, else in
  * portable integer code (from_f16); writing one token's K/V rounds value by
  * value (F16C's, or libgcc's, conversion). */
 #endif
-#define GLUE static inline __attribute__((always_inline))
-
 #define LANES 16
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* _cpu_kernels.py's KV_TYPES */
@@ -166,28 +165,6 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     float sum = acc[0];
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
-}
-
-/* exp for x <= 0 (softmax after subtracting the max), vectorizable:
- * 2^k * p(r) with r in [-ln2/2, ln2/2], p a degree-6 polynomial
- * (relative error below 2e-7, as close as fp32 holds); x below -87 gives 0. */
-static inline __attribute__((always_inline)) void exp_nonpositive(float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i] < -87.0f ? -87.0f : x[i];
-        float k = nearbyintf(v * 1.44269504088896341f);
-        float r = v - k * 0.693145751953125f - k * 1.428606765330187045e-06f;
-        float p = 1.0f / 720;
-        p = p * r + 1.0f / 120;
-        p = p * r + 1.0f / 24;
-        p = p * r + 1.0f / 6;
-        p = p * r + 0.5f;
-        p = p * r + 1.0f;
-        p = p * r + 1.0f;
-        int32_t bits = ((int32_t)k + 127) << 23;
-        float scale;
-        memcpy(&scale, &bits, sizeof scale);
-        x[i] = x[i] < -87.0f ? 0.0f : p * scale;
-    }
 }
 
 /* out[r, i] = silu(gate) * up for gate_up rows [gate (inter) | up (inter)]:
@@ -782,7 +759,7 @@ void tserve_linear(int isa, const float *x, int64_t m_dim, int64_t k_dim, const 
 }
 
 /* The exported glue loops: each body above compiled once per ISA, the call
- * dispatched by glue_isa(). ISA codes as _quant_common.h's ISA_*: 2 here is
+ * dispatched by glue_isa() (tserve_glue_isa, for every file's GLUE_ENTRY). ISA codes as _quant_common.h's ISA_*: 2 here is
  * x86-64-v4 (AVX-512 F/BW/CD/DQ/VL, VNNI not needed). */
 static int isa_cap = ISA_AVX512_VNNI; /* tserve_set_isa_cap's; set once, before any call */
 
@@ -803,25 +780,11 @@ __attribute__((constructor)) static void glue_detect(void) {
 
 static inline int glue_isa(void) { return glue_best < isa_cap ? glue_best : isa_cap; }
 
-#define GLUE_ENTRY(name, params, args)                                                        \
-    __attribute__((target("arch=x86-64-v4"))) static void name##_v4 params { name##_body args; } \
-    __attribute__((target("arch=x86-64-v3"))) static void name##_v3 params { name##_body args; } \
-    static void name##_v1 params { name##_body args; }                                        \
-    void tserve_##name params {                                                               \
-        switch (glue_isa()) {                                                                 \
-        case ISA_AVX512_VNNI: name##_v4 args; break;                                          \
-        case ISA_AVX2: name##_v3 args; break;                                                 \
-        default: name##_v1 args; break;                                                       \
-        }                                                                                     \
-    }
 #else
 static inline int glue_isa(void) { return ISA_PORTABLE; }
-
-#define GLUE_ENTRY(name, params, args)                                                        \
-    void tserve_##name params { name##_body args; }
 #endif
 
-/* The variant the glue loops run now (the tests' view of the cap). */
+/* The variant the glue loops run now (the tests' view of the cap, and _glue.h's). */
 int tserve_glue_isa(void) { return glue_isa(); }
 
 GLUE_ENTRY(silu_mul,

@@ -1,7 +1,8 @@
 """The compiled kernels (``tserve/gpu/kernels/_kernels*.so``), loaded once with ctypes; no torch.
 
 ``setup.py`` compiles ``_cpu_kernels.c``, ``_quant_kernels.c``,
-``_kquant_kernels.c``, ``_attention_kernels.c`` and ``_decoder_kernels.c`` into
+``_kquant_kernels.c``, ``_attention_kernels.c``, ``_decoder_kernels.c`` and
+``_sampling_kernels.c`` into
 one shared library when the package is installed (an editable install builds
 it in place): no torch
 headers, no Python extension ABI, no compiler on the serving machine. Both

@@ -21,8 +21,12 @@ with ``params.seed`` and owned by that request alone, so its tokens do not
 depend on its neighbours in the batch. Call :meth:`Sampler.release` when a
 request ends.
 
-numpy only, never torch (the torch-free engine uses it as the torch runner
-does). ``logits`` is anything ``numpy.asarray`` makes a float32 ``[N, V]``
+numpy and the compiled kernels, never torch (the torch-free engine uses it
+as the torch runner does). A sampled row's candidates come from one C pass
+(``_sampling_kernels.c``), numpy's where the kernels are not built; a
+temperature-only row whose candidates are most of its vocabulary is drawn
+in C over the row itself, with no vocab-long array (262,144 floats a row
+for Gemma 3). ``logits`` is anything ``numpy.asarray`` makes a float32 ``[N, V]``
 array of without a copy (a numpy array, a CPU float32 torch tensor); rows a
 penalty, bias or mask changes are copied one by one, the others are read in
 place. A sampled row's exp runs only over its tokens at least ``2^-24 / V``
@@ -46,7 +50,9 @@ no way to set it over HTTP.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -58,6 +64,7 @@ from typing import Any, Final, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from tserve.gpu.kernels._library import declare, kernel_library
 from tserve.gpu.scheduling._sequence import Sequence
 from tserve.protocol import Sampling, SamplingParams, TokenLogprob
 from tserve.validity import GREEDY_BELOW, params_problem
@@ -77,7 +84,11 @@ _NEGLIGIBLE: Final = math.log(2.0**-24)
 _F32: TypeAlias = npt.NDArray[np.float32]
 _Ids: TypeAlias = npt.NDArray[np.intp]
 # (candidate token ids or None for "all, in id order", cumulative kept probabilities)
-_Candidates: TypeAlias = tuple[_Ids | None, npt.NDArray[np.float64]]
+_Cdf: TypeAlias = tuple[_Ids | None, npt.NDArray[np.float64]]
+# what a sampled row draws from: its candidates' running sums, or the whole row in C
+_Candidates: TypeAlias = "_Cdf | _Whole"
+# (candidate ids or None for all, their probabilities up to a factor, their running sums or None)
+_Near: TypeAlias = tuple[_Ids | None, _F32, npt.NDArray[np.float64] | None]
 
 
 class SamplingFault(RuntimeError):
@@ -195,8 +206,12 @@ class Sampler:
         candidates = batch.candidates.get(row)
         if candidates is None:
             return batch.greedy[row]
-        ids, cdf = candidates
         u = self._generator(seq).random()  # exactly one draw per step
+        if isinstance(candidates, _Whole):
+            kernel = _candidate_kernel()
+            assert kernel is not None, "only the compiled kernel makes a _Whole"
+            return kernel.draw(candidates, u)
+        ids, cdf = candidates
         k = min(int(np.searchsorted(cdf, u * float(cdf[-1]), side="right")), len(cdf) - 1)
         return k if ids is None else int(ids[k])
 
@@ -325,30 +340,125 @@ def _candidates(rows: Iterable[_F32], params: SequenceOf[Sampling]) -> list[_Can
 
     A row's ``(ids, cdf)``: ``cdf`` is the unnormalised cumulative sum of the
     kept probabilities over the candidate tokens ``ids``, in id order (None =
-    all tokens); a draw is the first index where ``cdf > u * cdf[-1]``. The
+    all tokens); a draw is the first index where ``cdf > u * cdf[-1]``. With
+    the compiled kernels, a temperature-only row that keeps over a quarter of
+    its tokens is a :class:`_Whole` instead, drawn the same way in C. The
     most likely token is always kept; tokens below ``_NEGLIGIBLE`` never are.
     What a row gets depends on that row alone, never on its neighbours.
     """
     out: list[_Candidates] = []
+    kernel = _candidate_kernel()
     for logits, p in zip(rows, params, strict=True):
-        top = logits.max()
-        vocab = len(logits)
-        cut = top + np.float32(p.temperature * (_NEGLIGIBLE - math.log(vocab)))
-        found = np.flatnonzero(logits >= cut)
-        ids = None if len(found) > vocab // 4 else found  # most of the row: exp it all, no gather
-        near = logits if ids is None else logits[ids]
-        # exp((logits - max) / T): the probabilities up to their sum.
-        probs = np.subtract(near, top)
-        probs *= np.float32(1.0 / p.temperature)
-        np.exp(probs, out=probs)
-        if p.top_k <= 0 and p.top_p >= 1:
-            out.append((ids, np.cumsum(probs.astype(np.float64))))
+        plain = p.top_k <= 0 and p.top_p >= 1
+        if kernel is not None:
+            near = kernel(logits, p.temperature, plain)
+            if isinstance(near, _Whole):
+                out.append(near)
+                continue
+            ids, probs, cdf = near
         else:
-            out.append(_top_candidates(probs, ids, vocab, p))
+            ids, probs, cdf = _near_top(logits, p.temperature, plain)
+        out.append((ids, cdf) if cdf is not None else _top_candidates(probs, ids, len(logits), p))
     return out
 
 
-def _top_candidates(probs: _F32, ids: _Ids | None, vocab: int, p: Sampling) -> _Candidates:
+def _cut(logits: _F32, temperature: float) -> tuple[np.float32, np.float32]:
+    """A row's max, and the logit below which its tokens are never drawn."""
+    top = logits.max()
+    return top, top + np.float32(temperature * (_NEGLIGIBLE - math.log(len(logits))))
+
+
+def _near_top(logits: _F32, temperature: float, cumulate: bool) -> _Near:
+    """A sampled row's candidates: ``(ids, probs, cdf)``. ``ids``: the tokens
+    at or above the cut, or None where they are over a quarter of the row
+    (then every token, no gather); ``probs``: their ``exp((logit - max) / T)``
+    (float32, up to a common factor); ``cdf``: the running sums of ``probs``
+    in float64 if ``cumulate``, else None. numpy's form of
+    :class:`_CandidateKernel`, for an install without the compiled kernels."""
+    top, cut = _cut(logits, temperature)
+    found = np.flatnonzero(logits >= cut)
+    ids = None if len(found) > len(logits) // 4 else found
+    near = logits if ids is None else logits[ids]
+    probs = np.subtract(near, top)
+    probs *= np.float32(1.0 / temperature)
+    np.exp(probs, out=probs)
+    return ids, probs, np.cumsum(probs.astype(np.float64)) if cumulate else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Whole:
+    """A temperature-only row whose candidates are most of its vocabulary:
+    drawn by :meth:`_CandidateKernel.draw` over the row itself, with no
+    vocab-long array made for it."""
+
+    logits: _F32
+    top: np.float32
+    inv_t: np.float32
+
+
+class _CandidateKernel:
+    """:func:`_near_top` in one C pass a row (``tserve_sample_candidates``,
+    ``_sampling_kernels.c``): the same candidates, each probability within a
+    few float32 ulps of numpy's exp, the running sums added in blocks. It
+    writes into vocab-long scratch held here and copies out a row's
+    candidates, so results never share memory; a temperature-only row of
+    mostly candidates is a :class:`_Whole`, which :meth:`draw` draws from."""
+
+    __slots__ = ("_call", "_cdf", "_draw", "_ids", "_probs")
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        ptr, i64, f32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+        self._call = declare(
+            library.tserve_sample_candidates,
+            ptr, i64, f32, f32, f32, i64, ctypes.c_int, ptr, ptr, ptr, ptr,
+        )  # fmt: skip
+        self._draw = declare(library.tserve_sample_draw, ptr, i64, f32, f32, f64, ptr)
+        self._ids = np.empty(0, dtype=np.int64)
+        self._probs = np.empty(0, dtype=np.float32)
+        self._cdf = np.empty(0, dtype=np.float64)
+
+    def __call__(self, logits: _F32, temperature: float, plain: bool) -> _Near | _Whole:
+        """``plain``: temperature only (the running sums, or a :class:`_Whole`)."""
+        logits = np.ascontiguousarray(logits, dtype=np.float32)
+        vocab = len(logits)
+        if len(self._ids) < vocab:
+            self._ids = np.empty(vocab, dtype=np.int64)
+            self._probs = np.empty(vocab, dtype=np.float32)
+            self._cdf = np.empty(vocab, dtype=np.float64)
+        top, cut = _cut(logits, temperature)
+        inv_t = np.float32(1.0 / temperature)
+        count = ctypes.c_int64()
+        self._call(
+            logits.ctypes.data, vocab, top, inv_t, cut, vocab // 4, plain, self._ids.ctypes.data,
+            self._probs.ctypes.data, self._cdf.ctypes.data if plain else None, ctypes.byref(count),
+        )  # fmt: skip
+        n = count.value
+        if n > vocab // 4:
+            if plain:
+                return _Whole(logits, top, inv_t)
+            return None, self._probs[:n].copy(), None
+        ids = self._ids[:n].copy()
+        if plain:
+            return ids, self._probs[:0], self._cdf[:n].copy()
+        return ids, self._probs[:n].copy(), None
+
+    def draw(self, whole: _Whole, u: float) -> int:
+        """The token ``u`` (in [0, 1)) picks: the first whose running sum exceeds
+        ``u`` times the row's, as a search of :func:`_near_top`'s sums would."""
+        token = ctypes.c_int64()
+        row = whole.logits
+        self._draw(row.ctypes.data, len(row), whole.top, whole.inv_t, u, ctypes.byref(token))
+        return token.value
+
+
+@functools.cache
+def _candidate_kernel() -> _CandidateKernel | None:
+    """The compiled candidate pass, or None where the kernels are not built."""
+    library = kernel_library()
+    return None if library is None else _CandidateKernel(library)
+
+
+def _top_candidates(probs: _F32, ids: _Ids | None, vocab: int, p: Sampling) -> _Cdf:
     """The kept tokens of a filtered row from the narrowest top-w selection that holds them.
 
     ``probs`` (unnormalised) are those of tokens ``ids`` (None = all

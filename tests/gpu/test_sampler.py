@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.gpu.torch_free import assert_runs_without_torch
-from tserve.gpu.sampling._sampler import FAULT_ENV, Sampler, SampleResult, _candidates
+from tserve.gpu.sampling._sampler import FAULT_ENV, Sampler, SampleResult, _candidates, _Cdf, _Whole
 from tserve.gpu.scheduling._sequence import Sequence
 from tserve.protocol import Sampling, SamplingParams
 
@@ -30,6 +30,13 @@ def _log_softmax(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]
+
+
+def _sums(rows: list[npt.NDArray[np.float32]], params: list[Sampling]) -> list[_Cdf]:
+    """``_candidates`` of rows that keep few tokens: their ids and running sums."""
+    out = _candidates(rows, params)
+    assert not any(isinstance(c, _Whole) for c in out)
+    return out  # type: ignore[return-value]
 
 
 def _tokens(results: list[SampleResult]) -> list[int | None]:
@@ -214,7 +221,7 @@ def test_candidates_match_a_full_sort(top_p: float, top_k: int, scale: float) ->
     the tokens under 2^-24 / V times the top one's odds (never candidates)."""
     flat = np.random.default_rng(8).standard_normal((4, 20000), dtype=np.float32) * scale
     params = [Sampling(temperature=1.0, top_p=top_p, top_k=top_k)] * 4
-    for row, (ids, cdf) in zip(flat, _candidates(list(flat), params), strict=True):
+    for row, (ids, cdf) in zip(flat, _sums(list(flat), params), strict=True):
         probs = np.exp(row.astype(np.float64) - row.max())
         near = int((probs >= 2.0**-24 / len(probs)).sum())
         probs /= probs.sum()
@@ -230,7 +237,7 @@ def test_top_p_ending_among_tied_tokens_keeps_the_first_of_them() -> None:
     """Token 0 holds 13% of the mass, 49 tied tokens 1.8% each: top-p 0.2 keeps 0 and 4 ties."""
     row = np.zeros(VOCAB, dtype=np.float32)
     row[0] = 2.0
-    ids, cdf = _candidates([row], [Sampling(temperature=1.0, top_p=0.2, top_k=0)])[0]
+    ids, cdf = _sums([row], [Sampling(temperature=1.0, top_p=0.2, top_k=0)])[0]
     assert ids is not None and ids.tolist() == [0, 1, 2, 3, 4]
     want = np.cumsum(np.exp([0.0, -2, -2, -2, -2]))
     assert cdf.tolist() == pytest.approx(want.tolist(), rel=1e-6)
@@ -241,7 +248,7 @@ def test_far_tokens_are_never_drawn_and_near_ones_keep_their_odds() -> None:
     near ones in proportion to their probabilities."""
     logits = np.full((1, VOCAB), -1000.0, dtype=np.float32)
     logits[0, [3, 17, 40]] = np.log([0.5, 0.3, 0.2])
-    ids, _ = _candidates(list(logits), [Sampling(temperature=1.0, top_p=1.0, top_k=0)])[0]
+    ids, _ = _sums(list(logits), [Sampling(temperature=1.0, top_p=1.0, top_k=0)])[0]
     assert ids is not None and ids.tolist() == [3, 17, 40]
     sampler = Sampler()
     draws = collections.Counter(

@@ -133,59 +133,58 @@ GLUE double block_weights(const float *logits, float top, float inv_t, float *pr
 
 /* The token a draw `u` in [0, 1) picks among all `vocab` tokens of a row,
  * each weighed exp((logit - top) * inv_t): the first whose running sum
- * exceeds u times the whole sum, without a vocab-long array. Two passes over
- * the logits, each block's weights recomputed in the second: the first sums
- * the blocks' sums, the second adds them again up to the block where the
- * running sum passes u times that, then goes through that block's weights
- * one by one. The same sampling as a search of sample_candidates' cdf, up to
- * rounding in the sums' last bits. */
+ * exceeds u times the whole sum, without a vocab-long array. One pass over
+ * the logits sums each block's weights (into `sums`, vocab / BLOCK values)
+ * and those sums; a walk over `sums` then finds the block where the running
+ * sum passes u times the whole, whose weights are recomputed and gone
+ * through one by one. The same sampling as a search of sample_candidates'
+ * cdf, up to rounding in the sums' last bits. */
 GLUE void sample_draw_body(const float *logits, int64_t vocab, float top, float inv_t, double u,
-                           int64_t *token) {
+                           double *sums, int64_t *token) {
     float probs[BLOCK];
-    int64_t whole = vocab / BLOCK * BLOCK;
+    int64_t blocks = vocab / BLOCK;
     double total = 0.0;
-    for (int64_t i = 0; i < whole; i += BLOCK) total += block_weights(logits + i, top, inv_t, probs);
-    for (int64_t i = whole; i < vocab; i++) {
+    for (int64_t b = 0; b < blocks; b++)
+        total += sums[b] = block_weights(logits + b * BLOCK, top, inv_t, probs);
+    for (int64_t i = blocks * BLOCK; i < vocab; i++) {
         float p = (logits[i] - top) * inv_t;
         exp_nonpositive(&p, 1);
         total += p;
     }
     double goal = u * total, before = 0.0;
-    int64_t last = -1; /* the last token of positive weight: where rounding leaves none */
-    for (int64_t i = 0; i < whole; i += BLOCK) {
-        double sum = block_weights(logits + i, top, inv_t, probs);
-        if (sum > 0.0) last = i; /* its block, for now */
-        if (before + sum <= goal) {
-            before += sum;
+    int64_t last = -1; /* the last block of positive weight: where rounding leaves no token */
+    for (int64_t b = 0; b < blocks; b++) {
+        if (sums[b] > 0.0) last = b;
+        if (before + sums[b] <= goal) {
+            before += sums[b];
             continue;
         }
+        block_weights(logits + b * BLOCK, top, inv_t, probs);
         for (int l = 0; l < BLOCK; l++)
             if ((before += probs[l]) > goal) {
-                *token = i + l;
+                *token = b * BLOCK + l;
                 return;
             }
     }
-    for (int64_t i = whole; i < vocab; i++) {
+    int64_t tail = -1;
+    for (int64_t i = blocks * BLOCK; i < vocab; i++) {
         float p = (logits[i] - top) * inv_t;
         exp_nonpositive(&p, 1);
-        if (p > 0.0f) last = i + vocab; /* a tail token: marked, not a block */
+        if (p > 0.0f) tail = i;
         if ((before += p) > goal) {
             *token = i;
             return;
         }
     }
-    if (last >= vocab) {
-        *token = last - vocab;
-        return;
-    }
-    *token = last < 0 ? vocab - 1 : last; /* last: a block; its last token of positive weight */
-    if (last >= 0) {
-        block_weights(logits + last, top, inv_t, probs);
+    *token = tail >= 0 ? tail : vocab - 1; /* its last token of positive weight */
+    if (tail < 0 && last >= 0) {
+        block_weights(logits + last * BLOCK, top, inv_t, probs);
         for (int l = 0; l < BLOCK; l++)
-            if (probs[l] > 0.0f) *token = last + l;
+            if (probs[l] > 0.0f) *token = last * BLOCK + l;
     }
 }
 
 GLUE_ENTRY(sample_draw,
-           (const float *logits, int64_t vocab, float top, float inv_t, double u, int64_t *token),
-           (logits, vocab, top, inv_t, u, token))
+           (const float *logits, int64_t vocab, float top, float inv_t, double u, double *sums,
+            int64_t *token),
+           (logits, vocab, top, inv_t, u, sums, token))

@@ -412,7 +412,7 @@ class _CandidateKernel:
             library.tserve_sample_candidates,
             ptr, i64, f32, f32, f32, i64, ctypes.c_int, ptr, ptr, ptr, ptr,
         )  # fmt: skip
-        self._draw = declare(library.tserve_sample_draw, ptr, i64, f32, f32, f64, ptr)
+        self._draw = declare(library.tserve_sample_draw, ptr, i64, f32, f32, f64, ptr, ptr)
         self._ids = np.empty(0, dtype=np.int64)
         self._probs = np.empty(0, dtype=np.float32)
         self._cdf = np.empty(0, dtype=np.float64)
@@ -447,7 +447,12 @@ class _CandidateKernel:
         ``u`` times the row's, as a search of :func:`_near_top`'s sums would."""
         token = ctypes.c_int64()
         row = whole.logits
-        self._draw(row.ctypes.data, len(row), whole.top, whole.inv_t, u, ctypes.byref(token))
+        sums = self._cdf  # as scratch: a row's block sums, vocab / 16 of them
+        assert len(sums) >= len(row), "a _Whole comes from a row this kernel has seen"
+        self._draw(
+            row.ctypes.data, len(row), whole.top, whole.inv_t, u, sums.ctypes.data,
+            ctypes.byref(token),
+        )  # fmt: skip
         return token.value
 
 

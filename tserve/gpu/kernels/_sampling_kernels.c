@@ -1,9 +1,10 @@
-/* The sampler's pass over a sampled row's logits (tserve/gpu/sampling/_sampler.py,
- * step 2): which tokens can be drawn, and their probabilities up to a common
- * factor. numpy took a dozen whole-row passes for it (max, compare, nonzero,
- * gather, subtract, scale, exp, widen, cumsum), each over the whole
- * vocabulary: 262,144 floats a row for Gemma 3, 1.6 ms a row at temperature 1.
- * Single-threaded; one call a row.
+/* The sampler's pass over a sampled row's logits where most of its tokens can
+ * be drawn (tserve/gpu/sampling/_sampler.py, step 2): their probabilities up
+ * to a common factor, or a draw among them. numpy took a dozen whole-row
+ * passes for it (compare, nonzero, subtract, scale, exp, widen, cumsum),
+ * each over the whole vocabulary: 262,144 floats a row for Gemma 3, whose
+ * soft-capped logits keep most tokens within reach of the top one, 1.6 ms a
+ * row at temperature 1. Single-threaded; one call a row.
  */
 #include "_glue.h"
 
@@ -23,81 +24,29 @@ GLUE int64_t count_at_least(const float *logits, int64_t n, float cut) {
     return total;
 }
 
-/* ids[0..n) = the tokens in [0, vocab) whose logit is at least `cut`, in id
- * order, and probs[j] = their (logit - top) * inv_t; returns n. Blocks of
- * BLOCK logits without one are skipped after one vectorized test. Each write
- * goes to slot j whether or not its token is kept, so both buffers need one
- * slot past the last candidate. */
-GLUE int64_t gather_at_least(const float *logits, int64_t vocab, float top, float inv_t,
-                             float cut, int64_t *ids, float *probs) {
-    int64_t j = 0, i = 0;
-    for (; i + BLOCK <= vocab; i += BLOCK) {
-        int any = 0;
-        for (int l = 0; l < BLOCK; l++) any |= logits[i + l] >= cut;
-        if (!any) continue;
-        for (int l = 0; l < BLOCK; l++) {
-            ids[j] = i + l;
-            probs[j] = (logits[i + l] - top) * inv_t;
-            j += logits[i + l] >= cut;
-        }
-    }
-    for (; i < vocab; i++) {
-        ids[j] = i;
-        probs[j] = (logits[i] - top) * inv_t;
-        j += logits[i] >= cut;
-    }
-    return j;
-}
-
-/* cdf[i] = probs[0] + ... + probs[i] in double. The running total moves once
- * per BLOCK values, each block's own partial sums apart from it, so the chain
- * of dependent additions is n / BLOCK long rather than n. Non-decreasing, as
- * the probabilities are non-negative: a block's last sum is the one the total
- * then adds. */
-GLUE void cumulate(const float *probs, int64_t n, double *cdf) {
-    double total = 0.0;
-    int64_t i = 0;
-    for (; i + BLOCK <= n; i += BLOCK) {
-        double partial[BLOCK], sum = 0.0;
-        for (int l = 0; l < BLOCK; l++) partial[l] = sum += probs[i + l];
-        for (int l = 0; l < BLOCK; l++) cdf[i + l] = total + partial[l];
-        total += sum;
-    }
-    for (; i < n; i++) cdf[i] = total += probs[i];
-}
-
-/* One sampled row's candidates. `logits` [vocab] (finite max `top`);
- * `inv_t` = 1 / temperature as a float. Where more than `dense_above` tokens
- * have a logit of at least `cut`, every token is a candidate, in id order
- * (ids untouched; with `whole_only`, nothing more is written: sample_draw
- * draws such a row); else those tokens, their ids in ids[0..n). probs[j] =
- * exp((logit - top) * inv_t) of candidate j, as float32 (the subtraction and
- * the scaling each rounded to float, as numpy does them); cdf (unless NULL)
- * their running sums in double. Returns n, the candidates' count. ids, probs
- * and cdf hold `vocab` values. */
+/* A sampled row's candidates where they are most of it. `logits` [vocab]
+ * (finite max `top`), `inv_t` = 1 / temperature as a float. Counts the
+ * tokens whose logit is at least `cut` into *count; where they are more
+ * than `dense_above`, every token is a candidate: *count = vocab and, unless
+ * `whole_only` (sample_draw draws such a row), probs[i] = exp((logit - top)
+ * * inv_t) (the subtraction and the scaling each rounded to float, as numpy
+ * does them). Else nothing is written but the count (numpy's compare and
+ * gather of a few candidates beat a scalar one). probs holds `vocab` values. */
 GLUE void sample_candidates_body(const float *logits, int64_t vocab, float top, float inv_t,
-                                 float cut, int64_t dense_above, int whole_only, int64_t *ids,
-                                 float *probs, double *cdf, int64_t *count) {
-    int64_t n = count_at_least(logits, vocab, cut);
-    if (n > dense_above) {
-        n = *count = vocab;
-        if (whole_only) return;
-        for (int64_t i = 0; i < vocab; i++) probs[i] = (logits[i] - top) * inv_t;
-    } else if (n < vocab) {
-        n = gather_at_least(logits, vocab, top, inv_t, cut, ids, probs);
-    } else { /* every token, as the sparse form: no slot past the last for gather's writes */
-        for (int64_t i = 0; i < vocab; i++) ids[i] = i, probs[i] = (logits[i] - top) * inv_t;
-    }
-    exp_nonpositive(probs, n);
-    if (cdf) cumulate(probs, n, cdf);
-    *count = n;
+                                 float cut, int64_t dense_above, int whole_only, float *probs,
+                                 int64_t *count) {
+    *count = count_at_least(logits, vocab, cut);
+    if (*count <= dense_above) return;
+    *count = vocab;
+    if (whole_only) return;
+    for (int64_t i = 0; i < vocab; i++) probs[i] = (logits[i] - top) * inv_t;
+    exp_nonpositive(probs, vocab);
 }
 
 GLUE_ENTRY(sample_candidates,
            (const float *logits, int64_t vocab, float top, float inv_t, float cut,
-            int64_t dense_above, int whole_only, int64_t *ids, float *probs, double *cdf,
-            int64_t *count),
-           (logits, vocab, top, inv_t, cut, dense_above, whole_only, ids, probs, cdf, count))
+            int64_t dense_above, int whole_only, float *probs, int64_t *count),
+           (logits, vocab, top, inv_t, cut, dense_above, whole_only, probs, count))
 
 typedef float f32xb __attribute__((vector_size(BLOCK * 4)));
 typedef int32_t i32xb __attribute__((vector_size(BLOCK * 4)));
@@ -137,8 +86,8 @@ GLUE double block_weights(const float *logits, float top, float inv_t, float *pr
  * the logits sums each block's weights (into `sums`, vocab / BLOCK values)
  * and those sums; a walk over `sums` then finds the block where the running
  * sum passes u times the whole, whose weights are recomputed and gone
- * through one by one. The same sampling as a search of sample_candidates'
- * cdf, up to rounding in the sums' last bits. */
+ * through one by one. The same token as a search of the running sums of
+ * numpy's exp in the sampler picks, up to rounding in the sums' last bits. */
 GLUE void sample_draw_body(const float *logits, int64_t vocab, float top, float inv_t, double u,
                            double *sums, int64_t *token) {
     float probs[BLOCK];

@@ -22,11 +22,12 @@ depend on its neighbours in the batch. Call :meth:`Sampler.release` when a
 request ends.
 
 numpy and the compiled kernels, never torch (the torch-free engine uses it
-as the torch runner does). A sampled row's candidates come from one C pass
+as the torch runner does). A sampled row whose candidates are most of its
+vocabulary (Gemma 3's soft-capped logits keep most of its 262,144 tokens
+within reach) gets their probabilities from one C pass
 (``_sampling_kernels.c``), numpy's where the kernels are not built; a
-temperature-only row whose candidates are most of its vocabulary is drawn
-in C over the row itself, with no vocab-long array (262,144 floats a row
-for Gemma 3). ``logits`` is anything ``numpy.asarray`` makes a float32 ``[N, V]``
+temperature-only such row is drawn in C over the row itself, with no
+vocab-long array. ``logits`` is anything ``numpy.asarray`` makes a float32 ``[N, V]``
 array of without a copy (a numpy array, a CPU float32 torch tensor); rows a
 penalty, bias or mask changes are copied one by one, the others are read in
 place. A sampled row's exp runs only over its tokens at least ``2^-24 / V``
@@ -397,58 +398,53 @@ class _Whole:
 
 
 class _CandidateKernel:
-    """:func:`_near_top` in one C pass a row (``tserve_sample_candidates``,
-    ``_sampling_kernels.c``): the same candidates, each probability within a
-    few float32 ulps of numpy's exp, the running sums added in blocks. It
-    writes into vocab-long scratch held here and copies out a row's
-    candidates, so results never share memory; a temperature-only row of
-    mostly candidates is a :class:`_Whole`, which :meth:`draw` draws from."""
+    """:func:`_near_top` with its whole-row work in C (``tserve_sample_candidates``,
+    ``_sampling_kernels.c``): a row's tokens at or above the cut counted in one
+    vectorized pass; where they are over a quarter of it, their probabilities
+    (each within a few float32 ulps of numpy's exp) and running sums (added in
+    blocks) in one more, into scratch held here, the one array a row returns
+    copied out; a temperature-only such row is a :class:`_Whole`, which
+    :meth:`draw` draws from. A row of fewer candidates goes to numpy's
+    compare and gather (vectorized, where C's are not)."""
 
-    __slots__ = ("_call", "_cdf", "_draw", "_ids", "_probs")
+    __slots__ = ("_call", "_draw", "_probs", "_sums")
 
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, f32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
         self._call = declare(
-            library.tserve_sample_candidates,
-            ptr, i64, f32, f32, f32, i64, ctypes.c_int, ptr, ptr, ptr, ptr,
-        )  # fmt: skip
+            library.tserve_sample_candidates, ptr, i64, f32, f32, f32, i64, ctypes.c_int, ptr, ptr
+        )
         self._draw = declare(library.tserve_sample_draw, ptr, i64, f32, f32, f64, ptr, ptr)
-        self._ids = np.empty(0, dtype=np.int64)
         self._probs = np.empty(0, dtype=np.float32)
-        self._cdf = np.empty(0, dtype=np.float64)
+        self._sums = np.empty(0, dtype=np.float64)
 
     def __call__(self, logits: _F32, temperature: float, plain: bool) -> _Near | _Whole:
         """``plain``: temperature only (the running sums, or a :class:`_Whole`)."""
         logits = np.ascontiguousarray(logits, dtype=np.float32)
         vocab = len(logits)
-        if len(self._ids) < vocab:
-            self._ids = np.empty(vocab, dtype=np.int64)
+        if len(self._probs) < vocab:
             self._probs = np.empty(vocab, dtype=np.float32)
-            self._cdf = np.empty(vocab, dtype=np.float64)
+            self._sums = np.empty(vocab // 16 + 1, dtype=np.float64)
         top, cut = _cut(logits, temperature)
         inv_t = np.float32(1.0 / temperature)
         count = ctypes.c_int64()
         self._call(
-            logits.ctypes.data, vocab, top, inv_t, cut, vocab // 4, plain, self._ids.ctypes.data,
-            self._probs.ctypes.data, self._cdf.ctypes.data if plain else None, ctypes.byref(count),
+            logits.ctypes.data, vocab, top, inv_t, cut, vocab // 4, plain,
+            self._probs.ctypes.data, ctypes.byref(count),
         )  # fmt: skip
-        n = count.value
-        if n > vocab // 4:
-            if plain:
-                return _Whole(logits, top, inv_t)
-            return None, self._probs[:n].copy(), None
-        ids = self._ids[:n].copy()
+        if count.value <= vocab // 4:
+            return _near_top(logits, temperature, plain)
         if plain:
-            return ids, self._probs[:0], self._cdf[:n].copy()
-        return ids, self._probs[:n].copy(), None
+            return _Whole(logits, top, inv_t)
+        return None, self._probs[:vocab].copy(), None
 
     def draw(self, whole: _Whole, u: float) -> int:
         """The token ``u`` (in [0, 1)) picks: the first whose running sum exceeds
         ``u`` times the row's, as a search of :func:`_near_top`'s sums would."""
         token = ctypes.c_int64()
         row = whole.logits
-        sums = self._cdf  # as scratch: a row's block sums, vocab / 16 of them
-        assert len(sums) >= len(row), "a _Whole comes from a row this kernel has seen"
+        sums = self._sums  # scratch: a row's block sums, vocab / 16 of them
+        assert len(sums) > len(row) // 16, "a _Whole comes from a row this kernel has seen"
         self._draw(
             row.ctypes.data, len(row), whole.top, whole.inv_t, u, sums.ctypes.data,
             ctypes.byref(token),

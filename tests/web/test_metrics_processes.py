@@ -92,8 +92,12 @@ def test_one_scrape_sums_both_api_processes_and_the_gauges_follow_the_engine(
         assert min(seen_busy.values()) > 0, f"the engine gauges never moved: {seen_busy}"
         assert seen_live > 0
 
-        # Every scrape, whichever process answers, counts every request.
-        wait_for_total(server.metrics_url, "vllm:request_success_total", sent)
+        # Every scrape, whichever process answers, counts every request. A
+        # request's success counts at its finish, its tokens when its response
+        # ends, after the client has read the last byte: both are waited for.
+        for url in urls:
+            wait_for_total(url, "vllm:request_success_total", sent)
+            wait_for_total(url, "vllm:generation_tokens_total", sent * TOKENS)
         for _ in range(6):
             for url in urls:
                 found = scrape(url)

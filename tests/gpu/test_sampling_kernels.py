@@ -144,3 +144,18 @@ def test_top_filters_keep_numpys_tokens(
         assert want[0] is not None and got[0] is not None
         assert np.array_equal(got[0], want[0])
         np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+
+
+def test_rows_the_probe_misjudges_get_numpys_candidates(kernel: _CandidateKernel) -> None:
+    """The first 4,096 tokens only route a row: one whose many candidates all lie
+    past them is numpy's (every token, no gather), and one whose few lie among
+    them is counted whole and found few; either way the candidates are numpy's."""
+    late = np.full(262144, -100.0, dtype=np.float32)
+    late[8192:] = _row(262144 - 8192, 0.3)
+    early = np.full(262144, -100.0, dtype=np.float32)
+    early[:4096] = _row(4096, 0.3)
+    for row in (late, early):
+        got, (ids, _, cdf) = kernel(row, 1.0, True), _sampler._near_top(row, 1.0, True)
+        assert not isinstance(got, _Whole) and cdf is not None and got[2] is not None
+        assert (got[0] is None) == (ids is None) and (row is early) == (ids is not None)
+        np.testing.assert_allclose(got[2], cdf, rtol=1e-6)

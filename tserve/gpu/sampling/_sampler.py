@@ -81,6 +81,9 @@ _CANDIDATE_WIDTHS: Final = (512, 4096)
 # are never drawn: together they hold under 2^-24 of its mass, less than
 # float32 resolves in the sum, so they are left out before exp.
 _NEGLIGIBLE: Final = math.log(2.0**-24)
+# A row whose first _PROBE tokens are mostly candidates goes to the compiled
+# pass, which counts them all (a row of few takes numpy's gather either way).
+_PROBE: Final = 4096
 
 _F32: TypeAlias = npt.NDArray[np.float32]
 _Ids: TypeAlias = npt.NDArray[np.intp]
@@ -90,6 +93,7 @@ _Cdf: TypeAlias = tuple[_Ids | None, npt.NDArray[np.float64]]
 _Candidates: TypeAlias = "_Cdf | _Whole"
 # (candidate ids or None for all, their probabilities up to a factor, their running sums or None)
 _Near: TypeAlias = tuple[_Ids | None, _F32, npt.NDArray[np.float64] | None]
+_Top: TypeAlias = np.float32 | None  # a row's max logit, where known
 
 
 class SamplingFault(RuntimeError):
@@ -266,6 +270,7 @@ class _Step:
         drawn = _candidates(
             [edited.get(i, self.logits[i]) for i in sampled],
             [self.seqs[i].sampling for i in sampled],
+            [None if i in edited else self.top[i] for i in sampled],  # an edit moves the max
         )
         return _Batch(
             rows=rows,
@@ -336,8 +341,11 @@ def _raw_logprobs(logits: _F32, top: np.float32) -> _RawLogprobs:
     return _RawLogprobs(logits, top, np.log(total).astype(np.float32))
 
 
-def _candidates(rows: Iterable[_F32], params: SequenceOf[Sampling]) -> list[_Candidates]:
-    """Temperature, then top-k, then top-p, for each row (float32 ``[V]``).
+def _candidates(
+    rows: Iterable[_F32], params: SequenceOf[Sampling], tops: Iterable[_Top] | None = None
+) -> list[_Candidates]:
+    """Temperature, then top-k, then top-p, for each row (float32 ``[V]``);
+    ``tops``: each row's max where known (None: found here).
 
     A row's ``(ids, cdf)``: ``cdf`` is the unnormalised cumulative sum of the
     kept probabilities over the candidate tokens ``ids``, in id order (None =
@@ -349,34 +357,37 @@ def _candidates(rows: Iterable[_F32], params: SequenceOf[Sampling]) -> list[_Can
     """
     out: list[_Candidates] = []
     kernel = _candidate_kernel()
-    for logits, p in zip(rows, params, strict=True):
+    rows = list(rows)
+    for logits, p, top in zip(rows, params, tops or [None] * len(rows), strict=True):
         plain = p.top_k <= 0 and p.top_p >= 1
         if kernel is not None:
-            near = kernel(logits, p.temperature, plain)
+            near = kernel(logits, p.temperature, plain, top)
             if isinstance(near, _Whole):
                 out.append(near)
                 continue
             ids, probs, cdf = near
         else:
-            ids, probs, cdf = _near_top(logits, p.temperature, plain)
+            ids, probs, cdf = _near_top(logits, p.temperature, plain, top)
         out.append((ids, cdf) if cdf is not None else _top_candidates(probs, ids, len(logits), p))
     return out
 
 
-def _cut(logits: _F32, temperature: float) -> tuple[np.float32, np.float32]:
-    """A row's max, and the logit below which its tokens are never drawn."""
-    top = logits.max()
+def _cut(logits: _F32, temperature: float, top: _Top) -> tuple[np.float32, np.float32]:
+    """A row's max (``top``, unless None), and the logit below which its tokens are
+    never drawn."""
+    if top is None:
+        top = logits.max()
     return top, top + np.float32(temperature * (_NEGLIGIBLE - math.log(len(logits))))
 
 
-def _near_top(logits: _F32, temperature: float, cumulate: bool) -> _Near:
+def _near_top(logits: _F32, temperature: float, cumulate: bool, top: _Top = None) -> _Near:
     """A sampled row's candidates: ``(ids, probs, cdf)``. ``ids``: the tokens
     at or above the cut, or None where they are over a quarter of the row
     (then every token, no gather); ``probs``: their ``exp((logit - max) / T)``
     (float32, up to a common factor); ``cdf``: the running sums of ``probs``
     in float64 if ``cumulate``, else None. numpy's form of
     :class:`_CandidateKernel`, for an install without the compiled kernels."""
-    top, cut = _cut(logits, temperature)
+    top, cut = _cut(logits, temperature, top)
     found = np.flatnonzero(logits >= cut)
     ids = None if len(found) > len(logits) // 4 else found
     near = logits if ids is None else logits[ids]
@@ -401,11 +412,11 @@ class _CandidateKernel:
     """:func:`_near_top` with its whole-row work in C (``tserve_sample_candidates``,
     ``_sampling_kernels.c``): a row's tokens at or above the cut counted in one
     vectorized pass; where they are over a quarter of it, their probabilities
-    (each within a few float32 ulps of numpy's exp) and running sums (added in
-    blocks) in one more, into scratch held here, the one array a row returns
-    copied out; a temperature-only such row is a :class:`_Whole`, which
-    :meth:`draw` draws from. A row of fewer candidates goes to numpy's
-    compare and gather (vectorized, where C's are not)."""
+    (each within a few float32 ulps of numpy's exp) in one more, into scratch
+    held here and copied out, or, for a temperature-only row, none: it is a
+    :class:`_Whole`, which :meth:`draw` draws from. A row of fewer candidates
+    goes to numpy's compare and gather (vectorized, where C's are not), as
+    does one whose first ``_PROBE`` tokens hold few of them, without a call."""
 
     __slots__ = ("_call", "_draw", "_probs", "_sums")
 
@@ -418,14 +429,19 @@ class _CandidateKernel:
         self._probs = np.empty(0, dtype=np.float32)
         self._sums = np.empty(0, dtype=np.float64)
 
-    def __call__(self, logits: _F32, temperature: float, plain: bool) -> _Near | _Whole:
+    def __call__(
+        self, logits: _F32, temperature: float, plain: bool, top: _Top = None
+    ) -> _Near | _Whole:
         """``plain``: temperature only (the running sums, or a :class:`_Whole`)."""
         logits = np.ascontiguousarray(logits, dtype=np.float32)
         vocab = len(logits)
         if len(self._probs) < vocab:
             self._probs = np.empty(vocab, dtype=np.float32)
             self._sums = np.empty(vocab // 16 + 1, dtype=np.float64)
-        top, cut = _cut(logits, temperature)
+        top, cut = _cut(logits, temperature, top)
+        probe = logits[:_PROBE]
+        if np.count_nonzero(probe >= cut) * 4 <= len(probe):  # likely few: not worth a call
+            return _near_top(logits, temperature, plain, top)
         inv_t = np.float32(1.0 / temperature)
         count = ctypes.c_int64()
         self._call(
@@ -433,7 +449,7 @@ class _CandidateKernel:
             self._probs.ctypes.data, ctypes.byref(count),
         )  # fmt: skip
         if count.value <= vocab // 4:
-            return _near_top(logits, temperature, plain)
+            return _near_top(logits, temperature, plain, top)
         if plain:
             return _Whole(logits, top, inv_t)
         return None, self._probs[:vocab].copy(), None

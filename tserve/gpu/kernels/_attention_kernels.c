@@ -35,6 +35,7 @@
  * first; a step of fewer than MIN_SHARED_KEYS query-head x key pairs runs on
  * the caller.
  */
+#include "_glue.h"
 #include "_kernels.h"
 #include "_quant_common.h"
 

@@ -32,21 +32,7 @@ TILE_TARGET INLINE_ALWAYS vf vmax(vf a, vf b) { return pick(a > b, a, b); }
 
 /* e^x for x <= 0 lane by lane (-inf included): 2^k * p(r), r in [-ln2/2, ln2/2],
  * p of degree 6 (relative error below 2e-7); below -87, 0. e^0 is exactly 1. */
-TILE_TARGET INLINE_ALWAYS vf exp_nonpositive(vf x) {
-    vi under = x < -87.0f;
-    vf v = pick(under, splat(-87.0f), x);
-    vf k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    vf r = v - k * 0.693145751953125f - k * 1.428606765330187045e-06f;
-    vf p = splat(1.0f / 720);
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    vi bits = (__builtin_convertvector(k, vi) + 127) << 23;
-    return pick(under, splat(0.0f), p * (vf)bits);
-}
+TILE_TARGET INLINE_ALWAYS vf exp_nonpositive(vf x) { return EXP_NONPOSITIVE_VECTOR(vf, vi, x); }
 
 /* S[k0 + kk][vectors v0..v0+RV) = Q . K row k0 + kk, for S_KEYS keys. */
 TILE_TARGET INLINE_ALWAYS void scores_tile(const buffers *b, int64_t rows, int64_t dim,

@@ -60,4 +60,26 @@ static inline __attribute__((always_inline)) void exp_nonpositive(float *x, int6
     }
 }
 
+/* The same polynomial over a GCC vector `X` of floats, `VF` its type and `VI`
+ * its int32 twin (any width), as a statement expression: one vector operation
+ * a step, where GCC leaves exp_nonpositive's loop over a few values scalar. k
+ * is rounded by adding and taking away 1.5 * 2^23 (nearest, as nearbyintf). */
+#define EXP_NONPOSITIVE_VECTOR(VF, VI, X)                                                     \
+    ({                                                                                        \
+        VF x_ = (X);                                                                          \
+        VI under_ = x_ < -87.0f;                                                              \
+        VF v_ = (VF)(((VI)x_ & ~under_) | ((VI)((VF){0} - 87.0f) & under_));                  \
+        VF k_ = (v_ * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                     \
+        VF r_ = v_ - k_ * 0.693145751953125f - k_ * 1.428606765330187045e-06f;                \
+        VF p_ = (VF){0} + 1.0f / 720;                                                         \
+        p_ = p_ * r_ + 1.0f / 120;                                                            \
+        p_ = p_ * r_ + 1.0f / 24;                                                             \
+        p_ = p_ * r_ + 1.0f / 6;                                                              \
+        p_ = p_ * r_ + 0.5f;                                                                  \
+        p_ = p_ * r_ + 1.0f;                                                                  \
+        p_ = p_ * r_ + 1.0f;                                                                  \
+        VI bits_ = (__builtin_convertvector(k_, VI) + 127) << 23;                             \
+        (VF)((VI)(p_ * (VF)bits_) & ~under_); /* below -87: 0 */                              \
+    })
+
 #endif

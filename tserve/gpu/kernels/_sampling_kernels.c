@@ -51,27 +51,13 @@ GLUE_ENTRY(sample_candidates,
 typedef float f32xb __attribute__((vector_size(BLOCK * 4)));
 typedef int32_t i32xb __attribute__((vector_size(BLOCK * 4)));
 
-/* probs[0..BLOCK) = exp((logits[0..BLOCK) - top) * inv_t), the (x <= 0)
- * exp of _glue.h as one vector (an AVX-512 register, two AVX2 ones: GCC
- * leaves a 16-value scalar loop with a branch scalar); returns their sum,
- * added as a tree in double. */
+/* probs[0..BLOCK) = exp((logits[0..BLOCK) - top) * inv_t), _glue.h's exp as
+ * one vector (an AVX-512 register, two AVX2 ones); returns their sum, added
+ * as a tree in double. */
 GLUE double block_weights(const float *logits, float top, float inv_t, float *probs) {
     f32xb x;
     memcpy(&x, logits, sizeof x);
-    x = (x - top) * inv_t;
-    i32xb under = x < -87.0f;
-    f32xb v = (f32xb)(((i32xb)x & ~under) | ((i32xb)((f32xb){0} - 87.0f) & under));
-    f32xb k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    f32xb r = v - k * 0.693145751953125f - k * 1.428606765330187045e-06f;
-    f32xb p = (f32xb){0} + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    i32xb bits = (__builtin_convertvector(k, i32xb) + 127) << 23;
-    x = (f32xb)((i32xb)(p * (f32xb)bits) & ~under);
+    x = EXP_NONPOSITIVE_VECTOR(f32xb, i32xb, (x - top) * inv_t);
     memcpy(probs, &x, sizeof x);
     double sums[BLOCK / 2];
     for (int l = 0; l < BLOCK / 2; l++) sums[l] = (double)probs[l] + (double)probs[l + BLOCK / 2];

@@ -95,6 +95,29 @@ def test_a_grammar_that_can_write_nothing_is_a_400_naming_its_field(
     assert ok.status_code == 200
 
 
+HUGE = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**70}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": schema_format(HUGE)}, "response_format"),
+        ({"structured_outputs": {"json": {"enum": [-(2**64)]}}}, "structured_outputs.json"),
+    ],
+)
+def test_a_grammar_with_an_integer_beyond_64_bits_is_a_400_naming_its_field(
+    server: Server, fields: dict[str, Any], param: str
+) -> None:
+    """JSON's integers are unbounded; one past 64 bits in a schema is refused by
+    name (it was a 500: its grammar could not be encoded to be checked)."""
+    for path, body in endpoints({"max_tokens": 4, **fields}):
+        for stream in (False, True):
+            status, [reply] = post(server, path, {**body, "stream": stream})
+            assert status == 400, reply
+            assert reply["error"]["param"] == param
+            assert "64-bit" in reply["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "words"),
     [

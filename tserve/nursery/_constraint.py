@@ -91,13 +91,18 @@ class ConstraintCheck:
 
     async def check(self, constraint: Constraint) -> None:
         """Raise InvalidRequest (``param`` "constraint") unless the grammar engine
-        can honour ``constraint``.
+        can honour ``constraint`` (one holding an integer beyond 64 bits, which
+        no wire encoding carries, at once).
 
         A remembered verdict answers at once (not a checkpoint); otherwise the
         check runs in the worker process (a checkpoint; a cancel takes effect
         when it answers, milliseconds for ordinary grammars).
         """
-        key = _ENCODE(constraint)
+        try:
+            key = _ENCODE(constraint)
+        except OverflowError:  # JSON's integers are unbounded; the wire's are 64 bits
+            message = "the grammar holds an integer beyond the 64-bit range"
+            raise InvalidRequest(message, param="constraint") from None
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
             problem = self._verdicts[key]

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._results import result_stem, write_json
-from tserve.gpu.sampling import _sampler
+from tserve.gpu.sampling import _candidates
 from tserve.gpu.sampling._sampler import Sampler
 from tserve.gpu.scheduling._sequence import Sequence
 from tserve.protocol import SamplingParams
@@ -54,7 +54,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rows", type=int, default=16)
     args = parser.parse_args()
-    compiled = _sampler._candidate_kernel
+    compiled = _candidates._candidate_kernel
     if compiled() is None:
         raise SystemExit("the compiled kernels are not built (pip install -e .)")
     rng = np.random.default_rng(0)
@@ -64,11 +64,11 @@ def main() -> int:
             logits = rng.standard_normal((args.rows, vocab), dtype=np.float32) * spread
             for filter_name, params in FILTERS.items():
                 fast = _step_ms(logits, params, args.repeats)
-                _sampler._candidate_kernel = lambda: None  # type: ignore[assignment]
+                _candidates._candidate_kernel = lambda: None  # type: ignore[assignment]
                 try:
                     slow = _step_ms(logits, params, args.repeats)
                 finally:
-                    _sampler._candidate_kernel = compiled
+                    _candidates._candidate_kernel = compiled
                 name = f"{vocab_name} {spread_name} {filter_name}"
                 results[name] = {"compiled_ms": fast, "numpy_ms": slow, "ratio": slow / fast}
                 ratio = slow / fast

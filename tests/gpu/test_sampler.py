@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.gpu.torch_free import assert_runs_without_torch
-from tserve.gpu.sampling._sampler import FAULT_ENV, Sampler, SampleResult, _candidates, _Cdf, _Whole
+from tserve.gpu.sampling._candidates import _Cdf, _Whole, find_candidates
+from tserve.gpu.sampling._sampler import FAULT_ENV, Sampler, SampleResult
 from tserve.gpu.scheduling._sequence import Sequence
 from tserve.protocol import Sampling, SamplingParams
 
@@ -33,8 +34,8 @@ def _log_softmax(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
 
 
 def _sums(rows: list[npt.NDArray[np.float32]], params: list[Sampling]) -> list[_Cdf]:
-    """``_candidates`` of rows that keep few tokens: their ids and running sums."""
-    out = _candidates(rows, params)
+    """``find_candidates`` of rows that keep few tokens: their ids and running sums."""
+    out = find_candidates(rows, params)
     assert not any(isinstance(c, _Whole) for c in out)
     return out  # type: ignore[return-value]
 

@@ -9,8 +9,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from tserve.gpu.sampling import _sampler
-from tserve.gpu.sampling._sampler import Sampler, _candidate_kernel, _CandidateKernel, _Whole
+from tserve.gpu.sampling import _candidates
+from tserve.gpu.sampling._candidates import _candidate_kernel, _CandidateKernel, _Whole
+from tserve.gpu.sampling._sampler import Sampler
 from tserve.gpu.scheduling._sequence import Sequence
 from tserve.protocol import Sampling, SamplingParams
 
@@ -38,7 +39,7 @@ def test_candidates_are_numpys(
     """The same candidate ids; probabilities and running sums to float32 rounding."""
     row = _row(vocab, scale)
     for plain in (True, False):
-        ids, probs, cdf = _sampler._near_top(row, temperature, plain)
+        ids, probs, cdf = _candidates._near_top(row, temperature, plain)
         got = kernel(row, temperature, plain)
         if isinstance(got, _Whole):  # a temperature-only row of mostly candidates
             assert plain and ids is None and got.logits is row
@@ -64,7 +65,7 @@ def test_whole_row_draws_are_a_search_of_numpys_sums(
     row = _row(vocab, scale, seed=1)
     whole = kernel(row, 1.0, True)
     assert isinstance(whole, _Whole)
-    _, _, cdf = _sampler._near_top(row, 1.0, True)
+    _, _, cdf = _candidates._near_top(row, 1.0, True)
     assert cdf is not None
     draws = [0.0, float(np.nextafter(1.0, 0.0)), *np.random.default_rng(2).random(400)]
     for u in draws:
@@ -98,7 +99,7 @@ def test_whole_row_draws_keep_the_odds(
     often as its probability says, compiled or on numpy alone (an install
     without the kernels), and a seeded request repeats its tokens."""
     if not compiled:
-        monkeypatch.setattr(_sampler, "_candidate_kernel", lambda: None)
+        monkeypatch.setattr(_candidates, "_candidate_kernel", lambda: None)
     logits = np.zeros((1, 64), dtype=np.float32)
     logits[0, :4] = np.log([8.0, 4.0, 2.0, 1.0])  # 60 more tokens of weight 1
     probs = np.exp(logits[0]) / np.exp(logits[0]).sum()
@@ -136,9 +137,9 @@ def test_top_filters_keep_numpys_tokens(
     numpy's, with the same running sums to float32 rounding."""
     rows = [_row(49152, scale, seed=6), _row(262144, scale, seed=7)]
     params = [Sampling(1.0, 0.9, 0), Sampling(0.7, 1.0, 40), Sampling(1.2, 0.95, 400)]
-    compiled = [_sampler._candidates([row], [p])[0] for row in rows for p in params]
-    monkeypatch.setattr(_sampler, "_candidate_kernel", lambda: None)
-    numpys = [_sampler._candidates([row], [p])[0] for row in rows for p in params]
+    compiled = [_candidates.find_candidates([row], [p])[0] for row in rows for p in params]
+    monkeypatch.setattr(_candidates, "_candidate_kernel", lambda: None)
+    numpys = [_candidates.find_candidates([row], [p])[0] for row in rows for p in params]
     for got, want in zip(compiled, numpys, strict=True):
         assert not isinstance(got, _Whole) and not isinstance(want, _Whole)
         assert want[0] is not None and got[0] is not None
@@ -155,7 +156,7 @@ def test_rows_the_probe_misjudges_get_numpys_candidates(kernel: _CandidateKernel
     early = np.full(262144, -100.0, dtype=np.float32)
     early[:4096] = _row(4096, 0.3)
     for row in (late, early):
-        got, (ids, _, cdf) = kernel(row, 1.0, True), _sampler._near_top(row, 1.0, True)
+        got, (ids, _, cdf) = kernel(row, 1.0, True), _candidates._near_top(row, 1.0, True)
         assert not isinstance(got, _Whole) and cdf is not None and got[2] is not None
         assert (got[0] is None) == (ids is None) and (row is early) == (ids is not None)
         np.testing.assert_allclose(got[2], cdf, rtol=1e-6)

@@ -21,9 +21,9 @@
 #include <immintrin.h>
 /* Each exported loop's body is compiled for x86-64-v4 (AVX-512), x86-64-v3
  * (AVX2, FMA, F16C) and plain x86-64 (_glue.h's GLUE_ENTRY, at the end of
- * this file), and each call runs the best this CPU has, capped by tserve_set_isa_cap
- * (TSERVE_MAX_ISA), so a capped run is what a CPU without the rest would
- * run. Reading fp16 K/V widens 8 values an instruction with F16C, else in
+ * this file), and each call runs the best this CPU has, capped by
+ * tserve_set_isa_cap (TSERVE_MAX_ISA), so a capped run is what a CPU without
+ * the rest would run. Reading fp16 K/V widens 8 values an instruction with F16C, else in
  * portable integer code (from_f16); writing one token's K/V rounds value by
  * value (F16C's, or libgcc's, conversion). */
 #endif
@@ -759,8 +759,9 @@ void tserve_linear(int isa, const float *x, int64_t m_dim, int64_t k_dim, const 
 }
 
 /* The exported glue loops: each body above compiled once per ISA, the call
- * dispatched by glue_isa() (tserve_glue_isa, for every file's GLUE_ENTRY). ISA codes as _quant_common.h's ISA_*: 2 here is
- * x86-64-v4 (AVX-512 F/BW/CD/DQ/VL, VNNI not needed). */
+ * dispatched by glue_isa() (tserve_glue_isa, for every file's GLUE_ENTRY).
+ * ISA codes as _quant_common.h's ISA_*: 2 here is x86-64-v4 (AVX-512
+ * F/BW/CD/DQ/VL, VNNI not needed). */
 static int isa_cap = ISA_AVX512_VNNI; /* tserve_set_isa_cap's; set once, before any call */
 
 void tserve_set_isa_cap(int cap) { isa_cap = cap; }

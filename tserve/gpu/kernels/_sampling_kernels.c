@@ -1,16 +1,16 @@
 /* The sampler's pass over a sampled row's logits where most of its tokens can
- * be drawn (tserve/gpu/sampling/_sampler.py, step 2): their probabilities up
- * to a common factor, or a draw among them. numpy took a dozen whole-row
- * passes for it (compare, nonzero, subtract, scale, exp, widen, cumsum),
- * each over the whole vocabulary: 262,144 floats a row for Gemma 3, whose
- * soft-capped logits keep most tokens within reach of the top one, 1.6 ms a
- * row at temperature 1. Single-threaded; one call a row.
+ * be drawn (tserve/gpu/sampling/_candidates.py): their probabilities up to a
+ * common factor, or a draw among them. numpy took a dozen whole-row passes
+ * for it (compare, nonzero, subtract, scale, exp, widen, cumsum), each over
+ * the whole vocabulary: 262,144 floats a row for Gemma 3, whose soft-capped
+ * logits keep most tokens within reach of the top one, 2.6 ms a row at
+ * temperature 1 (benchmarks/sampling.py). Single-threaded; one call a row.
  */
 #include "_glue.h"
 
 #include <stdint.h>
 
-enum { BLOCK = 16 }; /* logits compared at a time: one AVX-512 vector, two AVX2 */
+enum { BLOCK = 16 }; /* logits at a time: one AVX-512 vector, two AVX2 (_candidates.py's _BLOCK) */
 
 /* Logits in [0, n) at least `cut`, in BLOCK independent counts (vectorized). */
 GLUE int64_t count_at_least(const float *logits, int64_t n, float cut) {

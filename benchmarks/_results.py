@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO_ROOT", "result_stem", "write_json"]
+from tserve.gpu.kernels._library import MAX_ISA_ENV
+
+__all__ = ["REPO_ROOT", "kernel_meta", "result_stem", "write_json"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +23,13 @@ def result_stem(name: str, stamp: str | None = None) -> Path:
     results = REPO_ROOT / "results"
     results.mkdir(exist_ok=True)
     return results / f"{name}-{stamp or time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def kernel_meta(**fields: Any) -> dict[str, Any]:
+    """``fields`` with what a one-core kernel figure depends on besides the code:
+    the load averages, and the kernels' instruction-set cap (``TSERVE_MAX_ISA``;
+    "" when none)."""
+    return {**fields, "load_average": os.getloadavg(), "max_isa": os.environ.get(MAX_ISA_ENV, "")}
 
 
 def write_json(stem: Path, data: Any, *, indent: int = 2) -> Path:

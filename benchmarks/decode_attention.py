@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import time
 
 import torch
 
-from benchmarks._results import result_stem, write_json
+from benchmarks._results import kernel_meta, result_stem, write_json
 from tserve.gpu.kernels._cpu_kernels import cpu_kernels
 
 
@@ -109,8 +108,7 @@ def main() -> int:
                 f"{name:34s} {label}: {r['seconds'] * 1e3:7.3f} ms "
                 f"{r['ns_per_pair']:6.2f} ns/pair {r['gb_per_s']:5.1f} GB/s of K/V"
             )
-    meta = {"repeats": args.repeats, "cold": args.cold, "load_average": os.getloadavg()}
-    meta["max_isa"] = os.environ.get("TSERVE_MAX_ISA", "")
+    meta = kernel_meta(repeats=args.repeats, cold=args.cold)
     path = write_json(result_stem("decode_attention"), {"meta": meta, "cases": results})
     print(f"wrote {path}")
     return 0

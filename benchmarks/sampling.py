@@ -16,13 +16,12 @@ the ratio, and writes JSON under ``results/``.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any
 
 import numpy as np
 
-from benchmarks._results import result_stem, write_json
+from benchmarks._results import kernel_meta, result_stem, write_json
 from tserve.gpu.sampling import _candidates
 from tserve.gpu.sampling._sampler import Sampler
 from tserve.gpu.scheduling._sequence import Sequence
@@ -70,11 +69,10 @@ def main() -> int:
                 finally:
                     _candidates._candidate_kernel = compiled
                 name = f"{vocab_name} {spread_name} {filter_name}"
-                results[name] = {"compiled_ms": fast, "numpy_ms": slow, "ratio": slow / fast}
                 ratio = slow / fast
+                results[name] = {"compiled_ms": fast, "numpy_ms": slow, "ratio": ratio}
                 print(f"{name:32s} compiled {fast:7.2f} ms  numpy {slow:7.2f} ms  {ratio:5.2f}x")
-    meta = {"rows": args.rows, "repeats": args.repeats, "load_average": os.getloadavg()}
-    meta["max_isa"] = os.environ.get("TSERVE_MAX_ISA", "")
+    meta = kernel_meta(rows=args.rows, repeats=args.repeats)
     path = write_json(result_stem("sampling"), {"meta": meta, "cases": results})
     print(f"wrote {path}")
     return 0

@@ -6,6 +6,10 @@ the standard library and msgspec.
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+from pathlib import Path
 from typing import Literal, TypeAlias
 
 import msgspec
@@ -38,6 +42,65 @@ KvCacheDtype: TypeAlias = Literal["auto", "fp32", "fp16", "bf16"]
 """What the KV cache stores: "auto" (see ``tserve.gpu.models._placement.kv_dtype``) or one."""
 
 
+def physical_cores(cpus: set[int], sys_root: Path = Path("/sys")) -> int:
+    """How many physical cores the logical ``cpus`` are: hyperthread siblings
+    (the same package and core id in ``sys_root``'s CPU topology) count once.
+    A CPU whose topology cannot be read counts as a core of its own."""
+    cores: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topology = sys_root / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            cores.add((package, (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return len(cores)
+
+
+def cgroup_cpus(sys_root: Path = Path("/sys")) -> int | None:
+    """The CPUs a cgroup's quota allows this process, rounded up (cgroup v2's
+    ``cpu.max``, else v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), or
+    None where there is no quota."""
+    base = sys_root / "fs" / "cgroup"
+    try:
+        quota, period = (base / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:
+            quota = (base / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (base / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit():
+        return None
+    if int(quota) <= 0 or int(period) <= 0:
+        return None
+    return math.ceil(int(quota) / int(period))
+
+
+def host_threads(cpus: set[int], sys_root: Path = Path("/sys")) -> int:
+    """One fewer than the physical cores of ``cpus`` (capped by a cgroup's
+    quota), at least one: :func:`default_threads` for a process that may run
+    on ``cpus``."""
+    cores = physical_cores(cpus, sys_root)
+    quota = cgroup_cpus(sys_root)
+    if quota is not None:
+        cores = min(cores, quota)
+    return max(1, cores - 1)
+
+
+@functools.cache
+def default_threads() -> int:
+    """``threads`` when none is given: one fewer than the physical cores this
+    process may run on (its CPU affinity, capped by a cgroup's quota), at
+    least one, so 1 on two cores. The core left over runs the API process, its
+    grammar checks and the engine's mask thread. Hyperthread siblings count
+    once: the kernels are bound by a core's multiply ports and its memory
+    bandwidth, which its siblings share. Read once per process."""
+    if hasattr(os, "sched_getaffinity"):
+        return host_threads(os.sched_getaffinity(0))
+    return max(1, (os.cpu_count() or 1) - 1)  # no affinity or topology to read
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to start an engine process; handed to it as JSON on its command line.
 
@@ -48,9 +111,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     in bytes (so a smaller ``kv_cache_dtype`` holds more tokens);
     ``max_model_len`` None = the model's own (capped by the KV budget).
     ``kv_cache_dtype``: what the KV cache stores ("fp32", "fp16", "bf16");
-    "auto" = the model's dtype (fp32 on CPU, bf16 on CUDA). ``threads``: torch's
-    CPU threads. ``device``/``dtype`` "auto" = CUDA with bf16 when present,
-    else CPU with fp32. ``cpu_gemm``: the library
+    "auto" = the model's dtype (fp32 on CPU, bf16 on CUDA). ``threads``: the
+    engine's CPU threads (torch's and the C kernels'); by default
+    :func:`default_threads` (1 on two cores). Several engines on one host
+    (several models, an embedding model) each take that many.
+    ``device``/``dtype`` "auto" = CUDA with bf16 when present, else CPU with
+    fp32. ``cpu_gemm``: the library
     behind linear layers on CPU ("auto" measures BLAS, prepacked oneDNN
     and tserve's few-rows panel kernel per layer shape and row count;
     "blas", "onednn", "panels" force one).
@@ -114,7 +180,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     block_size: int = 16
-    threads: int = 1
+    threads: int = msgspec.field(default_factory=default_threads)
     device: str = "auto"
     dtype: str = "auto"
     heartbeat_interval: float = 0.5

@@ -21,6 +21,7 @@ import torch
 
 from tests.gpu.cores import generated, small_core
 from tests.gpu.gguf_files import build_wide_model, write_gguf
+from tserve.engine_config import default_threads
 from tserve.gpu.engine._engine_core import EngineCore
 from tserve.gpu.forward._gguf import load_gguf
 from tserve.gpu.forward._native import NativeModel, NativeRunner, native_problem
@@ -374,7 +375,8 @@ def test_an_engine_on_the_default_model_never_imports_torch(tmp_path: Path) -> N
     )
     lines = done.stdout.splitlines()
     print(*[line for line in lines if line.startswith("rss")], sep="\n")
-    assert any("on the native runner (no torch)" in line for line in lines)
+    loading = next(line for line in lines if "on the native runner (no torch)" in line)
+    assert f"as it is, on cpu, {default_threads()} thread" in loading  # the host's default
     assert "tokens 16" in lines
     assert lines[-1] == "imported []"
 

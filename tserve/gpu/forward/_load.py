@@ -132,7 +132,8 @@ def _load_native(
     from tserve.gpu.forward._native import KV_STORAGE, NativeModel, NativeRunner
     from tserve.gpu.kernels._library import set_threads
 
-    progress(f"loading {file.path} as it is, on cpu, on the native runner (no torch)")
+    where = _on("cpu", config.threads)
+    progress(f"loading {file.path} as it is, on {where}, on the native runner (no torch)")
     activations = config.gguf_activations
     model = NativeModel(file, cache_dir=cache, progress=progress, activations=activations)
     set_threads(model.quant.library, config.threads)
@@ -199,7 +200,10 @@ def _load_torch(
         problem = placement.as_is_problem(path.name, str(device), dtype_name)
         if problem is not None:
             raise ModelLoadError(problem)
-        progress(f"loading {path} as it is, on {device}, on torch's forward pass")
+        progress(
+            f"loading {path} as it is, on {_on(str(device), config.threads)}, "
+            "on torch's forward pass"
+        )
         gguf = load_gguf(
             path,
             kernels=quant_kernels(),
@@ -218,7 +222,7 @@ def _load_torch(
             defaults_dir = path.parent
             name = DEFAULT_MODEL_NAME if default else None
             path = converted_gguf_dir(path, cache, name=name, progress=progress)
-        progress(f"loading {path} on {device} ({dtype})")
+        progress(f"loading {path} on {_on(str(device), config.threads)} ({dtype})")
         model, tokenizer = load_model(path, device=device, dtype=dtype)
         model_config, model_path, sampling = model.config, path.resolve(), {}
         eos = _eos_ids(model, tokenizer)
@@ -278,3 +282,11 @@ def _eos_ids(model: object, tokenizer: object) -> tuple[int, ...]:
     if isinstance(eos, int):
         ids.add(eos)
     return tuple(sorted(ids))
+
+
+def _on(device: str, threads: int) -> str:
+    """Where a model runs, as its loading line says it: on CPU with its threads."""
+    if device != "cpu":
+        return device
+    count = max(1, threads)
+    return f"cpu, {count} thread" if count == 1 else f"cpu, {count} threads"

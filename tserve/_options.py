@@ -173,7 +173,7 @@ def _engine_group(p: argparse.ArgumentParser) -> None:
         int,
         d.threads,
         "CPU threads of the engine (torch's and the C kernels'); when not given, one "
-        "fewer than the physical cores this process may use, at least 1 (this host's below)",
+        "fewer than the physical cores this process may use, at least 1",
     )
     _option(
         device,

@@ -70,10 +70,8 @@ def cgroup_cpus(sys_root: Path = Path("/sys")) -> int | None:
             period = (base / "cpu" / "cpu.cfs_period_us").read_text().strip()
         except OSError:
             return None
-    if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit():
-        return None
-    if int(quota) <= 0 or int(period) <= 0:
-        return None
+    if not (quota.isdigit() and period.isdigit()) or int(quota) == 0 or int(period) == 0:
+        return None  # "max" (v2) and -1 (v1): no quota
     return math.ceil(int(quota) / int(period))
 
 

@@ -679,6 +679,17 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t next, int6
         store_panel(_mm256_add_ps(acc[r], acc_m[r]), y + r * y_stride, cols);
 }
 
+/* Rows of x in a tile of panel_q8_avx2: its two sums a row for 6 rows, a group's two
+ * widened W halves and x's broadcast take 15 of AVX2's 16 registers (the float sums
+ * meet memory once a block). Each group's W widens once per tile, so more rows a
+ * tile mean fewer widenings a product; 8 rows spill the sums. On Zen 4 capped at
+ * AVX2, a Q8_0 weight 65,536 x 640 at 6 / 12 / 16 / 64 rows took 3.70-3.79 /
+ * 7.41-7.42 / 9.95-10.0 / 39.8-40.1 ms in tiles of 6 against 4.39-4.42 / 7.88-7.91
+ * / 10.4-10.4 / 40.9-41.1 in tiles of 4 (8: 10.4 ms at 16 rows); the Gemma head
+ * 262,144 x 640 at 16 rows 39.7-39.8 against 41.7-42.1 ms. */
+#define Q8_AVX2_TILE_ROWS 6
+_Static_assert(Q8_AVX2_TILE_ROWS == 6, "BY_SIX_ROWS dispatches tiles of 1..6 rows");
+
 /* A Q8_0 panel against `rows` rows of x widened to int16 (the caller's copy,
  * tserve_qlinear_int8), in 16-bit multiply-adds. AVX2's byte multiply-add takes
  * one unsigned operand, so signed w would meet x in three operations a group of 4
@@ -687,7 +698,8 @@ AVX2 INLINE void panel_q4_avx2(int fmt, const uint8_t *panel, int64_t next, int6
  * tile (two vpmovsxbw: rows 0-3 and 4-7, a row per two lanes) and meets each x
  * row's 4 values in two madds. Per block, a row's two lanes add up in one hadd,
  * leaving rows in lane order 0 1 4 5 2 3 6 7: the scales are permuted alike once
- * per tile, the sums back at the store. The integer sums and float steps are the
+ * per tile, the sums back at the store (two blends, a shuffle and an add in its
+ * place measured the same). The integer sums and float steps are the
  * sign trick's: every output is bitwise the same. On Zen 4 (whose byte and word
  * multiply-adds share two ports with the sign) the Gemma head, 262,144 x 640, at
  * 16 rows took 43.7-45.6 ms against 46.6-51.2. A block's first group's products
@@ -699,12 +711,12 @@ AVX2 INLINE void panel_q8_avx2(const uint8_t *panel, int64_t next, int64_t k, in
                                int cols) {
     const int64_t nb = k / BLOCK, pb = panel_block_bytes(Q8_0);
     const int16_t *x16 = (const int16_t *)x;
-    __m256 acc[TILE_ROWS];
+    __m256 acc[Q8_AVX2_TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *src = panel + b * pb;
         prefetch_panels(src, b * pb, pb, 0, next);
-        __m256i low[TILE_ROWS], high[TILE_ROWS];
+        __m256i low[Q8_AVX2_TILE_ROWS], high[Q8_AVX2_TILE_ROWS];
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) {
             const __m128i *w = (const __m128i *)(src + 16 + GROUP_BYTES * g);
@@ -759,7 +771,7 @@ PANEL_KERNEL(AVX2, avx2, Q4_0, BY_INT8_TILE_ROWS)
 PANEL_KERNEL(AVX2, avx2, Q4_1, BY_INT8_TILE_ROWS)
 PANEL_KERNEL(AVX2, avx2, Q5_0, BY_INT8_TILE_ROWS)
 PANEL_KERNEL(AVX2, avx2, Q5_1, BY_INT8_TILE_ROWS)
-PANEL_KERNEL(AVX2, avx2, Q8_0, BY_TILE_ROWS)
+PANEL_KERNEL(AVX2, avx2, Q8_0, BY_SIX_ROWS)
 
 /* ------------------------------------------------------------------ AVX-512 VNNI
  *
@@ -1114,9 +1126,9 @@ int tserve_qlinear_int8(int isa, int fmt, const uint8_t *packed, int64_t n, int6
     int8_t *xq = (int8_t *)(scales + per_block * m * nb), *xin = x_bytes ? xq + m * k : xq;
     int64_t x_stride = k * (x_bytes ? x_bytes : 1);
     block_sweep sweep = {fmt, n, k, nb, fast, pair, xq, xin, x_stride, xd, xs, x_bias};
-    /* rows of x a tile: VNNI's panel_tile; AVX2's Q8_0 4 (two sums a row), Q4/Q5 8 (half
+    /* rows of x a tile: VNNI's panel_tile; AVX2's Q8_0 6 (two sums a row), Q4/Q5 8 (half
      * blocks); the portable panel any */
-    int64_t tile = wide ? panel_tile(m) : int16_x ? TILE_ROWS : INT8_TILE_ROWS;
+    int64_t tile = wide ? panel_tile(m) : int16_x ? Q8_AVX2_TILE_ROWS : INT8_TILE_ROWS;
     int threads = threads_for(n * nb * m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
